@@ -1,0 +1,65 @@
+"""Ops whose fake (meta) kernel disagrees with the real kernel about its outputs.
+
+PyTorch's meta kernel for oneDNN's LSTM layer returns an empty workspace (the real one
+holds the gates for backward, often megabytes) and returns one bias gradient twice
+(autograd then clones it, an op the real run never does). For such ops the trace
+sizes the outputs by one real call on zeros, on the CPU, and gives the step fake
+outputs of exactly those sizes and strides. Nothing is kept: the real tensors are
+released as soon as their sizes are read. Each entry is checked by a test that
+compares the traced step with a measured one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch.utils._pytree import tree_map
+
+PROBED_OPS = frozenset({
+    "aten.mkldnn_rnn_layer.default",
+    "aten.mkldnn_rnn_layer_backward.default",
+})
+
+
+def needs_probe(name: str, args: tuple) -> bool:
+    """Only CPU fake tensors can be probed on this machine."""
+    if name not in PROBED_OPS:
+        return False
+    return any(isinstance(a, FakeTensor) and a.device.type == "cpu" for a in args)
+
+
+def probed_call(func, args: tuple, kwargs: dict):
+    """Run ``func`` for real on zeros shaped like ``args`` and return fake outputs shaped like its outputs.
+
+    Call it from a dispatch mode that sits above FakeTensorMode, so that the factory
+    calls below create fake tensors.
+    """
+    with unset_fake_temporarily():
+        real_args, real_kwargs = tree_map(_zeros_like_fake, (args, kwargs))
+        real_out = func(*real_args, **real_kwargs)
+        shapes = tree_map(_metadata, real_out)
+        del real_args, real_kwargs, real_out
+    return tree_map(_fake_from_metadata, shapes, is_leaf=lambda x: isinstance(x, _Meta))
+
+
+class _Meta(tuple):
+    """(shape, stride, dtype) of one real output."""
+
+
+def _zeros_like_fake(value):
+    if isinstance(value, FakeTensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cpu").zero_()
+    return value
+
+
+def _metadata(value):
+    if isinstance(value, torch.Tensor):
+        return _Meta((tuple(value.shape), tuple(value.stride()), value.dtype))
+    return value
+
+
+def _fake_from_metadata(value):
+    if isinstance(value, _Meta):
+        shape, stride, dtype = value
+        return torch.empty_strided(shape, stride, dtype=dtype, device="cpu")
+    return value

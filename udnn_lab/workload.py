@@ -1,0 +1,44 @@
+"""What one training step is made of: a model, an example input, a loss, an optimizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model with everything needed to run one training step of it."""
+
+    model: torch.nn.Module
+    example_input: Any  # a tensor, a tuple of positional tensors, or a dict of keyword tensors
+    target: Any = None  # passed to loss_fn(output, target) when not None
+    loss_fn: Callable | None = None  # None: the sum of the outputs
+    optimizer: torch.optim.Optimizer | None = None
+    name: str = ""
+    batch_size: int | None = None
+
+
+def as_workload(model: Any, example_input: Any = None, *, loss_fn: Callable | None = None,
+                optimizer: torch.optim.Optimizer | None = None, target: Any = None,
+                name: str | None = None) -> Workload:
+    """Accept a Workload (fields given here override it) or a module with its example input."""
+    if isinstance(model, Workload):
+        overrides = {key: value for key, value in (("example_input", example_input), ("loss_fn", loss_fn),
+                                                   ("optimizer", optimizer), ("target", target), ("name", name))
+                     if value is not None}
+        return replace(model, **overrides)
+    if isinstance(model, str):
+        raise TypeError(f"got the name {model!r} where a model is needed: build it first with "
+                        f"ul.zoo.get({model!r}, batch=...) and pass that")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"expected a torch.nn.Module (or a zoo Workload), got {type(model).__name__}")
+    if example_input is None:
+        raise TypeError("an example input is needed: a tensor, a tuple of tensors or a dict of tensors "
+                        "shaped like one training batch")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    return Workload(model=model, example_input=example_input, target=target, loss_fn=loss_fn,
+                    optimizer=optimizer, name=name or type(model).__name__)

@@ -1,0 +1,295 @@
+"""Named models with an example batch: torchvision, timm (optional) and synthetic ultra-deep nets.
+
+Random weights, never a download. ``get(name, batch=...)`` returns a Workload
+(model, example input, target, loss, optimizer) ready for ``trace`` and ``measure``;
+anywhere a name is accepted an ``nn.Module`` may be passed instead, with ``input_shape``.
+Build on ``device='meta'`` to analyze without allocating the weights.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from udnn_lab.errors import MissingDependency, UnknownModelError
+from udnn_lab.workload import Workload
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    name: str
+    description: str
+    build: Callable[[], nn.Module]
+    sample_shape: tuple[int, ...]  # one example's input shape (image side and sequence length included)
+    input_kind: str  # 'image', 'vector' or 'tokens'
+    num_classes: int
+    vocabulary: int = 0  # for token inputs
+
+
+# -- synthetic ultra-deep models ------------------------------------------------------------
+class PreActBottleneck(nn.Module):
+    """Pre-activation bottleneck block (He et al., Identity Mappings, 2016)."""
+
+    def __init__(self, in_planes: int, planes: int, stride: int) -> None:
+        super().__init__()
+        out_planes = planes * 4
+        self.bn1, self.conv1 = nn.BatchNorm2d(in_planes), nn.Conv2d(in_planes, planes, 1, bias=False)
+        self.bn2, self.conv2 = nn.BatchNorm2d(planes), nn.Conv2d(planes, planes, 3, stride, 1, bias=False)
+        self.bn3, self.conv3 = nn.BatchNorm2d(planes), nn.Conv2d(planes, out_planes, 1, bias=False)
+        self.shortcut = (nn.Conv2d(in_planes, out_planes, 1, stride, bias=False)
+                         if stride != 1 or in_planes != out_planes else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(x))
+        shortcut = self.shortcut(out) if self.shortcut is not None else x
+        out = self.conv1(out)
+        out = self.conv2(F.relu(self.bn2(out)))
+        out = self.conv3(F.relu(self.bn3(out)))
+        return out + shortcut
+
+
+class DeepResNet(nn.Module):
+    """CIFAR-style pre-activation ResNet of depth 9n+2 (ResNet-164, ResNet-1001, ...)."""
+
+    def __init__(self, depth: int, num_classes: int = 10, width: int = 16) -> None:
+        super().__init__()
+        if depth < 11 or (depth - 2) % 9:
+            raise ValueError(f"a bottleneck ResNet has depth 9n+2 (e.g. 164, 1001); {depth} is not. "
+                             f"Nearest: {_nearest_depths(depth)}")
+        blocks = (depth - 2) // 9
+        self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)
+        stages, in_planes = [], width
+        for i, planes in enumerate((width, width * 2, width * 4)):
+            layers = []
+            for j in range(blocks):
+                layers.append(PreActBottleneck(in_planes, planes, 2 if (i > 0 and j == 0) else 1))
+                in_planes = planes * 4
+            stages.append(nn.Sequential(*layers))
+        self.layer1, self.layer2, self.layer3 = stages
+        self.bn = nn.BatchNorm2d(in_planes)
+        self.fc = nn.Linear(in_planes, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.layer3(self.layer2(self.layer1(self.conv1(x))))
+        out = F.adaptive_avg_pool2d(F.relu(self.bn(out)), 1).flatten(1)
+        return self.fc(out)
+
+
+def _nearest_depths(depth: int) -> list[int]:
+    n = max(1, round((depth - 2) / 9))
+    return sorted({9 * k + 2 for k in (max(1, n - 1), n, n + 1)})
+
+
+class MLP(nn.Module):
+    """A plain fully connected net of ``layers`` Linear layers (document 004's 5-layer FCN is ``mlp5``)."""
+
+    def __init__(self, layers: int, in_features: int = 784, width: int = 1024, num_classes: int = 10) -> None:
+        super().__init__()
+        if layers < 1:
+            raise ValueError(f"an MLP needs at least 1 layer, got {layers}")
+        sizes = [in_features] + [width] * (layers - 1) + [num_classes]
+        modules: list[nn.Module] = []
+        for i in range(layers):
+            modules.append(nn.Linear(sizes[i], sizes[i + 1]))
+            if i < layers - 1:
+                modules.append(nn.ReLU())
+        self.net = nn.Sequential(*modules)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class LSTMClassifier(nn.Module):
+    """Embedding -> LSTM -> Linear on the last step, for sequence classification."""
+
+    def __init__(self, vocabulary: int = 10000, embed: int = 256, hidden: int = 512, layers: int = 2,
+                 num_classes: int = 10) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocabulary, embed)
+        self.lstm = nn.LSTM(embed, hidden, num_layers=layers, batch_first=True)
+        self.fc = nn.Linear(hidden, num_classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(self.embed(tokens))
+        return self.fc(out[:, -1])
+
+
+class TransformerClassifier(nn.Module):
+    """A transformer encoder over token embeddings, mean-pooled into a classifier."""
+
+    def __init__(self, vocabulary: int = 10000, d_model: int = 512, heads: int = 8, layers: int = 6,
+                 num_classes: int = 10) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocabulary, d_model)
+        layer = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.fc = nn.Linear(d_model, num_classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.encoder(self.embed(tokens)).mean(dim=1))
+
+
+# -- the catalogue ----------------------------------------------------------------------------
+def _torchvision(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import torchvision
+
+        return getattr(torchvision.models, name)(weights=None, **kwargs)
+
+    return build
+
+
+def _timm(name: str) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        try:
+            import timm
+        except ImportError as err:
+            raise MissingDependency(f"{name} comes from timm, which is not installed: "
+                                    "pip install 'udnn_lab[timm]' (or pip install timm)") from err
+        return timm.create_model(name, pretrained=False)
+
+    return build
+
+
+def _image(name: str, description: str, build: Callable[[], nn.Module], side: int = 224,
+           classes: int = 1000) -> ZooEntry:
+    return ZooEntry(name, description, build, (3, side, side), "image", classes)
+
+
+_FIXED = {
+    e.name: e for e in (
+        _image("alexnet", "AlexNet (torchvision)", _torchvision("alexnet")),
+        _image("vgg11", "VGG-11 (torchvision)", _torchvision("vgg11")),
+        _image("vgg16", "VGG-16 (torchvision)", _torchvision("vgg16")),
+        _image("vgg19", "VGG-19 (torchvision)", _torchvision("vgg19")),
+        _image("googlenet", "GoogLeNet / Inception v1 with aux heads (torchvision)",
+               _torchvision("googlenet", aux_logits=True, init_weights=True)),
+        _image("inception_v3", "Inception v3 with aux head (torchvision)",
+               _torchvision("inception_v3", aux_logits=True, init_weights=True), side=299),
+        _image("inception_v4", "Inception v4 (timm, optional)", _timm("inception_v4"), side=299),
+        _image("resnet18", "ResNet-18 (torchvision)", _torchvision("resnet18")),
+        _image("resnet34", "ResNet-34 (torchvision)", _torchvision("resnet34")),
+        _image("resnet50", "ResNet-50 (torchvision)", _torchvision("resnet50")),
+        _image("resnet101", "ResNet-101 (torchvision)", _torchvision("resnet101")),
+        _image("resnet152", "ResNet-152 (torchvision)", _torchvision("resnet152")),
+        _image("densenet121", "DenseNet-121 (torchvision)", _torchvision("densenet121")),
+        _image("densenet201", "DenseNet-201 (torchvision)", _torchvision("densenet201")),
+        ZooEntry("lstm", "LSTM classifier: embedding 256, 2 x LSTM 512, 64 tokens", LSTMClassifier,
+                 (64,), "tokens", 10, vocabulary=10000),
+        ZooEntry("transformer", "Transformer encoder: 6 layers, d_model 512, 8 heads, 128 tokens",
+                 TransformerClassifier, (128,), "tokens", 10, vocabulary=10000),
+    )
+}
+_PATTERNS = {
+    "resnet<depth>": "pre-activation bottleneck ResNet of depth 9n+2 on 32x32 images, e.g. resnet164, resnet1001",
+    "mlp<layers>": "plain MLP of N Linear layers (784 -> 1024 ... -> 10), e.g. mlp5 (document 004's FCN), mlp50",
+}
+
+
+def names() -> list[str]:
+    """Every fixed zoo name, then the parametric families (``resnet1001``, ``mlp50``)."""
+    return list(_FIXED) + ["resnet1001", "mlp5"] + list(_PATTERNS)
+
+
+def describe() -> dict[str, str]:
+    """Name -> one-line description, families included."""
+    return {**{name: entry.description for name, entry in _FIXED.items()}, **_PATTERNS}
+
+
+def entry(name: str) -> ZooEntry:
+    """The catalogue entry for ``name`` (case, '-' and '_' are ignored)."""
+    if not isinstance(name, str):
+        raise TypeError(f"a zoo name is a string, got {type(name).__name__}")
+    key = re.sub(r"[-_\s]", "", name.lower())
+    for fixed, found in _FIXED.items():
+        if fixed.replace("_", "") == key:
+            return found
+    if match := re.fullmatch(r"resnet(\d+)", key):
+        depth = int(match.group(1))
+        return ZooEntry(f"resnet{depth}", f"pre-activation bottleneck ResNet-{depth} (CIFAR, 32x32)",
+                        lambda: DeepResNet(depth), (3, 32, 32), "image", 10)
+    if match := re.fullmatch(r"(?:mlp|fcn)(\d+)", key):
+        layers = int(match.group(1))
+        return ZooEntry(f"mlp{layers}", f"{layers}-layer MLP (784 -> 1024 ... -> 10)",
+                        lambda: MLP(layers), (784,), "vector", 10)
+    raise UnknownModelError(f"unknown model {name!r}; the zoo knows: {', '.join(names())}")
+
+
+def get(name_or_model: str | nn.Module, batch: int = 8, *, image_size: int | None = None,
+        input_shape: tuple[int, ...] | None = None, device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None, optimizer: str | None = "sgd", seed: int = 0) -> Workload:
+    """A Workload: the model (random weights) on ``device``, a random batch, cross-entropy, an optimizer.
+
+    ``name_or_model``: a zoo name or your own ``nn.Module`` (then give ``input_shape``,
+    one example's shape, and it gets the sum of its outputs as loss). ``image_size``
+    overrides the side of image inputs. ``optimizer``: 'sgd' (momentum 0.9), 'adam',
+    'adamw' or None for forward and backward only.
+    """
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a positive int, got {batch!r}")
+    device = torch.device(device)
+    generator_seed = torch.Generator().manual_seed(seed)
+    if isinstance(name_or_model, nn.Module):
+        if input_shape is None:
+            raise ValueError("for your own module, give input_shape: the shape of one example, e.g. (3, 224, 224)")
+        model = name_or_model
+        example = _random((batch, *input_shape), dtype or torch.float32, device, generator_seed)
+        return Workload(model, example, None, None, _optimizer(optimizer, model), type(model).__name__, batch)
+    found = entry(name_or_model)
+    with torch.device(device):
+        torch.manual_seed(seed)
+        model = found.build()
+    if dtype is not None:
+        model = model.to(dtype)
+    shape = _sample_shape(found, image_size, input_shape)
+    if found.input_kind == "tokens":
+        example = torch.randint(found.vocabulary, (batch, *shape), generator=generator_seed).to(device)
+    else:
+        example = _random((batch, *shape), dtype or torch.float32, device, generator_seed)
+    target = torch.randint(found.num_classes, (batch,), generator=generator_seed).to(device)
+    return Workload(model, example, target, classification_loss, _optimizer(optimizer, model), found.name, batch)
+
+
+def _sample_shape(found: ZooEntry, image_size: int | None, input_shape: tuple[int, ...] | None) -> tuple[int, ...]:
+    if input_shape is not None:
+        return tuple(input_shape)
+    if image_size is not None:
+        if found.input_kind != "image":
+            raise ValueError(f"{found.name} takes {found.input_kind}, not images: use input_shape instead")
+        return (found.sample_shape[0], image_size, image_size)
+    return found.sample_shape
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, generator) -> torch.Tensor:
+    if device.type == "meta":
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+
+
+def _optimizer(kind: str | None, model: nn.Module) -> torch.optim.Optimizer | None:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if kind is None or kind == "none":
+        return None
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=1e-3)
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3)
+    raise ValueError(f"unknown optimizer {kind!r}: use 'sgd', 'adam', 'adamw' or None")
+
+
+def classification_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy; auxiliary heads (GoogLeNet, Inception) add 0.3 x theirs, as in training them."""
+    if isinstance(output, torch.Tensor):
+        return F.cross_entropy(output, target)
+    main, *aux = [t for t in output if isinstance(t, torch.Tensor)]
+    loss = F.cross_entropy(main, target)
+    for head in aux:
+        loss = loss + 0.3 * F.cross_entropy(head, target)
+    return loss
