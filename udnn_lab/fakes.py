@@ -12,9 +12,18 @@ from itertools import chain
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
 
 from udnn_lab.step import ensure_optimizer_state, map_tensors
+
+# Ops whose results depend on tensor values: a fake trace cannot go past them.
+FAKE_LIMITS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 
 
 def fake_like(tensor: torch.Tensor, fake_mode: FakeTensorMode, device: torch.device) -> FakeTensor:
@@ -88,12 +97,14 @@ def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.op
 
 
 def _fake_values(state: dict, param_device: torch.device, fake_mode: FakeTensorMode, device: torch.device) -> dict:
-    """Tensors on the parameter's device (or meta) go to ``device``; others (CPU step counters) stay."""
+    """Tensors on the parameter's device (or meta) become fakes on ``device``; others (host-side
+    step counters, which the optimizer reads with .item()) stay real, as copies."""
     out = {}
     for key, value in state.items():
-        if isinstance(value, torch.Tensor):
-            where = device if value.device in (param_device, torch.device("meta")) else value.device
-            out[key] = fake_like(value, fake_mode, where)
+        if isinstance(value, torch.Tensor) and value.device in (param_device, torch.device("meta")):
+            out[key] = fake_like(value, fake_mode, device)
+        elif isinstance(value, torch.Tensor):
+            out[key] = value.detach().clone()
         else:
             out[key] = value
     return out

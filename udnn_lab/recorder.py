@@ -23,7 +23,12 @@ from functools import partial
 from typing import Callable
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
+from torch._subclasses.fake_tensor import (
+    FakeTensor,
+    FakeTensorMode,
+    in_kernel_invocation_manager,
+    unset_fake_temporarily,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from udnn_lab import fidelity
@@ -52,6 +57,18 @@ _METADATA_MUTATORS = ("aten::resize_", "aten::resize_as_", "aten::set_", "aten::
 #      metadata (not an inplace_view op, not resize_/set_): it returns that argument and
 #      allocates nothing, so the recorder returns the argument (optimizer updates,
 #      gradient accumulation). Such ops are still recorded.
+#   4. An op all of whose tensor arguments are real runs for real, outside fake mode:
+#      real tensors stay real, so host-side scalars such as Adam's step counters can be
+#      read with .item() as the optimizer does. They are tiny and still recorded.
+
+
+def _only_real_tensors(args: tuple, kwargs: dict) -> bool:
+    found = False
+    for tensor in _tensors(args, kwargs):
+        if isinstance(tensor, FakeTensor):
+            return False
+        found = True
+    return found
 
 
 def _fake_detach(tensor: FakeTensor) -> FakeTensor:
@@ -90,6 +107,7 @@ class StorageRecord:
     device: str
     producer: int | None
     alloc_step: int
+    fake: bool = False  # a fake tensor's storage (a real one may sit beside it, e.g. a step counter)
     role: str | None = None  # preset category: parameter, buffer, input, optimizer_state, ...
     name: str | None = None
     free_step: int | None = None
@@ -173,7 +191,7 @@ class StepRecorder(TorchDispatchMode):
         self.storages.append(StorageRecord(
             sid=sid, nbytes=storage.nbytes(), dtype=str(tensor.dtype).removeprefix("torch."),
             shape=tuple(tensor.shape), device=tensor.device.type,
-            producer=step if produced and step >= 0 else None, alloc_step=step,
+            producer=step if produced and step >= 0 else None, alloc_step=step, fake=isinstance(tensor, FakeTensor),
         ))
         self._live[key] = sid
         self._refs[key] = weakref.ref(storage, partial(self._released, key, sid))
@@ -203,27 +221,35 @@ class StepRecorder(TorchDispatchMode):
 
     # -- dispatch ------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.fake and isinstance(args[0], FakeTensor):  # NOTE [fake fast paths]
-            if func is _PRIM_DEVICE:
-                return args[0].fake_device
-            if func is _DETACH:
-                return _fake_detach(args[0])
+        kwargs = kwargs or {}
         kind = self._kinds.get(func)
         if kind is None:
             kind = self._kinds[func] = self._classify(func)
-        if kind is _INPLACE and self.fake and isinstance(args[0], FakeTensor):
-            out = args[0]  # NOTE [fake fast paths]
-        elif kind is _INPLACE_LIST and self.fake and args[0] and isinstance(args[0][0], FakeTensor):
-            out = None
-        elif kind is _PROBE and self.fake and fidelity.needs_probe(self._names[func], args):
-            out = fidelity.probed_call(func, args, kwargs or {})
-        elif kind is _RECORD and self._memo is not None:
-            out = self._memo.call(func, args, kwargs or {})
-        else:
-            out = func(*args, **(kwargs or {}))
+        out = self._run_fake(func, kind, args, kwargs) if self.fake else func(*args, **kwargs)
         if kind is not _SKIP and self.recording:
             self._record(func, args, kwargs, out)
         return out
+
+    def _run_fake(self, func, kind: str, args: tuple, kwargs: dict):
+        """Run ``func`` in a fake step, by the shortest safe path (NOTE [fake fast paths])."""
+        first = args[0] if args else None
+        if isinstance(first, FakeTensor):
+            if func is _PRIM_DEVICE:
+                return first.fake_device
+            if func is _DETACH:
+                return _fake_detach(first)
+            if kind is _INPLACE:
+                return first
+        elif kind is _INPLACE_LIST and first and isinstance(first[0], FakeTensor):
+            return None
+        elif _only_real_tensors(args, kwargs):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        if kind is _PROBE and fidelity.needs_probe(self._names[func], args):
+            return fidelity.probed_call(func, args, kwargs)
+        if kind is _RECORD:
+            return self._memo.call(func, args, kwargs)
+        return func(*args, **kwargs)
 
     def _classify(self, func) -> str:
         name = self._names[func] = str(func)

@@ -10,6 +10,7 @@ import torch
 
 from udnn_lab.categories import LOSS_SCOPE
 from udnn_lab.errors import ModelInputError
+from udnn_lab.fakes import FAKE_LIMITS
 from udnn_lab.graph import Graph, ModuleCall, OpInfo, TensorInfo
 from udnn_lab.recorder import StepRecorder, StorageRecord
 from udnn_lab.step import input_tensors, run_step
@@ -79,6 +80,8 @@ def _register_optimizer_state(recorder: StepRecorder, optimizer, named: dict[str
 
 def _explain(err: Exception, recorder: StepRecorder, args: tuple, kwargs: dict) -> Exception:
     """Turn a failure inside the model or the loss into an error that names where it happened."""
+    if isinstance(err, FAKE_LIMITS):
+        return err  # trace() explains these: the model needs real values
     given = [tuple(t.shape) for t in input_tensors(args, kwargs)]
     if recorder.phase == "forward" and recorder.module_stack:
         path, kind, shapes = recorder.module_stack[-1]
@@ -103,7 +106,7 @@ def graph_from_recording(recorder: StepRecorder, model_name: str, device: str, *
     """Freeze the recorder's mutable records into a Graph.
 
     ``cpu_stands_for_device``: the step ran with CPU kernels in place of ``device``'s, so
-    its CPU tensors are counted as ``device`` tensors.
+    its fake CPU tensors are counted as ``device`` tensors (real ones stay on the host).
     """
     with no_gc():
         return _freeze(recorder, model_name, device, fake, notes, cpu_stands_for_device)
@@ -126,7 +129,7 @@ def _freeze(recorder: StepRecorder, model_name: str, device: str, fake: bool, no
             forward_uses.append(record.producer)
         tensors.append(TensorInfo(
             id=record.sid, name=name, nbytes=record.nbytes, dtype=record.dtype, shape=record.shape,
-            device=device if cpu_stands_for_device else record.device, category=_category(record, phases),
+            device=device if cpu_stands_for_device and record.fake else record.device, category=_category(record, phases),
             producer=record.producer, consumers=tuple(record.consumers), saved=bool(record.saved_nodes),
             saved_by=tuple(saved_by), alloc_step=record.alloc_step, free_step=record.free_step,
             module=ops[record.producer].module if record.producer is not None else "",

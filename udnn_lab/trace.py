@@ -15,16 +15,11 @@ from itertools import chain
 from typing import Any, Callable
 
 import torch
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensorMode,
-    UnsupportedOperatorException,
-)
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
 from udnn_lab.errors import FakeTensorUnsupported
-from udnn_lab.fakes import fake_inputs, fake_optimizer, fake_state
+from udnn_lab.fakes import FAKE_LIMITS, fake_inputs, fake_optimizer, fake_state
 from udnn_lab.graph import Graph
 from udnn_lab.recorder import StepRecorder
 from udnn_lab.recording import graph_from_recording, record_step
@@ -33,7 +28,6 @@ from udnn_lab.workload import Workload, as_workload
 
 CPU_FOR_CUDA_NOTE = ("no CUDA device here: traced with CPU kernels; sizes are those of the CUDA step, "
                      "cuDNN-specific saved tensors and workspaces are not included")
-_FAKE_LIMITS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 
 
 def trace(model: torch.nn.Module | Workload, example_input: Any = None, loss_fn: Callable | None = None,
@@ -86,7 +80,7 @@ def _trace_fake(work: Workload, device: torch.device, counted_as: str) -> Graph:
             notes = [CPU_FOR_CUDA_NOTE] if substituted else []
             return graph_from_recording(recorder, work.name, counted_as, fake=True, notes=notes,
                                         cpu_stands_for_device=substituted)
-    except _FAKE_LIMITS as err:
+    except FAKE_LIMITS as err:
         op = getattr(err, "func", None) or str(err)
         raise FakeTensorUnsupported(
             f"op {op} cannot run under fake tensors: its result depends on tensor values. "

@@ -275,6 +275,9 @@ def _optimizer(kind: str | None, model: nn.Module) -> torch.optim.Optimizer | No
     params = [p for p in model.parameters() if p.requires_grad]
     if kind is None or kind == "none":
         return None
+    if not params:
+        raise ValueError(f"{type(model).__name__} has no parameter that requires grad, so there is nothing "
+                         "to train: give it trainable parameters, or use optimizer=None")
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.01, momentum=0.9)
     if kind == "adam":

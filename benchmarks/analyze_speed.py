@@ -1,0 +1,160 @@
+"""Time udnn_lab's analysis against PyTorch's MemTracker, both under FakeTensorMode.
+
+Each (tool, model) pair runs in a fresh Python process so neither inherits the other's
+fake-tensor caches; inside it, the step is analyzed twice: 'cold' is the first analysis
+in the process (fake-mode start-up included), 'warm' the second. Prints a table and
+writes JSON with the machine, versions, date and every timing.
+
+    python benchmarks/analyze_speed.py [--repeats 3] [--out data/benchmarks/analyze_speed.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+CASES = {  # name: (zoo name, batch)
+    "densenet201": ("densenet201", 64),
+    "resnet152": ("resnet152", 64),
+    "resnet1001": ("resnet1001", 64),
+}
+TARGET_SPEEDUP = 6.0
+TARGET_RESNET1001_S = 5.0
+
+
+def worker(tool: str, case: str) -> dict:
+    import torch
+
+    torch.set_num_threads(2)
+    name, batch = CASES[case]
+    timings, peak, detail = [], None, None
+    if tool == "udnn_lab":
+        import udnn_lab as ul
+
+        work = ul.zoo.get(name, batch=batch, device="meta")
+        for _ in range(2):
+            start = time.perf_counter()
+            graph = ul.trace(work)
+            curve = graph.memory_curve()
+            timings.append(time.perf_counter() - start)
+        peak, detail = graph.peak_bytes, len(curve)
+    else:
+        peak, detail = _memtracker(name, batch, timings)
+    return {"tool": tool, "case": case, "cold_s": timings[0], "warm_s": timings[1], "peak_bytes": peak,
+            "rows_of_detail": detail}
+
+
+def _memtracker(name: str, batch: int, timings: list) -> tuple[int, int]:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    import udnn_lab as ul
+
+    with FakeTensorMode():
+        work = ul.zoo.get(name, batch=batch, device="cpu")  # built under fake mode: no real weights
+        for _ in range(2):  # the second step has optimizer state, as udnn_lab's steady-state step
+            start = time.perf_counter()
+            tracker = MemTracker()  # one tracker a step: MemTracker tracks a single iteration
+            tracker.track_external(work.model, work.optimizer, work.example_input)
+            with tracker:
+                loss = work.loss_fn(work.model(work.example_input), work.target)
+                loss.backward()
+                work.optimizer.step()
+                work.optimizer.zero_grad()
+            timings.append(time.perf_counter() - start)
+        peak = tracker.get_tracker_snapshot("peak")
+        module_snapshots = sum(len(taken) for stats in tracker.memory_tracking.values()
+                               for taken in stats.snapshots.values())
+    total = sum(v.get("Total", 0) for v in peak.values())
+    return int(total), module_snapshots
+
+
+def run(repeats: int, out: Path) -> dict:
+    rows = []
+    for case in CASES:
+        for tool in ("udnn_lab", "memtracker"):
+            for repeat in range(repeats):
+                print(f"  {case:12s} {tool:10s} run {repeat + 1}/{repeats} ...", file=sys.stderr, flush=True)
+                done = subprocess.run([sys.executable, __file__, "--worker", tool, case], check=True,
+                                      capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+                rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    summary = _summarize(rows)
+    document = {
+        "benchmark": "analyze_speed", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": _machine(), "repeats": repeats, "targets": {"speedup": TARGET_SPEEDUP,
+                                                              "resnet1001_seconds": TARGET_RESNET1001_S},
+        "summary": summary, "runs": rows,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(document, indent=1))
+    _print(summary)
+    print(f"\nwrote {out}")
+    return document
+
+
+def _summarize(rows: list[dict]) -> list[dict]:
+    summary = []
+    for case in CASES:
+        ours = [r for r in rows if r["case"] == case and r["tool"] == "udnn_lab"]
+        theirs = [r for r in rows if r["case"] == case and r["tool"] == "memtracker"]
+        ours_cold = statistics.median(r["cold_s"] for r in ours)
+        theirs_cold = statistics.median(r["cold_s"] for r in theirs)
+        ours_warm = statistics.median(r["warm_s"] for r in ours)
+        theirs_warm = statistics.median(r["warm_s"] for r in theirs)
+        summary.append({
+            "case": case, "udnn_lab_cold_s": ours_cold, "memtracker_cold_s": theirs_cold,
+            "udnn_lab_warm_s": ours_warm, "memtracker_warm_s": theirs_warm,
+            "speedup_cold": theirs_cold / ours_cold, "speedup_warm": theirs_warm / ours_warm,
+            "udnn_lab_peak_bytes": ours[0]["peak_bytes"], "memtracker_peak_bytes": theirs[0]["peak_bytes"],
+            "udnn_lab_rows": ours[0]["rows_of_detail"], "memtracker_rows": theirs[0]["rows_of_detail"],
+        })
+    return summary
+
+
+def _print(summary: list[dict]) -> None:
+    print(f"\n{'model':12s} {'udnn_lab cold':>14s} {'MemTracker cold':>16s} {'speedup':>8s} "
+          f"{'udnn_lab warm':>14s} {'MemTracker warm':>16s} {'speedup':>8s} {'peak udnn_lab':>14s} {'MemTracker':>11s}")
+    for row in summary:
+        print(f"{row['case']:12s} {row['udnn_lab_cold_s']:13.2f}s {row['memtracker_cold_s']:15.2f}s "
+              f"{row['speedup_cold']:7.1f}x {row['udnn_lab_warm_s']:13.2f}s {row['memtracker_warm_s']:15.2f}s "
+              f"{row['speedup_warm']:7.1f}x {row['udnn_lab_peak_bytes'] / 2**30:12.2f}GiB "
+              f"{row['memtracker_peak_bytes'] / 2**30:9.2f}GiB")
+    print(f"targets: speedup >= {TARGET_SPEEDUP}x (per-op detail); resnet1001 under {TARGET_RESNET1001_S} s")
+
+
+def _machine() -> dict:
+    import torch
+
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"device": "cpu", "cpu": cpu, "cores": os.cpu_count(), "threads_used": 2, "python": platform.python_version(),
+            "torch": torch.__version__, "platform": platform.platform()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "data" / "benchmarks"
+                        / "analyze_speed.json")
+    parser.add_argument("--worker", nargs=2, metavar=("TOOL", "CASE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(*args.worker)))
+    else:
+        run(args.repeats, args.out)
+
+
+if __name__ == "__main__":
+    main()

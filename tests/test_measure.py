@@ -1,0 +1,102 @@
+import time
+
+import pytest
+import torch
+
+import udnn_lab as ul
+from udnn_lab import zoo
+from udnn_lab.errors import TraceMismatch
+
+# Every zoo model at a small batch; image sides as small as each architecture takes.
+ZOO_CASES = [
+    ("alexnet", {"image_size": 64}), ("vgg11", {"image_size": 32}), ("vgg16", {"image_size": 32}),
+    ("vgg19", {"image_size": 32}), ("googlenet", {"image_size": 64}), ("inception_v3", {}),
+    ("inception_v4", {}), ("resnet18", {"image_size": 32}), ("resnet34", {"image_size": 32}),
+    ("resnet50", {"image_size": 32}), ("resnet101", {"image_size": 32}), ("resnet152", {"image_size": 32}),
+    ("densenet121", {"image_size": 32}), ("densenet201", {"image_size": 32}), ("resnet164", {}),
+    ("resnet1001", {}), ("mlp5", {}), ("lstm", {}), ("transformer", {"input_shape": (32,)}),
+]
+
+
+@pytest.mark.parametrize("name, options", ZOO_CASES, ids=[case[0] for case in ZOO_CASES])
+def test_predicted_curve_matches_measured_on_cpu(name, options):
+    if name == "inception_v4":
+        pytest.importorskip("timm")
+    graph = ul.trace(zoo.get(name, batch=2, device="meta", **options))
+    measured = ul.measure(zoo.get(name, batch=2, **options), repeats=0)
+    summary = measured.summary(graph)
+    assert summary["ops"] == len(graph.ops)
+    assert summary["peak_relative_error"] <= 0.01, summary
+    assert summary["max_step_relative_error"] <= 0.01, summary
+
+
+def test_measurement_is_a_real_run_of_the_same_step():
+    work = zoo.get("mlp3", batch=4)
+    measured = ul.measure(work, repeats=2)
+    assert measured.device == "cpu" and measured.device_name and measured.measured_at
+    assert measured.step_time_s > 0 and len(measured.step_times_s) == 2
+    assert measured.cuda is None and measured.nvml_before is None
+    curve = measured.curve()
+    assert len(curve) == len(measured.ops) and curve["live_bytes"].max() == measured.peak_bytes
+    assert "mlp3" in repr(measured)
+
+
+def test_measure_restores_the_model_and_optimizer():
+    work = zoo.get("mlp3", batch=4)
+    before = {k: v.clone() for k, v in work.model.state_dict().items()}
+    ul.measure(work, repeats=1)
+    for key, value in work.model.state_dict().items():
+        assert torch.equal(value, before[key])
+    assert all(p.grad is None for p in work.model.parameters())
+    assert len(work.optimizer.state) == 0
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in work.model.modules())
+
+
+def test_measure_restores_even_when_the_step_fails():
+    work = zoo.get("mlp3", batch=4)
+    before = {k: v.clone() for k, v in work.model.state_dict().items()}
+    calls = []
+
+    def failing_loss(output, target):
+        calls.append(1)
+        if len(calls) > 1:  # the warm-up step succeeds and changes the weights; the next one fails
+            raise RuntimeError("boom")
+        return torch.nn.functional.cross_entropy(output, target)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        ul.measure(work, loss_fn=failing_loss, repeats=1)
+    for key, value in work.model.state_dict().items():
+        assert torch.equal(value, before[key])
+    assert len(work.optimizer.state) == 0
+
+
+def test_a_different_step_is_reported_as_a_mismatch():
+    graph = ul.trace(zoo.get("mlp3", batch=4))
+    other = ul.measure(zoo.get("mlp4", batch=4), repeats=0)
+    with pytest.raises(TraceMismatch, match="differ at op|ops"):
+        other.compare(graph)
+
+
+def test_meta_models_cannot_be_measured():
+    with pytest.raises(ValueError, match="meta"):
+        ul.measure(zoo.get("mlp3", batch=2, device="meta"))
+
+
+def test_nvml_is_unavailable_without_a_driver_and_says_why():
+    from udnn_lab import nvml
+
+    reading = nvml.read()
+    if reading.available:
+        pytest.skip("this machine has an NVIDIA driver")
+    assert reading.reason and reading.used_bytes is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["resnet50", "densenet121", "vgg16", "inception_v3"])
+def test_cuda_prediction_matches_allocated_memory(name):
+    options = {} if name == "inception_v3" else {"image_size": 224}
+    graph = ul.trace(zoo.get(name, batch=8, device="meta", **options), device="cuda")
+    measured = ul.measure(zoo.get(name, batch=8, device="cuda", **options), repeats=1)
+    summary = measured.summary(graph)
+    assert measured.nvml_before is not None
+    assert summary["peak_relative_error"] <= 0.03, summary

@@ -1,0 +1,46 @@
+import pytest
+
+from udnn_lab.units import cuda_block_bytes, format_bytes, format_seconds, parse_bytes
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("512", 512), (1024, 1024), (3.0, 3), ("6 GiB", 6 * 2**30), ("6GiB", 6 * 2**30), ("6 gib", 6 * 2**30),
+    ("6GB", 6 * 10**9), ("6 gb", 6 * 10**9), ("6G", 6 * 2**30), ("1.5g", int(1.5 * 2**30)),
+    ("300 MiB", 300 * 2**20), ("80kb", 80_000), ("80 KiB", 80 * 1024), ("2 bytes", 2), ("1e3 B", 1000),
+    ("2 TB", 2 * 10**12), ("1 TiB", 2**40),
+])
+def test_parse_bytes_accepts_common_units(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["6 GX", "abc", "", "GiB", "1.2.3 MB"])
+def test_parse_bytes_rejects_garbage_with_a_hint(bad):
+    with pytest.raises(ValueError, match="GiB"):
+        parse_bytes(bad)
+
+
+def test_parse_bytes_rejects_negative_and_wrong_types():
+    with pytest.raises(ValueError, match="negative"):
+        parse_bytes(-5)
+    with pytest.raises(TypeError):
+        parse_bytes([1])
+    with pytest.raises(TypeError):
+        parse_bytes(True)
+
+
+def test_format_bytes_and_seconds():
+    assert format_bytes(1536) == "1.50 KiB"
+    assert format_bytes(3 * 2**30) == "3.00 GiB"
+    assert format_bytes(17) == "17 B"
+    assert format_bytes(-2048) == "-2.00 KiB"
+    assert format_seconds(0.0123) == "12.3 ms"
+    assert format_seconds(2.5) == "2.5 s"
+    assert format_seconds(3e-6) == "3 µs"
+
+
+def test_cuda_block_bytes_rounds_to_512_byte_blocks():
+    assert cuda_block_bytes(0) == 0
+    assert cuda_block_bytes(1) == 512
+    assert cuda_block_bytes(512) == 512
+    assert cuda_block_bytes(513) == 1024
+    assert cuda_block_bytes(10**6) == 1000448
