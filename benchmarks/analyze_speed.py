@@ -53,7 +53,6 @@ def worker(tool: str, case: str) -> dict:
 
 
 def _memtracker(name: str, batch: int, timings: list) -> tuple[int, int]:
-    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 

@@ -1,6 +1,5 @@
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import udnn_lab as ul

@@ -1,5 +1,6 @@
 """udnn_lab: how much GPU memory each step of training needs, where it goes, and how to make it fit."""
 
+from udnn_lab import zoo
 from udnn_lab.errors import (
     FakeTensorUnsupported,
     MissingDependency,
@@ -8,11 +9,16 @@ from udnn_lab.errors import (
     UdnnLabError,
     UnknownModelError,
 )
-from udnn_lab import zoo
 from udnn_lab.graph import Graph
+from udnn_lab.hardware import Hardware, HardwareMismatchWarning, HardwareProfileError, UnknownHardwareError
 from udnn_lab.measure import Measurement, measure
 from udnn_lab.trace import trace
 from udnn_lab.units import format_bytes, format_seconds, parse_bytes
 from udnn_lab.workload import Workload
 
+__all__ = [
+    "FakeTensorUnsupported", "Graph", "Hardware", "HardwareMismatchWarning", "HardwareProfileError", "Measurement",
+    "MissingDependency", "ModelInputError", "TraceMismatch", "UdnnLabError", "UnknownHardwareError",
+    "UnknownModelError", "Workload", "format_bytes", "format_seconds", "measure", "parse_bytes", "trace", "zoo",
+]
 __version__ = "0.1.0"

@@ -9,7 +9,6 @@ The step runs as plain eager PyTorch; the model and optimizer are restored after
 
 from __future__ import annotations
 
-import platform
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ import pandas as pd
 import torch
 
 from udnn_lab import nvml
+from udnn_lab.devices import device_name
 from udnn_lab.errors import TraceMismatch
 from udnn_lab.graph import Graph
 from udnn_lab.recorder import StepRecorder
@@ -163,6 +163,7 @@ def measure(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
             run_step(work.model, args, kwargs, **step)
         ensure_optimizer_state(work.optimizer)
         times = [_timed(lambda: run_step(work.model, args, kwargs, **step), device) for _ in range(repeats)]
+        work.model.zero_grad(set_to_none=True)  # the recorded step starts without gradients (allocator baseline)
         before = nvml.read(_index(device)) if device.type == "cuda" else None
         counters = _CudaSampler() if device.type == "cuda" else None
         recorder = StepRecorder(after_op=counters.sample if counters else None)
@@ -172,7 +173,7 @@ def measure(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         real = graph_from_recording(recorder, work.name, device.type, fake=False)
         after = nvml.read(_index(device)) if device.type == "cuda" else None
     return Measurement(
-        model_name=work.name, device=device.type, device_name=_device_name(device),
+        model_name=work.name, device=device.type, device_name=device_name(device),
         torch_version=torch.__version__, measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         ops=tuple(op.name for op in real.ops), phases=tuple(op.phase for op in real.ops),
         live_bytes=tuple(int(v) for v in real.memory_curve()["live_bytes"]), baseline_bytes=real.baseline_bytes,
@@ -225,21 +226,3 @@ class _CudaSampler:
 
 def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return cpu_name()
-
-
-def cpu_name() -> str:
-    """The CPU's model name (from /proc/cpuinfo where there is one)."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()

@@ -1,0 +1,34 @@
+"""Which device, and what it calls itself."""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+
+def as_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{device} was asked for but CUDA is not available here; use 'cpu'")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def device_name(device: str | torch.device | None = None) -> str:
+    """What the device calls itself: the CUDA device name or the CPU model name."""
+    device = as_device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
