@@ -26,6 +26,7 @@ CASES = {  # name: (zoo name, batch)
     "resnet152": ("resnet152", 64),
     "resnet1001": ("resnet1001", 64),
 }
+MEMTRACKER_REPEATS = {"resnet1001": 1}  # MemTracker's cost grows with the module count: one run is minutes
 TARGET_SPEEDUP = 6.0
 TARGET_RESNET1001_S = 5.0
 
@@ -78,14 +79,20 @@ def _memtracker(name: str, batch: int, timings: list) -> tuple[int, int]:
 
 
 def run(repeats: int, out: Path) -> dict:
-    rows = []
+    """Runs already in ``<out>.runs.jsonl`` (from an interrupted run) are kept, not repeated."""
+    log = out.with_suffix(".runs.jsonl")
+    rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     for case in CASES:
         for tool in ("udnn_lab", "memtracker"):
-            for repeat in range(repeats):
-                print(f"  {case:12s} {tool:10s} run {repeat + 1}/{repeats} ...", file=sys.stderr, flush=True)
+            wanted = MEMTRACKER_REPEATS.get(case, repeats) if tool == "memtracker" else repeats
+            for repeat in range(sum(r["case"] == case and r["tool"] == tool for r in rows), wanted):
+                print(f"  {case:12s} {tool:10s} run {repeat + 1}/{wanted} ...", file=sys.stderr, flush=True)
                 done = subprocess.run([sys.executable, __file__, "--worker", tool, case], check=True,
                                       capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
                 rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+                out.parent.mkdir(parents=True, exist_ok=True)
+                with log.open("a") as appended:
+                    appended.write(json.dumps(rows[-1]) + "\n")
     summary = _summarize(rows)
     document = {
         "benchmark": "analyze_speed", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -93,8 +100,8 @@ def run(repeats: int, out: Path) -> dict:
                                                               "resnet1001_seconds": TARGET_RESNET1001_S},
         "summary": summary, "runs": rows,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(document, indent=1))
+    log.unlink()
     _print(summary)
     print(f"\nwrote {out}")
     return document

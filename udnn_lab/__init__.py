@@ -11,14 +11,19 @@ from udnn_lab.errors import (
 )
 from udnn_lab.graph import Graph
 from udnn_lab.hardware import Hardware, HardwareMismatchWarning, HardwareProfileError, UnknownHardwareError
+from udnn_lab.cost import CostModel, RateCurve
 from udnn_lab.measure import Measurement, measure
+from udnn_lab.plan import Offload, Plan, PlanError, Recompute
+from udnn_lab.profile import Profile, profile
+from udnn_lab.simulate import Simulation, simulate
 from udnn_lab.trace import trace
 from udnn_lab.units import format_bytes, format_seconds, parse_bytes
 from udnn_lab.workload import Workload
 
 __all__ = [
-    "FakeTensorUnsupported", "Graph", "Hardware", "HardwareMismatchWarning", "HardwareProfileError", "Measurement",
-    "MissingDependency", "ModelInputError", "TraceMismatch", "UdnnLabError", "UnknownHardwareError",
-    "UnknownModelError", "Workload", "format_bytes", "format_seconds", "measure", "parse_bytes", "trace", "zoo",
+    "CostModel", "FakeTensorUnsupported", "Graph", "Hardware", "HardwareMismatchWarning", "HardwareProfileError",
+    "Measurement", "MissingDependency", "ModelInputError", "Offload", "Plan", "PlanError", "Profile", "RateCurve",
+    "Recompute", "Simulation", "TraceMismatch", "UdnnLabError", "UnknownHardwareError", "UnknownModelError",
+    "Workload", "format_bytes", "format_seconds", "measure", "parse_bytes", "profile", "simulate", "trace", "zoo",
 ]
 __version__ = "0.1.0"

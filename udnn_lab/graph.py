@@ -13,6 +13,7 @@ means it existed before the step (parameters, inputs, optimizer state);
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -77,6 +78,9 @@ class OpInfo:
     released: tuple[int, ...]  # tensor ids released right after this op
     forward_op: int | None  # forward op whose autograd node ran this backward op
     output_shapes: tuple[tuple[int, ...], ...] = ()
+    flops: int = 0  # by torch.utils.flop_counter's formulas; 0 for ops it does not count
+    bytes_read: int = 0  # bytes of the input tensors as the op sees them; 0 for views
+    bytes_written: int = 0  # bytes of its outputs; 0 for views
 
 
 @dataclass(frozen=True)
@@ -160,6 +164,15 @@ class Graph:
         then backward); ``level='op'`` gives one step per aten op.
         """
         return liveness.schedule(self, level=level, include_parameters=include_parameters)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """A digest of the ops and tensor sizes: plans and profiles made for this graph carry it."""
+        digest = hashlib.sha1(self.model_name.encode())
+        for op in self.ops:
+            digest.update(f"{op.phase}:{op.name};".encode())
+        digest.update(",".join(str(t.nbytes) for t in self.tensors).encode())
+        return digest.hexdigest()
 
     # -- look-ups ------------------------------------------------------------------------
     @cached_property

@@ -19,7 +19,7 @@ from __future__ import annotations
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
+from functools import lru_cache, partial
 from typing import Callable
 
 import torch
@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from udnn_lab import fidelity
 from udnn_lab.fake_memo import FakeOpMemo
+from udnn_lab.op_work import OpWork
 from udnn_lab.categories import AUTOGRAD_SCOPE, OPTIMIZER_SCOPE
 
 _NO_SEQUENCE = 2**64 - 1  # sequence number of AccumulateGrad nodes
@@ -60,6 +61,12 @@ _METADATA_MUTATORS = ("aten::resize_", "aten::resize_as_", "aten::set_", "aten::
 #   4. An op all of whose tensor arguments are real runs for real, outside fake mode:
 #      real tensors stay real, so host-side scalars such as Adam's step counters can be
 #      read with .item() as the optimizer does. They are tiny and still recorded.
+
+
+@lru_cache(maxsize=None)
+def records_op(func) -> bool:
+    """Whether ops of this kind are recorded: every tool that aligns to a Graph skips the same ones."""
+    return func.namespace not in _SKIPPED_NAMESPACES and str(func) not in _SKIPPED_OPS
 
 
 def _only_real_tensors(args: tuple, kwargs: dict) -> bool:
@@ -126,6 +133,9 @@ class OpRecord:
     allocated: tuple[int, ...]
     forward_op: int | None
     output_shapes: tuple[tuple[int, ...], ...]
+    flops: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
     released: list[int] = field(default_factory=list)
 
 
@@ -162,6 +172,7 @@ class StepRecorder(TorchDispatchMode):
         self._open_calls: list[CallRecord] = []
         self._live: dict[int, int] = {}  # id(storage) -> sid, live storages only
         self._refs: dict[int, weakref.ref] = {}
+        self._work = OpWork()
         self._names: dict = {}  # op -> its name
         self._kinds: dict = {}  # op -> _SKIP, _PROBE or _RECORD
         self._sequence_to_op: dict[int, int] = {}
@@ -253,7 +264,7 @@ class StepRecorder(TorchDispatchMode):
 
     def _classify(self, func) -> str:
         name = self._names[func] = str(func)
-        if func.namespace in _SKIPPED_NAMESPACES or name in _SKIPPED_OPS:
+        if not records_op(func):
             return _SKIP
         if name in fidelity.PROBED_OPS:
             return _PROBE
@@ -278,8 +289,9 @@ class StepRecorder(TorchDispatchMode):
             if storages[sid].producer == index:
                 allocated.append(sid)
         module, forward_op = self._where(index)
+        flops, read, written = self._work.measure(func, args, kwargs, out)
         self.ops.append(OpRecord(index, self.phase, module, self._names[func], tuple(inputs), tuple(outputs),
-                                 tuple(allocated), forward_op, tuple(shapes)))
+                                 tuple(allocated), forward_op, tuple(shapes), flops, read, written))
         if self.after_op is not None:
             self.after_op()
 

@@ -137,7 +137,8 @@ def _freeze(recorder: StepRecorder, model_name: str, device: str, fake: bool, no
             first_backward_use=next((i for i in record.consumers if phases[i] == "backward"), None),
         ))
     frozen_ops = tuple(OpInfo(op.index, op.phase, op.module, op.name, op.inputs, op.outputs, op.allocated,
-                              tuple(op.released), op.forward_op, op.output_shapes) for op in ops)
+                              tuple(op.released), op.forward_op, op.output_shapes, op.flops, op.bytes_read,
+                              op.bytes_written) for op in ops)
     calls = tuple(ModuleCall(c.path, c.type, c.first_op, c.last_op, c.outputs) for c in recorder.calls)
     return Graph(model_name=model_name, device=device, ops=frozen_ops, tensors=tuple(tensors), module_calls=calls,
                  fake=fake, torch_version=torch.__version__, notes=tuple(notes))

@@ -1,0 +1,86 @@
+import pytest
+
+import udnn_lab as ul
+from udnn_lab import zoo
+from udnn_lab.plan import Offload, Plan, PlanError, Recompute
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return ul.trace(zoo.get("resnet18", batch=2, image_size=32, device="meta"))
+
+
+def _feature_map(graph, skip=0):
+    maps = [t for t in graph.tensors if t.category == "feature_map" and t.producer is not None]
+    return maps[skip]
+
+
+def test_keep_all_is_valid_and_keeps_everything(graph):
+    plan = Plan.keep_all(graph)
+    plan.validate(graph)
+    assert plan.action(_feature_map(graph).id) is None
+
+
+def test_a_good_offload_validates(graph):
+    t = _feature_map(graph)
+    plan = Plan("p", graph.fingerprint, offloads=(Offload(t.id, t.last_forward_use, t.first_backward_use - 1),))
+    plan.validate(graph)
+    assert plan.action(t.id).after_op == t.last_forward_use
+
+
+def test_offloading_before_the_last_forward_use_is_refused(graph):
+    t = next(t for t in graph.tensors if t.category == "feature_map" and t.last_forward_use > t.producer)
+    plan = Plan("p", graph.fingerprint, offloads=(Offload(t.id, t.producer, t.first_backward_use - 1),))
+    with pytest.raises(PlanError, match="before its last forward use"):
+        plan.validate(graph)
+
+
+def test_prefetching_too_late_is_refused(graph):
+    t = _feature_map(graph)
+    plan = Plan("p", graph.fingerprint, offloads=(Offload(t.id, t.last_forward_use, t.first_backward_use),))
+    with pytest.raises(PlanError, match="not before its first backward use"):
+        plan.validate(graph)
+
+
+def test_parameters_and_unsaved_tensors_are_refused(graph):
+    weight = graph.tensor("conv1.weight")
+    with pytest.raises(PlanError, match="never offloaded"):
+        Plan("p", graph.fingerprint, offloads=(Offload(weight.id, 5, 300),)).validate(graph)
+    temporary = next(t for t in graph.tensors if t.category == "temporary" and t.producer is not None)
+    with pytest.raises(PlanError, match="not saved"):
+        Plan("p", graph.fingerprint, offloads=(Offload(temporary.id, 5, 300),)).validate(graph)
+
+
+def test_two_actions_for_one_tensor_are_refused(graph):
+    t = _feature_map(graph)
+    offload = Offload(t.id, t.last_forward_use, t.first_backward_use - 1)
+    recompute = Recompute((t.id,), (t.producer,), t.first_backward_use)
+    with pytest.raises(PlanError, match="more than one action"):
+        Plan("p", graph.fingerprint, offloads=(offload,), recomputes=(recompute,)).validate(graph)
+
+
+def test_recompute_rules(graph):
+    from tests.test_simulate import recomputable
+
+    t = recomputable(graph, min_bytes=0)
+    Plan("p", graph.fingerprint, recomputes=(Recompute((t.id,), (t.producer,), t.first_backward_use),)).validate(graph)
+    with pytest.raises(PlanError, match="must re-run its producer"):
+        Plan("p", graph.fingerprint, recomputes=(Recompute((t.id,), (t.producer - 1,), t.first_backward_use),)
+             ).validate(graph)
+    with pytest.raises(PlanError, match="after its first backward use"):
+        Plan("p", graph.fingerprint, recomputes=(Recompute((t.id,), (t.producer,), t.first_backward_use + 1),)
+             ).validate(graph)
+    source = graph.tensors[graph.ops[t.producer].inputs[0]]
+    if source.category == "feature_map":
+        offload = Offload(source.id, source.last_forward_use, source.first_backward_use - 1)
+        with pytest.raises(PlanError, match="also drops"):
+            Plan("p", graph.fingerprint, offloads=(offload,),
+                 recomputes=(Recompute((t.id,), (t.producer,), t.first_backward_use),)).validate(graph)
+
+
+def test_a_plan_knows_its_graph(graph):
+    other = ul.trace(zoo.get("mlp3", batch=2))
+    with pytest.raises(PlanError, match="another graph"):
+        Plan.keep_all(other).validate(graph)
+    with pytest.raises(PlanError, match="not in this graph"):
+        Plan("p", graph.fingerprint, offloads=(Offload(10**6, 1, 2),)).validate(graph)

@@ -1,0 +1,60 @@
+import pytest
+import torch
+
+import udnn_lab as ul
+from udnn_lab import zoo
+
+
+@pytest.fixture(scope="module")
+def work():
+    return zoo.get("resnet18", batch=4, image_size=32)
+
+
+@pytest.fixture(scope="module")
+def prof(work):
+    return ul.profile(work, repeats=2)
+
+
+def test_profile_is_aligned_to_the_traced_graph(work, prof):
+    graph = ul.trace(work)
+    prof.check_matches(graph)
+    assert prof.ops == tuple(op.name for op in graph.ops)
+    assert prof.flops == tuple(op.flops for op in graph.ops)
+    assert prof.graph_fingerprint == graph.fingerprint
+
+
+def test_profile_times_are_measured_per_op(prof):
+    assert len(prof.time_s) == len(prof.ops) and all(t > 0 for t in prof.time_s)
+    assert all(m <= t for m, t in zip(prof.time_min_s, prof.time_s))
+    assert prof.step_time_s > 0 and prof.op_time_s > 0 and prof.overhead_per_op_s >= 0
+    assert prof.device == "cpu" and prof.repeats == 2 and prof.threads == torch.get_num_threads()
+    frame = prof.frame()
+    convs = frame[frame.op == "aten.convolution.default"]
+    assert (convs.flops > 0).all() and (convs.flops_per_s > 0).all()
+
+
+def test_profile_layers_add_up(prof):
+    layers = prof.layers()
+    assert layers["time_s"].sum() == pytest.approx(prof.op_time_s)
+    assert layers["flops"].sum() == sum(prof.flops)
+    assert layers.iloc[0]["module"] == "conv1"
+
+
+def test_profile_leaves_the_model_as_it_was(work):
+    before = {k: v.clone() for k, v in work.model.state_dict().items()}
+    ul.profile(work, repeats=1)
+    assert all(torch.equal(v, before[k]) for k, v in work.model.state_dict().items())
+    assert all(p.grad is None for p in work.model.parameters()) and len(work.optimizer.state) == 0
+
+
+def test_profile_refuses_bad_input():
+    with pytest.raises(ValueError, match="repeats"):
+        ul.profile(zoo.get("mlp2", batch=2), repeats=0)
+    with pytest.raises(ValueError, match="meta"):
+        ul.profile(zoo.get("mlp2", batch=2, device="meta"))
+
+
+@pytest.mark.gpu
+def test_profile_on_cuda_uses_events():
+    prof = ul.profile(zoo.get("resnet18", batch=8, image_size=64), device="cuda", repeats=2)
+    assert prof.device == "cuda" and all(t > 0 for t in prof.time_s)
