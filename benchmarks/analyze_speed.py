@@ -78,12 +78,15 @@ def _memtracker(name: str, batch: int, timings: list) -> tuple[int, int]:
     return int(total), module_snapshots
 
 
-def run(repeats: int, out: Path) -> dict:
-    """Runs already in ``<out>.runs.jsonl`` (from an interrupted run) are kept, not repeated."""
+def run(repeats: int, out: Path, tools: list[str]) -> dict:
+    """Runs already in ``<out>.runs.jsonl`` (from an interrupted run) are kept, not repeated; so are the
+    runs in ``out`` of tools not asked for (to re-time udnn_lab alone after a change)."""
     log = out.with_suffix(".runs.jsonl")
     rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    if out.exists():
+        rows += [r for r in json.loads(out.read_text())["runs"] if r["tool"] not in tools]
     for case in CASES:
-        for tool in ("udnn_lab", "memtracker"):
+        for tool in tools:
             wanted = MEMTRACKER_REPEATS.get(case, repeats) if tool == "memtracker" else repeats
             for repeat in range(sum(r["case"] == case and r["tool"] == tool for r in rows), wanted):
                 print(f"  {case:12s} {tool:10s} run {repeat + 1}/{wanted} ...", file=sys.stderr, flush=True)
@@ -154,12 +157,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "data" / "benchmarks"
                         / "analyze_speed.json")
+    parser.add_argument("--tools", nargs="+", default=["udnn_lab", "memtracker"], choices=["udnn_lab", "memtracker"],
+                        help="tools to time now; the others' runs are kept from --out")
     parser.add_argument("--worker", nargs=2, metavar=("TOOL", "CASE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(*args.worker)))
     else:
-        run(args.repeats, args.out)
+        run(args.repeats, args.out, args.tools)
 
 
 if __name__ == "__main__":

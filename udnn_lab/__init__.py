@@ -14,6 +14,7 @@ from udnn_lab.hardware import Hardware, HardwareMismatchWarning, HardwareProfile
 from udnn_lab.cost import CostModel, RateCurve
 from udnn_lab.measure import Measurement, measure
 from udnn_lab.plan import Offload, Plan, PlanError, Recompute
+from udnn_lab.plan.budget import PlanInfeasible, min_budget, plan, sweep
 from udnn_lab.profile import Profile, profile
 from udnn_lab.simulate import Simulation, simulate
 from udnn_lab.trace import trace
@@ -22,8 +23,10 @@ from udnn_lab.workload import Workload
 
 __all__ = [
     "CostModel", "FakeTensorUnsupported", "Graph", "Hardware", "HardwareMismatchWarning", "HardwareProfileError",
-    "Measurement", "MissingDependency", "ModelInputError", "Offload", "Plan", "PlanError", "Profile", "RateCurve",
+    "Measurement", "MissingDependency", "ModelInputError", "Offload", "Plan", "PlanError", "PlanInfeasible", "Profile",
+    "RateCurve",
     "Recompute", "Simulation", "TraceMismatch", "UdnnLabError", "UnknownHardwareError", "UnknownModelError",
-    "Workload", "format_bytes", "format_seconds", "measure", "parse_bytes", "profile", "simulate", "trace", "zoo",
+    "Workload", "format_bytes", "format_seconds", "measure", "min_budget", "parse_bytes", "plan", "profile", "simulate",
+    "sweep", "trace", "zoo",
 ]
 __version__ = "0.1.0"

@@ -137,14 +137,25 @@ class RateCurve:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Times for the simulator: ops from a Profile or a roofline, copies from the Hardware profile."""
+    """Times for the simulator: ops from a Profile or a roofline, copies from the Hardware profile.
+
+    ``memo`` keeps what was computed under this model (op times per graph, simulations per
+    plan) for planners that ask again; it is never compared or shown.
+    """
 
     hardware: Hardware
     profile: Profile | None = None
     rates: RateCurve | None = None
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     def op_times_s(self, graph: Graph) -> np.ndarray:
         """Compute time of every op of ``graph``, in seconds."""
+        key = ("op_times", id(graph), graph.fingerprint)
+        if key not in self.memo:
+            self.memo[key] = self._op_times_s(graph)
+        return self.memo[key]
+
+    def _op_times_s(self, graph: Graph) -> np.ndarray:
         if self.profile is not None:
             self.profile.check_matches(graph)
             if self.profile.device_name not in self.hardware.device_names:

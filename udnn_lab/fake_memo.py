@@ -11,6 +11,10 @@ NOTE [fake op memo]
   arguments are fake tensors of one mode, and whose outputs, checked on the first call,
   are fresh storages of the minimal size at offset 0; anything else is dispatched
   normally every time.
+  A few shape rules answer before the memo is asked, for ops whose outputs are shaped
+  like their inputs whatever the shapes (elementwise ops on equal contiguous inputs,
+  batch norm and its backward): a network with many distinct shapes (DenseNet's growing
+  concatenations) would otherwise miss the memo at every layer.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ class FakeOpMemo:
             eligible = self._eligible[func] = _schema_allows(func)
         if not eligible:
             return func(*args, **kwargs)
+        ruled = _shape_rule(func, args, kwargs)
+        if ruled is not None:
+            return _build(ruled, self._mode)
         key = _key(func, args, kwargs, self._mode)
         if key is None:
             return func(*args, **kwargs)
@@ -88,7 +95,7 @@ def _describe(out, args: tuple):
     outputs = [out] if isinstance(out, torch.Tensor) else list(out) if isinstance(out, (tuple, list)) else None
     if outputs is None:
         return _UNMEMOIZABLE
-    taken = {id(a.untyped_storage()) for a in _flat_tensors(args)}
+    taken = {id(a.untyped_storage()) for a in flat_tensors(args)}
     described = []
     for tensor in outputs:
         if tensor is None:
@@ -104,13 +111,89 @@ def _describe(out, args: tuple):
     return (isinstance(out, torch.Tensor), tuple(described))
 
 
-def _flat_tensors(values):
+def flat_tensors(values):
+    """Tensors in nested lists, tuples and dicts."""
     for value in values:
         if isinstance(value, torch.Tensor):
             yield value
         elif isinstance(value, (list, tuple)):
-            yield from _flat_tensors(value)
+            yield from flat_tensors(value)
+        elif isinstance(value, dict):
+            yield from flat_tensors(value.values())
 
+
+_aten = torch.ops.aten
+_ELEMENTWISE = {_aten.add.Tensor, _aten.sub.Tensor, _aten.mul.Tensor, _aten.div.Tensor, _aten.threshold_backward.default,
+                _aten.relu.default, _aten.sigmoid.default, _aten.tanh.default, _aten.gelu.default,
+                _aten.gelu_backward.default, _aten.sigmoid_backward.default, _aten.tanh_backward.default}
+
+
+def _shape_rule(func, args: tuple, kwargs: dict):
+    """A memo entry for outputs shaped like the inputs, or None when no rule applies."""
+    if func in _ELEMENTWISE:
+        return _elementwise(args, kwargs)
+    if func is _aten.native_batch_norm.default:
+        return _batch_norm(*args)
+    if func is _aten.native_batch_norm_backward.default:
+        return _batch_norm_backward(*args)
+    return None
+
+
+def _plain(t) -> bool:
+    return isinstance(t, FakeTensor) and t.dtype == torch.float32 and t.is_contiguous() and t.storage_offset() == 0
+
+
+def _like(t: torch.Tensor):
+    return tuple(t.shape), t.stride(), t.dtype, t.fake_device
+
+
+def _elementwise(args: tuple, kwargs: dict):
+    """Same-shaped inputs each laid out in row-major order (contiguous, or a slice of such) give a
+    contiguous output: TensorIterator keeps the dimension order they all agree on."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if kwargs or not tensors:
+        return None
+    first = tensors[0]
+    same = (first.shape, torch.float32, first.fake_device)
+    if not all(isinstance(t, FakeTensor) and (t.shape, t.dtype, t.fake_device) == same and _row_major(t)
+               for t in tensors):
+        return None
+    return True, ((tuple(first.shape), _contiguous_strides(first.shape), first.dtype, first.fake_device),)
+
+
+def _row_major(t: torch.Tensor) -> bool:
+    """Strides that decrease with the dimension and never overlap: a contiguous tensor or a slice of one."""
+    expected = 1
+    for size, stride in reversed(list(zip(t.shape, t.stride()))):
+        if size == 1:
+            continue
+        if stride < expected:
+            return False
+        expected = stride * size
+    return True
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _batch_norm(data, weight, bias, running_mean, running_var, training, momentum, eps):
+    if not (_plain(data) and data.dim() >= 2 and training and weight is not None):
+        return None
+    channels = ((data.shape[1],), (1,), torch.float32, data.fake_device)
+    return False, (_like(data), channels, channels)
+
+
+def _batch_norm_backward(grad, data, weight, running_mean, running_var, save_mean, save_invstd, train, eps, mask):
+    if not (_plain(grad) and _plain(data) and _like(grad) == _like(data) and isinstance(weight, FakeTensor)
+            and train):
+        return None
+    shapes = (_like(data), _like(weight), _like(weight))
+    return False, tuple(shape if wanted else None for shape, wanted in zip(shapes, mask))
 
 def _minimal_nbytes(tensor: torch.Tensor) -> int:
     if tensor.numel() == 0:

@@ -94,9 +94,9 @@ class ModuleCall:
     outputs: tuple[int, ...]  # tensor ids of the call's returned tensors
 
 
-@dataclass(frozen=True, repr=False)
+@dataclass(frozen=True, repr=False, eq=False)
 class Graph:
-    """Ops, tensors and module calls of one traced training step."""
+    """Ops, tensors and module calls of one traced training step (compared and hashed by identity)."""
 
     model_name: str
     device: str  # 'cpu' or 'cuda': the memory curve counts tensors on this device

@@ -23,16 +23,10 @@ from functools import lru_cache, partial
 from typing import Callable
 
 import torch
-from torch._subclasses.fake_tensor import (
-    FakeTensor,
-    FakeTensorMode,
-    in_kernel_invocation_manager,
-    unset_fake_temporarily,
-)
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from udnn_lab import fidelity
-from udnn_lab.fake_memo import FakeOpMemo
+from udnn_lab.fake_fast import FakeFastPaths
 from udnn_lab.op_work import OpWork
 from udnn_lab.categories import AUTOGRAD_SCOPE, OPTIMIZER_SCOPE
 
@@ -42,65 +36,13 @@ _NO_SEQUENCE = 2**64 - 1  # sequence number of AccumulateGrad nodes
 # step and a plain eager step would otherwise disagree on op indices).
 _SKIPPED_NAMESPACES = ("prim", "profiler")
 _SKIPPED_OPS = ("aten.detach.default",)
-_PRIM_DEVICE = torch.ops.prim.device.default
-_DETACH = torch.ops.aten.detach.default
-_SKIP, _PROBE, _RECORD, _INPLACE, _INPLACE_LIST = "skip", "probe", "record", "inplace", "inplace_list"
-_METADATA_MUTATORS = ("aten::resize_", "aten::resize_as_", "aten::set_", "aten::_resize_output_")
-
-# NOTE [fake fast paths]
-#   Fake-mode dispatch costs 100-400 us an op, so three kinds of call that need none of
-#   it are answered by the recorder itself when the argument is a FakeTensor:
-#   1. prim.device, which autograd asks of every fake input: the fake device.
-#   2. detach (autograd runs one per unpacked saved tensor and per gradient it stores):
-#      the meta kernel inside fake mode's kernel-invocation context, wrapped as FakeTensor
-#      exactly as fake mode wraps it (same storage, device and dispatch keys).
-#   3. An in-place op whose only written argument is its first, and which changes no
-#      metadata (not an inplace_view op, not resize_/set_): it returns that argument and
-#      allocates nothing, so the recorder returns the argument (optimizer updates,
-#      gradient accumulation). Such ops are still recorded.
-#   4. An op all of whose tensor arguments are real runs for real, outside fake mode:
-#      real tensors stay real, so host-side scalars such as Adam's step counters can be
-#      read with .item() as the optimizer does. They are tiny and still recorded.
+_SKIP, _RECORD = "skip", "record"
 
 
 @lru_cache(maxsize=None)
 def records_op(func) -> bool:
     """Whether ops of this kind are recorded: every tool that aligns to a Graph skips the same ones."""
     return func.namespace not in _SKIPPED_NAMESPACES and str(func) not in _SKIPPED_OPS
-
-
-def _only_real_tensors(args: tuple, kwargs: dict) -> bool:
-    found = False
-    for tensor in _tensors(args, kwargs):
-        if isinstance(tensor, FakeTensor):
-            return False
-        found = True
-    return found
-
-
-def _fake_detach(tensor: FakeTensor) -> FakeTensor:
-    with in_kernel_invocation_manager(tensor.fake_mode):
-        meta = _DETACH(tensor)
-    return FakeTensor(tensor.fake_mode, meta, tensor.fake_device)
-
-
-def _inplace_kind(func) -> str | None:
-    schema = func._schema
-    arguments = schema.arguments
-    if not arguments or schema.name in _METADATA_MUTATORS or torch.Tag.inplace_view in func.tags:
-        return None
-    first = arguments[0].alias_info
-    if first is None or not first.is_write:
-        return None
-    if any(a.alias_info is not None and a.alias_info.is_write for a in arguments[1:]):
-        return None
-    returns = schema.returns
-    if not returns and str(arguments[0].type) == "List[Tensor]":
-        return _INPLACE_LIST
-    if len(returns) == 1 and returns[0].alias_info is not None and returns[0].alias_info.is_write \
-            and str(arguments[0].type) == "Tensor":
-        return _INPLACE
-    return None
 
 
 @dataclass(slots=True)
@@ -151,17 +93,16 @@ class CallRecord:
 class StepRecorder(TorchDispatchMode):
     """A dispatch mode that records ops and storage lives (see NOTE [storage lifetimes])."""
 
-    def __init__(self, after_op: Callable[[], None] | None = None, fake_mode: FakeTensorMode | None = None) -> None:
+    def __init__(self, after_op: Callable[[], None] | None = None, fake_mode: FakeTensorMode | None = None,
+                 fast_paths: bool = True) -> None:
         """``after_op`` is called after each recorded op, e.g. to read CUDA allocator counters.
 
-        ``fake_mode``: the step runs on fake tensors of this mode. Then ops listed in
-        fidelity.py are sized by a real call, and the fast paths of NOTE [fake fast paths]
-        and NOTE [fake op memo] (fake_memo.py) apply.
+        ``fake_mode``: the step runs on fake tensors of this mode, and ops run as NOTE [fake
+        fast paths] (fake_fast.py) says; ``fast_paths=False`` leaves them to fake mode.
         """
         super().__init__()
         self.after_op = after_op
-        self.fake = fake_mode is not None
-        self._memo = FakeOpMemo(fake_mode) if fake_mode is not None else None
+        self._fake = FakeFastPaths(fake_mode, fast_paths) if fake_mode is not None else None
         self.storages: list[StorageRecord] = []
         self.ops: list[OpRecord] = []
         self.calls: list[CallRecord] = []
@@ -174,7 +115,7 @@ class StepRecorder(TorchDispatchMode):
         self._refs: dict[int, weakref.ref] = {}
         self._work = OpWork()
         self._names: dict = {}  # op -> its name
-        self._kinds: dict = {}  # op -> _SKIP, _PROBE or _RECORD
+        self._kinds: dict = {}  # op -> _SKIP or _RECORD
         self._sequence_to_op: dict[int, int] = {}
         self._last_sequence = torch._C._autograd._get_sequence_nr()
         self._param_paths: dict[int, str] = {}  # id(parameter) -> name, for AccumulateGrad nodes
@@ -236,39 +177,14 @@ class StepRecorder(TorchDispatchMode):
         kind = self._kinds.get(func)
         if kind is None:
             kind = self._kinds[func] = self._classify(func)
-        out = self._run_fake(func, kind, args, kwargs) if self.fake else func(*args, **kwargs)
+        out = self._fake.run(func, args, kwargs) if self._fake is not None else func(*args, **kwargs)
         if kind is not _SKIP and self.recording:
             self._record(func, args, kwargs, out)
         return out
 
-    def _run_fake(self, func, kind: str, args: tuple, kwargs: dict):
-        """Run ``func`` in a fake step, by the shortest safe path (NOTE [fake fast paths])."""
-        first = args[0] if args else None
-        if isinstance(first, FakeTensor):
-            if func is _PRIM_DEVICE:
-                return first.fake_device
-            if func is _DETACH:
-                return _fake_detach(first)
-            if kind is _INPLACE:
-                return first
-        elif kind is _INPLACE_LIST and first and isinstance(first[0], FakeTensor):
-            return None
-        elif _only_real_tensors(args, kwargs):
-            with unset_fake_temporarily():
-                return func(*args, **kwargs)
-        if kind is _PROBE and fidelity.needs_probe(self._names[func], args):
-            return fidelity.probed_call(func, args, kwargs)
-        if kind is _RECORD:
-            return self._memo.call(func, args, kwargs)
-        return func(*args, **kwargs)
-
     def _classify(self, func) -> str:
-        name = self._names[func] = str(func)
-        if not records_op(func):
-            return _SKIP
-        if name in fidelity.PROBED_OPS:
-            return _PROBE
-        return _inplace_kind(func) or _RECORD
+        self._names[func] = str(func)
+        return _RECORD if records_op(func) else _SKIP
 
     def _record(self, func, args, kwargs, out) -> None:
         index = len(self.ops)

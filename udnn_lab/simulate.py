@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from functools import lru_cache
 import numpy as np
 import pandas as pd
 
@@ -33,6 +34,7 @@ from udnn_lab.plan.ir import Offload, Plan, Recompute
 from udnn_lab.profile import Profile
 from udnn_lab.units import cuda_block_bytes, format_bytes, format_seconds
 
+_KEPT_SIMULATIONS = 48  # per cost model: enough for one plan() or one budget of a sweep
 TIMELINE_COLUMNS = ["stream", "kind", "start_s", "end_s", "op", "name", "module", "tensor", "nbytes"]
 
 
@@ -90,8 +92,17 @@ def cost_model(graph: Graph, hardware: Hardware | str | None = None, profile: Pr
 
 
 def simulate_with(graph: Graph, plan: Plan, cost: CostModel) -> Simulation:
-    """Simulate with a ready CostModel (planners call this in their loops; the plan is not re-validated)."""
-    return _Run(graph, plan, cost).simulate()
+    """Simulate with a ready CostModel (planners call this in their loops; the plan is not re-validated).
+
+    The result is kept in the cost model's memo: planners ask about the same plan again.
+    """
+    key = ("simulation", id(graph), plan)
+    if key not in cost.memo:
+        kept = [k for k in cost.memo if k[0] == "simulation"]
+        for old in kept[:max(0, len(kept) - _KEPT_SIMULATIONS + 1)]:
+            del cost.memo[old]
+        cost.memo[key] = _Run(graph, plan, cost).simulate()
+    return cost.memo[key]
 
 
 def resolve_hardware(hardware: Hardware | str | None, device: str) -> Hardware:
@@ -120,18 +131,66 @@ def _cuda_here() -> bool:
     return torch.cuda.is_available()
 
 
+@dataclass(frozen=True)
+class _Static:
+    """What a simulation needs of a graph, precomputed once per graph."""
+
+    on_device: tuple[bool, ...]
+    exact: tuple[int, ...]  # bytes per tensor
+    block: tuple[int, ...]  # 512-byte-rounded bytes per tensor
+    category: tuple[int, ...]  # index into CATEGORIES per tensor
+    alloc_rows: np.ndarray  # [ops, categories]: bytes each op allocates on the device
+    release_rows: np.ndarray  # [ops, categories]: bytes released right after each op
+    alloc_exact: tuple[int, ...]  # totals of alloc_rows / release_rows
+    release_exact: tuple[int, ...]
+    alloc_block: tuple[int, ...]
+    release_block: tuple[int, ...]
+    baseline: np.ndarray  # [categories]
+    baseline_block: int
+
+
+@lru_cache(maxsize=16)
+def _static(graph: Graph) -> _Static:
+    index = {c: i for i, c in enumerate(CATEGORIES)}
+    on_device = tuple(graph.on_device(t) for t in graph.tensors)
+    exact = tuple(t.nbytes for t in graph.tensors)
+    block = tuple(cuda_block_bytes(n) for n in exact)
+    category = tuple(index[t.category] for t in graph.tensors)
+    n = len(graph.ops)
+    alloc, release = np.zeros((n, len(CATEGORIES)), np.int64), np.zeros((n, len(CATEGORIES)), np.int64)
+    alloc_block, release_block = [0] * n, [0] * n
+    baseline, baseline_block = np.zeros(len(CATEGORIES), np.int64), 0
+    for t in graph.tensors:
+        if not on_device[t.id]:
+            continue
+        if t.alloc_step < 0:
+            baseline[category[t.id]] += t.nbytes
+            baseline_block += block[t.id]
+        else:
+            alloc[t.alloc_step, category[t.id]] += t.nbytes
+            alloc_block[t.alloc_step] += block[t.id]
+        if t.free_step == -1:
+            baseline[category[t.id]] -= t.nbytes
+            baseline_block -= block[t.id]
+        elif t.free_step is not None:
+            release[t.free_step, category[t.id]] += t.nbytes
+            release_block[t.free_step] += block[t.id]
+    return _Static(on_device, exact, block, category, alloc, release, tuple(alloc.sum(axis=1).tolist()),
+                   tuple(release.sum(axis=1).tolist()), tuple(alloc_block), tuple(release_block), baseline,
+                   baseline_block)
+
+
 class _Run:
     """One simulation's mutable state (NOTE [simulated streams])."""
 
     def __init__(self, graph: Graph, plan: Plan, cost: CostModel) -> None:
         self.graph, self.plan, self.cost = graph, plan, cost
+        self.static = _static(graph)
         self.cuda = graph.device == "cuda"
-        self.times = cost.op_times_s(graph)
+        self.times = cost.op_times_s(graph).tolist()
         self.budget = plan.budget_bytes
-        self.category = {c: i for i, c in enumerate(CATEGORIES)}
-        self.on_device = [graph.on_device(t) for t in graph.tensors]
-        self.live = np.zeros(len(CATEGORIES), dtype=np.int64)
-        self.live_cuda = 0
+        self.live = self.static.baseline.copy()
+        self.live_block = self.static.baseline_block
         self.pending: list[tuple[float, int]] = []  # (copy end, tensor): device memory freed then
         self.cancelled: set[int] = set()  # offloads whose prefetch came before their copy completed
         self.timeline: list[tuple] = []
@@ -145,13 +204,16 @@ class _Run:
         self._index_actions()
 
     def _index_actions(self) -> None:
+        on_device = self.static.on_device
         self.offload_after: dict[int, list[Offload]] = {}
         self.prefetch_at: dict[int, list[Offload]] = {}
         self.sync_before: dict[int, list[int]] = {}
         self.recompute_at: dict[int, list[Recompute]] = {}
         self.drop_after: dict[int, list[int]] = {}
+        moved = set()
         for offload in self.plan.offloads:
-            if self.on_device[offload.tensor]:
+            if on_device[offload.tensor]:
+                moved.add(offload.tensor)
                 self.offload_after.setdefault(offload.after_op, []).append(offload)
                 self.prefetch_at.setdefault(offload.prefetch_at, []).append(offload)
                 if offload.wait_before is not None:
@@ -159,26 +221,28 @@ class _Run:
         for recompute in self.plan.recomputes:
             self.recompute_at.setdefault(recompute.at_op, []).append(recompute)
             for tensor in recompute.tensors:
-                if self.on_device[tensor]:
+                if on_device[tensor]:
                     last = self.graph.tensors[tensor].last_forward_use
                     self.drop_after.setdefault(last, []).append(tensor)
+        readers = {i for t in moved for i in self.graph.tensors[t].consumers}
+        self.action_ops = set(self.offload_after) | set(self.prefetch_at) | set(self.sync_before) \
+            | set(self.recompute_at) | set(self.drop_after) | readers
 
     # -- memory -----------------------------------------------------------------------------
     def _counted(self) -> int:
-        return self.live_cuda if self.cuda else int(self.live.sum())
+        return self.live_block if self.cuda else int(self.live.sum())
 
     def _add(self, tensor: int, sign: int) -> None:
-        t = self.graph.tensors[tensor]
-        self.live[self.category[t.category]] += sign * t.nbytes
-        self.live_cuda += sign * cuda_block_bytes(t.nbytes)
+        static = self.static
+        self.live[static.category[tensor]] += sign * static.exact[tensor]
+        self.live_block += sign * static.block[tensor]
         if sign > 0:
-            self.allocated_now += t.nbytes
+            self.allocated_now += static.exact[tensor]
         else:
-            self.released_now += t.nbytes
+            self.released_now += static.exact[tensor]
 
     def _size(self, tensor: int) -> int:
-        nbytes = self.graph.tensors[tensor].nbytes
-        return cuda_block_bytes(nbytes) if self.cuda else nbytes
+        return self.static.block[tensor] if self.cuda else self.static.exact[tensor]
 
     def _free_completed(self, until: float) -> None:
         while self.pending and self.pending[0][0] <= until:
@@ -201,16 +265,8 @@ class _Run:
 
     # -- the step -------------------------------------------------------------------------
     def simulate(self) -> Simulation:
-        graph = self.graph
-        for t in graph.tensors:
-            if self.on_device[t.id] and t.alloc_step < 0:
-                self._add(t.id, +1)
-        for t in graph.tensors:
-            if self.on_device[t.id] and t.free_step == -1:
-                self._add(t.id, -1)
         rows, clock = [], 0.0
-        self.allocated_now = self.released_now = 0
-        for op in graph.ops:
+        for op in self.graph.ops:
             clock, row, released_before = self._step(op, clock)
             if rows:
                 rows[-1][5] = released_before  # released between the previous op and this one
@@ -220,12 +276,13 @@ class _Run:
         return self._result(rows, clock)
 
     def _step(self, op, clock: float):
-        i = op.index
+        i, static = op.index, self.static
+        own = static.alloc_block[i] if self.cuda else static.alloc_exact[i]
+        if i not in self.action_ops:
+            return self._plain_step(op, clock, own)
         prefetches = self.prefetch_at.get(i, [])
         recomputes = self.recompute_at.get(i, [])
-        allocated = [t for t in op.allocated if self.on_device[t]]
-        need = sum(self._size(t) for t in allocated) \
-            + sum(self._size(t) for r in recomputes for t in self._restored(r)) \
+        need = own + sum(self._size(t) for r in recomputes for t in self._restored(r)) \
             + sum(self._size(o.tensor) for o in prefetches if self.d2h_end.get(o.tensor, 0.0) <= clock)
         start = self._wait_for_memory(clock, need)
         self._stall(clock, start, i, "stall_memory")
@@ -239,26 +296,37 @@ class _Run:
             start = self._recompute(recompute, start, i)
         ready = max([start] + [self.h2d_end[t] for t in op.inputs if t in self.h2d_end])
         self._stall(start, ready, i, "stall_prefetch")
-        end = ready + float(self.times[i])
-        self.timeline.append(("compute", "op", ready, end, i, op.name, op.module, "", 0))
-        for t in allocated:
-            self._add(t, +1)
-        row = [self.live.copy(), self.live_cuda, ready, end, self._take_allocated(), 0]
-        for t in op.released:
-            if self.on_device[t]:
-                self._add(t, -1)
+        row, end = self._run_op(op, ready)
         for tensor in self.drop_after.get(i, []):
             self._add(tensor, -1)
         for offload in self.offload_after.get(i, []):
             self._offload(offload, end, i)
         return end, row, released_before
 
-    def _restored(self, recompute: Recompute) -> list[int]:
-        return [t for t in recompute.tensors if self.on_device[t]]
+    def _plain_step(self, op, clock: float, own: int):
+        """An op the plan does not touch: only the budget can hold it back."""
+        start = self._wait_for_memory(clock, own) if self.pending or self.budget is not None else clock
+        self._stall(clock, start, op.index, "stall_memory")
+        released_before, self.released_now = self.released_now, 0
+        row, end = self._run_op(op, start)
+        return end, row, released_before
 
-    def _take_allocated(self) -> int:
-        taken, self.allocated_now = self.allocated_now, 0
-        return taken
+    def _run_op(self, op, start: float):
+        i, static = op.index, self.static
+        end = start + self.times[i]
+        self.timeline.append(("compute", "op", start, end, i, op.name, op.module, "", 0))
+        self.live += static.alloc_rows[i]
+        self.live_block += static.alloc_block[i]
+        allocated = self.allocated_now + static.alloc_exact[i]
+        self.allocated_now = 0
+        row = [self.live.copy(), self.live_block, start, end, allocated, 0]
+        self.live -= static.release_rows[i]
+        self.live_block -= static.release_block[i]
+        self.released_now += static.release_exact[i]
+        return row, end
+
+    def _restored(self, recompute: Recompute) -> list[int]:
+        return [t for t in recompute.tensors if self.static.on_device[t]]
 
     def _stall(self, start: float, end: float, op: int, kind: str) -> None:
         if end > start:

@@ -32,7 +32,7 @@ CPU_FOR_CUDA_NOTE = ("no CUDA device here: traced with CPU kernels; sizes are th
 
 def trace(model: torch.nn.Module | Workload, example_input: Any = None, loss_fn: Callable | None = None,
           optimizer: torch.optim.Optimizer | None = None, *, target: Any = None, device: str | None = None,
-          fake: bool = True, name: str | None = None) -> Graph:
+          fake: bool = True, name: str | None = None, fast_paths: bool = True) -> Graph:
     """Record one training step (forward, backward, optimizer step) as a :class:`Graph`.
 
     ``example_input``: a tensor, a tuple of positional tensors or a dict of keyword
@@ -40,11 +40,13 @@ def trace(model: torch.nn.Module | Workload, example_input: Any = None, loss_fn:
     without one, the loss is the sum of the outputs. ``device``: where the step would
     run ('cpu', 'cuda'); by default the model's. With ``fake=False`` the step runs for
     real on that device; the model and optimizer are restored afterwards.
+    ``fast_paths=False`` runs every op through fake mode's own dispatch (slower; it is
+    how the fast paths of fake_fast.py are checked).
     """
     work = as_workload(model, example_input, loss_fn=loss_fn, optimizer=optimizer, target=target, name=name)
     run_on, counted_as = _resolve_device(work, device, fake)
     if fake:
-        return _trace_fake(work, run_on, counted_as)
+        return _trace_fake(work, run_on, counted_as, fast_paths)
     return _trace_real(work, run_on)
 
 
@@ -65,14 +67,14 @@ def _resolve_device(work: Workload, device: str | None, fake: bool) -> tuple[tor
     return chosen, chosen.type
 
 
-def _trace_fake(work: Workload, device: torch.device, counted_as: str) -> Graph:
+def _trace_fake(work: Workload, device: torch.device, counted_as: str, fast_paths: bool) -> Graph:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = work.model
     fakes = fake_state(model, fake_mode, device)
     args, kwargs = split_input(fake_inputs(work.example_input, fake_mode, device))
     target = fake_inputs(work.target, fake_mode, device)
     optimizer = fake_optimizer(work.optimizer, model, fakes, fake_mode, device, counted_as)
-    recorder = StepRecorder(fake_mode=fake_mode)
+    recorder = StepRecorder(fake_mode=fake_mode, fast_paths=fast_paths)
     try:
         with _reparametrize_module(model, fakes, tie_weights=True), fake_mode, _quiet_fake_errors():
             record_step(recorder, model, args, kwargs, target, work.loss_fn, optimizer, track_saved=True)

@@ -84,7 +84,7 @@ class Plan:
         for offload in self.offloads:
             _check_offload(graph, offload)
         for recompute in self.recomputes:
-            _check_recompute(graph, recompute, seen)
+            check_recompute(graph, recompute, seen)
         if self.pinned_pool_bytes < 0 or self.size_floor_bytes < 0:
             raise PlanError("pinned_pool_bytes and size_floor_bytes cannot be negative")
 
@@ -115,7 +115,7 @@ def _check_offload(graph: Graph, offload: Offload) -> None:
                         f"(after op {offload.after_op})")
 
 
-def _check_recompute(graph: Graph, recompute: Recompute, dropped: set[int]) -> None:
+def check_recompute(graph: Graph, recompute: Recompute, dropped: set[int]) -> None:
     names = ", ".join(graph.tensors[t].name for t in recompute.tensors)
     if not recompute.tensors or not recompute.ops:
         raise PlanError("a recomputation needs the tensors it restores and the ops that rebuild them")
