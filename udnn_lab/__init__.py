@@ -16,6 +16,7 @@ from udnn_lab.measure import Measurement, measure
 from udnn_lab.plan import Offload, Plan, PlanError, Recompute
 from udnn_lab.plan.budget import PlanInfeasible, min_budget, plan, sweep
 from udnn_lab.profile import Profile, profile
+from udnn_lab.runtime import HostMemoryError, OffloadRuntime, PlanMismatch, Run, train
 from udnn_lab.simulate import Simulation, simulate
 from udnn_lab.trace import trace
 from udnn_lab.units import format_bytes, format_seconds, parse_bytes
@@ -23,10 +24,10 @@ from udnn_lab.workload import Workload
 
 __all__ = [
     "CostModel", "FakeTensorUnsupported", "Graph", "Hardware", "HardwareMismatchWarning", "HardwareProfileError",
-    "Measurement", "MissingDependency", "ModelInputError", "Offload", "Plan", "PlanError", "PlanInfeasible", "Profile",
-    "RateCurve",
+    "Measurement", "HostMemoryError", "MissingDependency", "ModelInputError", "Offload", "OffloadRuntime", "Plan", "PlanMismatch", "PlanError", "PlanInfeasible", "Profile",
+    "RateCurve", "Run",
     "Recompute", "Simulation", "TraceMismatch", "UdnnLabError", "UnknownHardwareError", "UnknownModelError",
     "Workload", "format_bytes", "format_seconds", "measure", "min_budget", "parse_bytes", "plan", "profile", "simulate",
-    "sweep", "trace", "zoo",
+    "sweep", "trace", "train", "zoo",
 ]
 __version__ = "0.1.0"

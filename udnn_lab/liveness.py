@@ -96,6 +96,7 @@ def memory_curve(graph: Graph, live: LiveBytes) -> pd.DataFrame:
     for i, category in enumerate(CATEGORY_ORDER):
         frame[category] = live.per_category[:, i]
     frame.attrs["baseline_bytes"] = live.baseline_bytes
+    frame.attrs["cuda_baseline_bytes"] = live.baseline_cuda
     frame.attrs["model"] = graph.model_name
     return frame
 

@@ -90,22 +90,24 @@ class Measurement:
         frame.attrs["baseline_bytes"] = self.baseline_bytes
         return frame
 
-    def compare(self, graph: Graph) -> pd.DataFrame:
-        """Predicted against measured, one row per op.
+    def compare(self, predicted) -> pd.DataFrame:
+        """Predicted (a Graph, or a Simulation of a plan) against measured, one row per op.
 
         On CPU, predicted live bytes against tracked storages. On CUDA, the prediction in
         512-byte blocks against ``memory_allocated``, less what was on the device before
         the step that the step does not account for (reported in ``attrs['offset_bytes']``).
         """
-        check_alignment(graph, self)
-        curve = graph.memory_curve()
+        graph = predicted if isinstance(predicted, Graph) else None
+        curve = predicted.memory_curve()
+        _check_ops(tuple(curve["op"]), self.ops)
         frame = curve[["index", "phase", "module", "op"]].copy()
         if self.cuda is None:
             frame["predicted_bytes"] = curve["live_bytes"].to_numpy()
             frame["measured_bytes"] = np.asarray(self.live_bytes)
             offset = 0
         else:
-            offset = self.cuda.baseline_allocated - graph.cuda_baseline_bytes
+            base = graph.cuda_baseline_bytes if graph is not None else int(curve.attrs.get("cuda_baseline_bytes", 0))
+            offset = self.cuda.baseline_allocated - base
             frame["predicted_bytes"] = curve["cuda_live_bytes"].to_numpy()
             frame["measured_bytes"] = np.asarray(self.cuda.allocated) - offset
         frame["error_bytes"] = frame["predicted_bytes"] - frame["measured_bytes"]
@@ -113,10 +115,12 @@ class Measurement:
         frame.attrs["offset_bytes"] = offset
         return frame
 
-    def summary(self, graph: Graph) -> dict[str, Any]:
-        """Peak predicted vs measured, and the worst step of the curve."""
-        frame = self.compare(graph)
-        predicted_peak = graph.peak_bytes if self.cuda is None else graph.cuda_peak_bytes
+    def summary(self, predicted) -> dict[str, Any]:
+        """Peak predicted (by a Graph or a Simulation) against measured, and the worst step of the curve."""
+        frame = self.compare(predicted)
+        predicted_peak = int(frame["predicted_bytes"].max()) if len(frame) else 0
+        if isinstance(predicted, Graph):
+            predicted_peak = predicted.peak_bytes if self.cuda is None else predicted.cuda_peak_bytes
         measured_peak = int(frame["measured_bytes"].max()) if len(frame) else 0
         measured_peak = max(measured_peak, self.baseline_bytes if self.cuda is None
                             else self.cuda.baseline_allocated - frame.attrs["offset_bytes"])
@@ -130,46 +134,54 @@ class Measurement:
         }
 
 
-def check_alignment(graph: Graph, measurement: Measurement) -> None:
+def _check_ops(predicted: tuple[str, ...], measured: tuple[str, ...]) -> None:
     """Raise TraceMismatch naming the first op where the two runs differ."""
-    predicted = tuple(op.name for op in graph.ops)
-    if predicted == measurement.ops:
+    if predicted == measured:
         return
-    for i, (a, b) in enumerate(zip(predicted, measurement.ops)):
+    for i, (a, b) in enumerate(zip(predicted, measured)):
         if a != b:
-            raise TraceMismatch(f"the traced graph and the measured run differ at op {i}: traced {a} "
-                                f"(module {graph.ops[i].module!r}), measured {b}. Trace and measure the same "
-                                f"model, input shapes, loss and optimizer.")
-    raise TraceMismatch(f"the traced graph has {len(predicted)} ops, the measured run {len(measurement.ops)}; "
+            raise TraceMismatch(f"the traced graph and the measured run differ at op {i}: traced {a}, measured {b}. "
+                                "Trace and measure the same model, input shapes, loss and optimizer.")
+    raise TraceMismatch(f"the traced graph has {len(predicted)} ops, the measured run {len(measured)}; "
                         f"trace and measure the same model, input shapes, loss and optimizer")
 
 
 def measure(model: torch.nn.Module | Workload, example_input: Any = None, loss_fn: Callable | None = None,
-            optimizer: torch.optim.Optimizer | None = None, *, target: Any = None, warmup: int = 1,
+            optimizer: torch.optim.Optimizer | None = None, *, target: Any = None, plan=None, warmup: int = 1,
             repeats: int = 3, name: str | None = None) -> Measurement:
     """Run real training steps where the model lives and record the last one op by op.
 
     ``warmup`` steps run first (they create optimizer state and warm caches), then
-    ``repeats`` timed plain steps, then one recorded step. Parameters, buffers,
-    gradients and optimizer state are restored afterwards.
+    ``repeats`` timed plain steps, then one recorded step; with a ``plan`` every step runs
+    under an OffloadRuntime carrying it out. Parameters, buffers, gradients and optimizer
+    state are restored afterwards.
     """
+    from udnn_lab.runtime import OffloadRuntime
+
     work = as_workload(model, example_input, loss_fn=loss_fn, optimizer=optimizer, target=target, name=name)
     device = _model_device(work.model)
     args, kwargs = split_input(map_tensors(lambda t: t.to(device), work.example_input))
     target = map_tensors(lambda t: t.to(device), work.target)
     step = dict(loss_fn=work.loss_fn, target=target, optimizer=work.optimizer)
+    runtime = OffloadRuntime(plan)
+
+    def one_step() -> None:
+        with runtime:
+            run_step(work.model, args, kwargs, **step)
+
     with preserved(work.model, work.optimizer):
         for _ in range(warmup):
-            run_step(work.model, args, kwargs, **step)
+            one_step()
         ensure_optimizer_state(work.optimizer)
-        times = [_timed(lambda: run_step(work.model, args, kwargs, **step), device) for _ in range(repeats)]
+        times = [_timed(one_step, device) for _ in range(repeats)]
         work.model.zero_grad(set_to_none=True)  # the recorded step starts without gradients (allocator baseline)
         before = nvml.read(_index(device)) if device.type == "cuda" else None
         counters = _CudaSampler() if device.type == "cuda" else None
         recorder = StepRecorder(after_op=counters.sample if counters else None)
         if counters:
             counters.start()
-        record_step(recorder, work.model, args, kwargs, target, work.loss_fn, work.optimizer, track_saved=False)
+        record_step(recorder, work.model, args, kwargs, target, work.loss_fn, work.optimizer, track_saved=False,
+                    runtime=runtime if runtime.enabled else None)
         real = graph_from_recording(recorder, work.name, device.type, fake=False)
         after = nvml.read(_index(device)) if device.type == "cuda" else None
     return Measurement(

@@ -168,6 +168,11 @@ class StepRecorder(TorchDispatchMode):
                 record.role, record.name = role, name
         return sid
 
+    def adopt(self, tensor: torch.Tensor) -> None:
+        """A storage allocated at the current op by something other than an op (an offload runtime's prefetch)."""
+        if self.recording:
+            self.sid_of(tensor, produced=True)
+
     def name_parameters(self, named: dict[str, torch.Tensor]) -> None:
         self._param_paths = {id(p): name for name, p in named.items()}
 

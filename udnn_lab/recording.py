@@ -17,8 +17,14 @@ from udnn_lab.step import input_tensors, run_step
 
 
 def record_step(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwargs: dict, target: Any,
-                loss_fn: Callable | None, optimizer: torch.optim.Optimizer | None, *, track_saved: bool) -> None:
-    """Run one training step with ``recorder`` watching; roles of pre-existing tensors are registered first."""
+                loss_fn: Callable | None, optimizer: torch.optim.Optimizer | None, *, track_saved: bool,
+                runtime=None) -> None:
+    """Run one training step with ``recorder`` watching; roles of pre-existing tensors are registered first.
+
+    ``runtime``: an OffloadRuntime to run the step under; it is entered inside the recorder,
+    so the recorder sees the step's ops as the runtime lets them run, and is told of the
+    storages the runtime allocates.
+    """
     named = dict(model.named_parameters())
     recorder.name_parameters(named)
     for i, tensor in enumerate(input_tensors(args, kwargs)):
@@ -36,7 +42,9 @@ def record_step(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwa
 
     saved_hooks = (torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack)
                    if track_saved else nullcontext())
-    with no_gc(), recorder.watching(model), recorder, saved_hooks:
+    if runtime is not None:
+        runtime.observer = recorder
+    with no_gc(), recorder.watching(model), recorder, saved_hooks, runtime or nullcontext():
         recorder.recording = True
         try:
             run_step(model, args, kwargs, loss_fn=loss_fn, target=target, optimizer=optimizer, mark=mark)
@@ -52,6 +60,8 @@ def record_step(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwa
         finally:
             recorder.recording = False
             recorder.module_stack.clear()
+            if runtime is not None:
+                runtime.observer = None
 
 
 @contextmanager

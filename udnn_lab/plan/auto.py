@@ -18,7 +18,7 @@ import numpy as np
 
 from udnn_lab.cost import CostModel
 from udnn_lab.graph import Graph
-from udnn_lab.plan.candidates import Candidate, candidates, first_backward_op, prefetch_point
+from udnn_lab.plan.candidates import Candidate, candidates, first_backward_op, prefetch_point, writers
 from udnn_lab.plan.estimate import CurveEstimate
 from udnn_lab.plan.ir import Offload, Plan, Recompute
 from udnn_lab.plan.vdnn import MARGINS, SIZE_FLOOR, pinned_pool_bytes
@@ -80,19 +80,12 @@ def _options(graph: Graph, cost: CostModel) -> list[_Option]:
         copies = cost.transfer_time_s(c.nbytes, "d2h") + cost.transfer_time_s(c.nbytes, "h2d")
         if prefetch > c.last_forward:
             found.append(_Option(c, "offload", (c.last_forward + 1, prefetch), max(0.0, copies - hidden) + 1e-3 * copies))
-        ops = _rebuilding_ops(graph, c)
+        ops = writers(graph, c.tensor)
         sources = _recompute_sources(graph, c, ops)
         if sources is not None:
             found.append(_Option(c, "recompute", (c.last_forward + 1, c.first_backward),
                                  float(sum(times[i] for i in ops)), ops, sources))
     return found
-
-
-def _rebuilding_ops(graph: Graph, c: Candidate) -> tuple[int, ...]:
-    """The producer and the forward ops that write the tensor in place afterwards (an in-place ReLU, +=)."""
-    writers = [i for i in graph.tensors[c.tensor].consumers
-               if graph.ops[i].phase == "forward" and c.tensor in graph.ops[i].outputs and i > c.producer]
-    return (c.producer, *writers)
 
 
 def _recompute_sources(graph: Graph, c: Candidate, ops: tuple[int, ...]) -> tuple[int, ...] | None:

@@ -49,7 +49,7 @@ def plan(graph: Graph, budget: int | str | None = None, policy: str = "auto", ha
             "; no policy fits it: raise the budget, or lower the batch size"
         raise PlanInfeasible(f"policy {policy!r} cannot fit {graph.model_name} into {format_bytes(budget_bytes)}: "
                              f"the smallest budget it meets is {format_bytes(minimum)}{hint}", minimum, other)
-    return result
+    return result.located(graph)
 
 
 def min_budget(graph: Graph, policy: str = "auto", hardware: Hardware | str | None = None,

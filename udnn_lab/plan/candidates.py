@@ -65,6 +65,14 @@ def prefetch_point(graph: Graph, first_backward: int, layers_ahead: int) -> int:
     return min(point, first_backward - 1)
 
 
+def writers(graph: Graph, tensor: int) -> tuple[int, ...]:
+    """Its producer and the forward ops that return its storage again: in-place writes (ReLU(inplace), +=)
+    and views. Rebuilding the tensor means re-running them all."""
+    t = graph.tensors[tensor]
+    later = [i for i in t.consumers if graph.ops[i].phase == "forward" and tensor in graph.ops[i].outputs]
+    return (t.producer, *sorted(i for i in later if i > t.producer))
+
+
 def next_forward_op(graph: Graph, op: int) -> int | None:
     """The forward op after ``op`` (vDNN makes it wait for the offload of ``op``'s layer)."""
     following = op + 1

@@ -7,7 +7,7 @@ checks every rule and names the one that is broken.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from udnn_lab.errors import UdnnLabError
@@ -39,6 +39,16 @@ class Recompute:
 
 
 @dataclass(frozen=True)
+class TensorSite:
+    """Where the runtime meets a planned tensor: the ``position``-th new storage of op ``producer``."""
+
+    tensor: int
+    producer: int
+    position: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class Plan:
     """What to do with each saved tensor; every tensor not named is kept on the device."""
 
@@ -50,11 +60,21 @@ class Plan:
     pinned_pool_bytes: int = 0  # host pinned memory the runtime allocates once for this plan
     size_floor_bytes: int = 0  # saved tensors smaller than this are always kept
     notes: tuple[str, ...] = field(default=())
+    sites: tuple[TensorSite, ...] = ()  # filled by located(): what the runtime needs without the graph
+    op_count: int = 0  # ops of the step it was located in
 
     @classmethod
     def keep_all(cls, graph: Graph, budget_bytes: int | None = None) -> Plan:
         """The baseline: every saved tensor stays on the device."""
         return cls(policy="keep-all", graph_fingerprint=graph.fingerprint, budget_bytes=budget_bytes)
+
+    def located(self, graph: Graph) -> Plan:
+        """This plan with the sites of its tensors in ``graph``'s step, so a runtime can act on it alone."""
+        self.check_belongs(graph)
+        tensors = sorted(self._actions)
+        sites = tuple(TensorSite(t, graph.tensors[t].producer, graph.ops[graph.tensors[t].producer].allocated.index(t),
+                                 graph.tensors[t].nbytes) for t in tensors)
+        return replace(self, sites=sites, op_count=len(graph.ops))
 
     def action(self, tensor: int) -> Offload | Recompute | None:
         """The plan's action for a tensor id (None: keep it)."""

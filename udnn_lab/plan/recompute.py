@@ -14,7 +14,7 @@ import math
 
 from udnn_lab.cost import CostModel
 from udnn_lab.graph import Graph
-from udnn_lab.plan.candidates import candidates
+from udnn_lab.plan.candidates import candidates, writers
 from udnn_lab.plan.ir import Plan, PlanError, Recompute, check_recompute
 from udnn_lab.simulate import simulate_with
 
@@ -60,7 +60,8 @@ def checkpointed(graph: Graph, segments: int, budget: int | None) -> Plan:
         inside = [c for c in within if c.last_forward <= last]
         if not inside:
             continue
-        ops = tuple(i for i in range(first, max(c.producer for c in inside) + 1) if graph.ops[i].phase == "forward")
+        end = max(writers(graph, c.tensor)[-1] for c in inside)  # in-place writes after a producer belong too
+        ops = tuple(i for i in range(first, end + 1) if graph.ops[i].phase == "forward")
         action = Recompute(tuple(c.tensor for c in inside), ops, min(c.first_backward for c in inside))
         try:
             check_recompute(graph, action, dropped | set(action.tensors))

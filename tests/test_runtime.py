@@ -1,0 +1,176 @@
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import udnn_lab as ul
+from udnn_lab import zoo
+from udnn_lab.plan import POLICIES, PlanInfeasible, plan
+from udnn_lab.runtime import HostMemoryError, OffloadRuntime, PlanMismatch
+from udnn_lab.simulate import simulate
+from udnn_lab.step import run_step, split_input
+
+CPU = ul.Hardware.load("cpu-amd-epyc-2cpu")
+# The same CPU with copies that take no time: the runtime's CPU copies are synchronous memcpys.
+INSTANT = dataclasses.replace(CPU, **{f"{d}_{m}_{k}": (1e18 if k == "bytes_per_s" else 0.0)
+                                      for d in ("h2d", "d2h") for m in ("pinned", "pageable")
+                                      for k in ("bytes_per_s", "latency_s")})
+
+ZOO = [("alexnet", {"image_size": 64}), ("vgg11", {"image_size": 32}), ("vgg16", {"image_size": 32}),
+       ("vgg19", {"image_size": 32}), ("googlenet", {"image_size": 64}), ("inception_v3", {}), ("inception_v4", {}),
+       ("resnet18", {"image_size": 32}), ("resnet34", {"image_size": 32}), ("resnet50", {"image_size": 32}),
+       ("resnet101", {"image_size": 32}), ("resnet152", {"image_size": 32}), ("densenet121", {"image_size": 32}),
+       ("densenet201", {"image_size": 32}), ("resnet164", {}), ("resnet1001", {}), ("mlp5", {}), ("lstm", {}),
+       ("transformer", {"input_shape": (16,)})]
+
+
+def _step(model, work, runtime=None):
+    args, kwargs = split_input(work.example_input)
+    optimizer = type(work.optimizer)(model.parameters(), **work.optimizer.defaults)
+    torch.manual_seed(0)
+    if runtime is None:
+        _, loss = run_step(model, args, kwargs, loss_fn=work.loss_fn, target=work.target, optimizer=optimizer)
+    else:
+        with runtime:
+            _, loss = run_step(model, args, kwargs, loss_fn=work.loss_fn, target=work.target, optimizer=optimizer)
+    return loss.detach(), [p.grad for p in model.parameters()], list(model.state_dict().values())
+
+
+def _policy_plans(graph):
+    """Every policy, at a budget halfway between the lowest any offload reaches and the keep-all peak, so
+    that budgeted policies act; policies that come to the same actions are run once."""
+    budget = (ul.min_budget(graph, "vdnn-all", hardware=CPU) + graph.peak_bytes) // 2
+    plans, seen = {}, set()
+    for name in POLICIES:
+        try:
+            chosen = plan(graph, budget, name, hardware=CPU)
+        except PlanInfeasible:
+            chosen = plan(graph, None, name, hardware=CPU)
+        if (chosen.offloads, chosen.recomputes) not in seen:
+            seen.add((chosen.offloads, chosen.recomputes))
+            plans[name] = chosen
+    return plans
+
+
+@pytest.mark.parametrize("name, options", ZOO, ids=[z[0] for z in ZOO])
+def test_every_policy_is_exact_on_every_zoo_model(name, options):
+    if name == "inception_v4":
+        pytest.importorskip("timm")
+    work = zoo.get(name, batch=2, **options)
+    graph = ul.trace(work)
+    loss, grads, state = _step(copy.deepcopy(work.model), work)
+    acted = 0
+    for policy, chosen in _policy_plans(graph).items():
+        runtime = OffloadRuntime(chosen)
+        loss_b, grads_b, state_b = _step(copy.deepcopy(work.model), work, runtime)
+        assert torch.equal(loss, loss_b), policy
+        assert all(torch.equal(a, b) for a, b in zip(grads, grads_b)), policy
+        assert all(torch.equal(a, b) for a, b in zip(state, state_b)), policy  # parameters and running stats
+        acted += bool(chosen.offloads or chosen.recomputes)
+    assert acted >= 1
+
+
+def test_measured_live_bytes_follow_the_plan_on_cpu():
+    work = zoo.get("resnet18", batch=4, image_size=32)
+    graph = ul.trace(work)
+    for policy in ("vdnn-all", "recompute"):
+        chosen = plan(graph, None, policy, hardware=INSTANT)
+        predicted = simulate(graph, chosen, hardware=INSTANT)
+        summary = ul.measure(work, plan=chosen, repeats=0).summary(predicted)
+        assert summary["peak_relative_error"] <= 0.01, summary
+        assert summary["max_step_relative_error"] <= 0.01, summary
+        assert predicted.peak_bytes <= graph.peak_bytes
+
+
+def test_a_storage_saved_several_times_is_copied_once():
+    work = zoo.get("resnet18", batch=4, image_size=32)
+    graph = ul.trace(work)
+    chosen = plan(graph, None, "vdnn-all", hardware=CPU)
+    runtime = OffloadRuntime(chosen)
+    _step(copy.deepcopy(work.model), work, runtime)
+    assert runtime.last_step.d2h_bytes == sum(graph.tensors[o.tensor].nbytes for o in chosen.offloads)
+    assert runtime.last_step.h2d_bytes == runtime.last_step.d2h_bytes and runtime.last_step.on_demand == 0
+    shared = [o for o in chosen.offloads if len(graph.tensors[o.tensor].saved_by) > 1]
+    assert shared  # some offloaded storages are saved by more than one op
+
+
+def test_disabled_runtime_is_a_null_context():
+    model = nn.Linear(4, 2)
+    for runtime in (OffloadRuntime(None), OffloadRuntime(plan(ul.trace(model, torch.randn(3, 4)), None, "keep-all",
+                                                              hardware=CPU), enabled=False)):
+        with runtime as entered:
+            model(torch.randn(3, 4)).sum().backward()
+        assert entered is runtime and runtime.last_step is None and runtime.pool is None
+        assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_a_failing_step_leaves_nothing_behind_and_the_model_trains_on():
+    work = zoo.get("resnet18", batch=4, image_size=32)
+    chosen = plan(ul.trace(work), None, "vdnn-all", hardware=CPU)
+    runtime = OffloadRuntime(chosen)
+    model = copy.deepcopy(work.model)
+    for error in (RuntimeError("boom"), KeyboardInterrupt()):
+        with pytest.raises(type(error)):
+            with runtime:
+                loss = work.loss_fn(model(work.example_input), work.target)
+                raise error
+        del loss
+        assert torch._C._len_torch_dispatch_stack() == 0
+        assert runtime.pool is None or runtime.pool.stats().in_use_bytes == 0
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: ("plain", t), lambda p: p[1]):
+            model(work.example_input).sum().backward()  # our hooks are gone: these are the innermost
+    loss, grads, _ = _step(copy.deepcopy(work.model), work)
+    loss_b, grads_b, _ = _step(model, work, runtime)
+    assert torch.equal(loss, loss_b) and all(torch.equal(a, b) for a, b in zip(grads, grads_b))
+
+
+def test_two_hundred_steps_hold_memory_flat():
+    work = zoo.get("mlp4", batch=16)
+    graph = ul.trace(work)
+    chosen = plan(graph, None, "vdnn-all", hardware=CPU)
+    assert chosen.offloads
+    batches = [(work.example_input, work.target)] * 200
+    run = ul.train(work.model, batches, work.optimizer, loss_fn=work.loss_fn, plan=chosen, progress=False)
+    assert len(run.steps) == 200 and run.stopped == "batches"
+    assert run.steps["peak_bytes"].iloc[2:].nunique() == 1
+    assert (run.steps["d2h_bytes"] == run.steps["d2h_bytes"].iloc[0]).all()
+    assert run.pinned_bytes > 0
+
+
+def test_host_memory_cap_is_refused_before_swapping():
+    work = zoo.get("resnet18", batch=4, image_size=32)
+    chosen = plan(ul.trace(work), None, "vdnn-all", hardware=CPU)
+    runtime = OffloadRuntime(chosen, host_cap_bytes=1024)
+    with pytest.raises(HostMemoryError, match="host memory"):
+        _step(copy.deepcopy(work.model), work, runtime)
+    assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_a_plan_for_another_step_is_refused():
+    work = zoo.get("resnet18", batch=4, image_size=32)
+    chosen = plan(ul.trace(work), None, "vdnn-all", hardware=CPU)
+    other = zoo.get("resnet18", batch=2, image_size=32)
+    with pytest.raises(PlanMismatch, match="plan"):
+        _step(copy.deepcopy(other.model), other, OffloadRuntime(chosen))
+
+
+def test_a_plan_must_know_where_its_tensors_are():
+    graph = ul.trace(zoo.get("resnet18", batch=2, image_size=32))
+    unlocated = POLICIES["vdnn-all"](graph, None, None)
+    with pytest.raises(ValueError, match="located"):
+        OffloadRuntime(unlocated)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["vdnn-all", "vdnn++", "recompute", "auto"])
+def test_every_policy_is_exact_on_cuda(policy):
+    work = zoo.get("resnet50", batch=16, image_size=64, device="cuda")
+    graph = ul.trace(work)
+    chosen = plan(graph, int(graph.cuda_peak_bytes * 0.7) if policy != "vdnn-all" else None, policy,
+                  hardware="h100-sxm")
+    torch.backends.cudnn.deterministic = True
+    loss, grads, _ = _step(copy.deepcopy(work.model), work)
+    loss_b, grads_b, _ = _step(copy.deepcopy(work.model), work, OffloadRuntime(chosen))
+    assert torch.equal(loss, loss_b) and all(torch.equal(a, b) for a, b in zip(grads, grads_b))

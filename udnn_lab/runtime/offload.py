@@ -1,0 +1,387 @@
+"""The offload runtime: carries out a Plan around a training step. It chooses nothing.
+
+NOTE [offload runtime]
+  1. Identity. A dispatch mode counts the step's ops by the recorder's rules (records_op),
+     so op indices are the plan's. When op ``site.producer`` returns, its
+     ``site.position``-th new output storage is the planned tensor (its size is checked).
+  2. Saving. Autograd's pack hook returns a handle for a planned storage (one slot per
+     storage however many ops save it, in whatever views) and the tensor itself otherwise:
+     parameters, buffers and unplanned tensors are never touched.
+  3. Offload. After op ``after_op`` the storage is copied into a slice of the host pool:
+     on CUDA on the offload stream, which first waits on the compute stream. The runtime
+     holds the device tensor until that copy's event has completed and only then lets it
+     go, so the caching allocator never hands the memory out while the copy reads it.
+  4. Prefetch. When compute reaches op ``prefetch_at``, a device buffer is allocated on
+     the compute stream and filled from the host slice on the prefetch stream, which first
+     waits on the compute stream (the block may be memory compute has just released). The
+     host slice returns to the pool when that copy's event completes.
+  5. Use. Unpacking makes the compute stream wait on the prefetch event (nothing once it
+     has completed) and returns the saved view over the restored storage. A handle
+     unpacked before its prefetch (a step that does not follow the plan) is fetched on
+     demand, and the host wait is counted as a stall.
+  6. Recompute. The ops of a Recompute are recorded in forward (dropped tensors by
+     reference into the recording, never by a reference that would keep them alive), with
+     the RNG state before a random op; when the op before ``at_op`` ends (autograd unpacks
+     a node's saved tensors before the node's first op runs) they are replayed with that
+     state, into clones of any buffer they write, so running statistics stay as eager
+     leaves them (replay.py).
+  7. Release. A slot's restored storage is dropped when the last handle of it is
+     collected: autograd frees saved variables as their backward node finishes.
+  8. Unseen. The runtime's own tensor work (pool slices, copies, views over restored
+     storage, replays) runs with Python dispatch disabled: it is not an op of the step, and
+     a recorder watching the step counts the same ops as without the runtime.
+  9. Exit. Leaving the context, normally or by an exception or KeyboardInterrupt, removes
+     the mode and the hooks, waits for copies in flight, drops every reference held and
+     returns the pool's slices; the pool itself stays for the next step.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from functools import partial
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from udnn_lab.errors import UdnnLabError
+from udnn_lab.plan.ir import Offload, Plan, Recompute
+from udnn_lab.recorder import records_op
+from udnn_lab.runtime.copies import Copies
+from udnn_lab.runtime.pinned_pool import HostPool
+from udnn_lab.runtime.replay import Replay, rng_state
+
+
+class PlanMismatch(UdnnLabError, RuntimeError):
+    """The step run under the runtime is not the step the plan was made for."""
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step under the runtime moved and waited for."""
+
+    ops: int
+    d2h_bytes: int
+    h2d_bytes: int
+    recomputed: int  # tensors rebuilt by replay
+    wait_s: float  # host time blocked on copies
+    on_demand: int  # handles unpacked before their prefetch
+
+
+class _Slot:
+    """One planned storage during one step."""
+
+    __slots__ = ("tensor", "action", "device_data", "key", "host", "host_offset", "offload_done", "restored",
+                 "prefetch_done", "handles", "replay", "watchers")
+
+    def __init__(self, tensor: int, action) -> None:
+        self.tensor, self.action = tensor, action
+        self.device_data = None  # uint8 view of the original storage, held until it is safely copied out
+        self.key = None  # id() of the original storage, while it lives
+        self.host = self.host_offset = self.offload_done = None
+        self.restored = self.prefetch_done = None
+        self.handles = 0
+        self.replay = None
+        self.watchers: list[weakref.ref] = []  # weakrefs whose callbacks follow the storage and the handles
+
+
+class _Handle:
+    """What autograd keeps instead of a planned tensor: which slot, and the view to rebuild."""
+
+    __slots__ = ("slot", "dtype", "shape", "stride", "offset", "__weakref__")
+
+    def __init__(self, slot: _Slot, tensor: torch.Tensor) -> None:
+        self.slot = slot
+        self.dtype, self.shape, self.stride, self.offset = tensor.dtype, tuple(tensor.shape), tensor.stride(), \
+            tensor.storage_offset()
+
+
+class OffloadRuntime:
+    """``with OffloadRuntime(plan): loss_fn(model(x)).backward()`` carries the plan out.
+
+    Made without a plan (or with ``enabled=False``) it does nothing, so a training loop
+    reads the same either way. The host pool is allocated on first use and kept across
+    steps; ``host_cap_bytes`` bounds it (default: half the host memory available).
+    """
+
+    def __init__(self, plan: Plan | None = None, *, enabled: bool = True, host_cap_bytes: int | None = None,
+                 pool_bytes: int | None = None) -> None:
+        self.plan = plan
+        self.enabled = enabled and plan is not None and bool(plan.offloads or plan.recomputes)
+        if self.enabled and not plan.sites:
+            raise ValueError("this plan does not say where its tensors are made: make it with ul.plan(graph, ...) "
+                             "or call plan.located(graph) first")
+        self.host_cap_bytes = host_cap_bytes
+        self.pool_bytes = pool_bytes
+        self.pool: HostPool | None = None
+        self.observer = None  # e.g. measure()'s recorder: told of storages the runtime allocates
+        self.last_step: StepStats | None = None
+        self._step: _Step | None = None
+
+    def __enter__(self) -> OffloadRuntime:
+        if self.enabled:
+            self._step = _Step(self)
+            self._step.start()
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> bool:
+        if self._step is not None:
+            step, self._step = self._step, None
+            self.last_step = step.finish(completed=exc_type is None)
+        return False
+
+    def host_pool(self, device: torch.device) -> HostPool:
+        if self.pool is None:
+            needed = self.pool_bytes or _pool_bytes(self.plan)
+            self.pool = HostPool(needed, pinned=device.type == "cuda", cap_bytes=self.host_cap_bytes)
+        return self.pool
+
+
+def _pool_bytes(plan: Plan) -> int:
+    sizes = {site.tensor: site.nbytes for site in plan.sites}
+    offloaded = sum(-(-sizes[o.tensor] // 512) * 512 for o in plan.offloads)
+    return max(plan.pinned_pool_bytes, offloaded)
+
+
+class _Step(TorchDispatchMode):
+    """The mode and hooks of one step (NOTE [offload runtime])."""
+
+    def __init__(self, runtime: OffloadRuntime) -> None:
+        super().__init__()
+        self.runtime, plan = runtime, runtime.plan
+        self.index = 0
+        self.copies: Copies | None = None
+        self.slots = {a.tensor: _Slot(a.tensor, a) for a in plan.offloads}
+        for recompute in plan.recomputes:
+            for tensor in recompute.tensors:
+                self.slots[tensor] = _Slot(tensor, recompute)
+        self.sites = {}
+        for site in plan.sites:
+            self.sites.setdefault(site.producer, []).append(site)
+        self.by_key: dict[int, _Slot] = {}
+        self.offload_after = _group(plan.offloads, "after_op")
+        self.prefetch_at = _group(plan.offloads, "prefetch_at")
+        self.replay_at: dict[int, list[Replay]] = {}
+        self.recording: dict[int, list[Replay]] = {}
+        for recompute in plan.recomputes:
+            replay = Replay(recompute)
+            # autograd unpacks a node's saved tensors before the node's first op: replay after the op before
+            self.replay_at.setdefault(recompute.at_op - 1, []).append(replay)
+            for op in recompute.ops:
+                self.recording.setdefault(op, []).append(replay)
+        self.watched = set(self.sites) | set(self.offload_after) | set(self.prefetch_at) | set(self.replay_at) \
+            | set(self.recording)
+        self.last_planned_op = max(self.watched, default=-1)
+        self.counted: dict = {}
+        self.copying_out: deque[_Slot] = deque()  # offloads in flight, in issue order (one stream: in order)
+        self.copying_in: deque[_Slot] = deque()  # prefetches in flight
+        self.recomputed = self.on_demand = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._hooks.__enter__()
+        try:
+            self.__enter__()
+        except BaseException:
+            self._hooks.__exit__(None, None, None)
+            raise
+
+    def finish(self, completed: bool) -> StepStats:
+        try:
+            self.__exit__(None, None, None)
+        finally:
+            self._hooks.__exit__(None, None, None)
+        copies = self.copies
+        for slot in self.slots.values():
+            if copies is not None:
+                copies.finish(slot.offload_done)
+                copies.finish(slot.prefetch_done)
+            slot.restored = slot.device_data = slot.prefetch_done = slot.offload_done = slot.host = None
+            slot.watchers.clear()
+        self.copying_out.clear()
+        self.copying_in.clear()
+        self.by_key.clear()
+        if self.runtime.pool is not None:
+            self.runtime.pool.reset()
+        if completed and self.index < self.last_planned_op + 1:
+            raise PlanMismatch(f"the step ran {self.index} ops but the plan acts up to op {self.last_planned_op} of a "
+                               f"{self.runtime.plan.op_count}-op step: run forward and backward inside the runtime, "
+                               "and plan again if the model, batch or optimizer changed")
+        return StepStats(self.index, copies.d2h_bytes if copies else 0, copies.h2d_bytes if copies else 0,
+                         self.recomputed, copies.wait_s if copies else 0.0, self.on_demand)
+
+    # -- the op stream ------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        counted = self.counted.get(func)
+        if counted is None:
+            counted = self.counted[func] = records_op(func)
+        if not counted:
+            return func(*args, **kwargs)
+        index = self.index
+        self.index += 1
+        if index not in self.watched:
+            return func(*args, **kwargs)
+        for offload in self.prefetch_at.get(index, ()):
+            self._prefetch(self.slots[offload.tensor])
+        recording = self.recording.get(index, ())
+        state = rng_state(func, self._device(args)) if recording else None
+        versions = [a._version if isinstance(a, torch.Tensor) else None for a in args] if recording else ()
+        out = func(*args, **kwargs)
+        written = tuple(i for i, (a, v) in enumerate(zip(args, versions)) if v is not None and a._version != v)
+        for replay in recording:
+            replay.record(func, args, kwargs, out, state, written)
+        for site in self.sites.get(index, ()):
+            self._found(site, args, out)
+        for offload in self.offload_after.get(index, ()):
+            self._offload(self.slots[offload.tensor])
+        for replay in self.replay_at.get(index, ()):
+            self._replay(replay)
+        return out
+
+    def _found(self, site, args, out) -> None:
+        taken = {id(t.untyped_storage()) for t in _tensors(args)}
+        fresh = []
+        for tensor in _tensors((out,)):
+            key = id(tensor.untyped_storage())
+            if key not in taken:
+                taken.add(key)
+                fresh.append(tensor)
+        if site.position >= len(fresh) or fresh[site.position].untyped_storage().nbytes() != site.nbytes:
+            raise PlanMismatch(f"op {site.producer} did not make the {site.nbytes}-byte tensor the plan expects: the "
+                               "step differs from the one the plan was made for; plan again for this model and batch")
+        tensor = fresh[site.position]
+        slot = self.slots[site.tensor]
+        slot.key = id(tensor.untyped_storage())
+        self.by_key[slot.key] = slot
+        if self.copies is None:
+            self.copies = Copies(tensor.device)
+        if isinstance(slot.action, Offload):
+            slot.device_data = _bytes_of(tensor)
+        else:
+            for replay in self.recording.get(site.producer, ()):
+                if slot.tensor in replay.recompute.tensors:
+                    replay.restore_from(slot.tensor, slot.key)
+                    slot.replay = replay
+        slot.watchers.append(weakref.ref(tensor.untyped_storage(), partial(self._storage_gone, slot.key)))
+
+    def _storage_gone(self, key: int, _ref) -> None:
+        self.by_key.pop(key, None)
+
+    # -- actions --------------------------------------------------------------------------
+    def _offload(self, slot: _Slot) -> None:
+        if slot.device_data is None:
+            return
+        with torch._C._DisableTorchDispatch():  # the runtime's own tensor work is not an op of the step
+            pool = self.runtime.host_pool(self.copies.device)
+            slot.host_offset, slot.host = pool.take(slot.device_data.numel())
+            slot.offload_done = self.copies.to_host(slot.device_data, slot.host)
+        self.copying_out.append(slot)
+        self._settle()
+
+    def _settle(self) -> None:
+        """Let go of what completed copies no longer need (NOTE [offload runtime] 3 and 4)."""
+        while self.copying_out and self.copies.done(self.copying_out[0].offload_done):
+            slot = self.copying_out.popleft()
+            slot.device_data = slot.offload_done = None
+        while self.copying_in and self.copies.done(self.copying_in[0].prefetch_done):
+            self._give_back(self.copying_in.popleft())
+
+    def _prefetch(self, slot: _Slot) -> None:
+        if slot.host is None or slot.restored is not None:
+            return
+        self._settle()
+        if slot.device_data is not None:  # its copy out is still in flight: it never left
+            slot.restored, slot.device_data = slot.device_data, None
+            self._give_back(slot)
+            return
+        with torch._C._DisableTorchDispatch():
+            slot.restored, slot.prefetch_done = self.copies.to_device(slot.host)
+        self.copying_in.append(slot)
+        self._adopt(slot.restored)
+
+    def _replay(self, replay: Replay) -> None:
+        for tensor, value in replay.run().items():
+            slot = self.slots[tensor]
+            slot.restored = _bytes_of(value)
+            self._adopt(slot.restored)
+            self.recomputed += 1
+
+    def _adopt(self, tensor: torch.Tensor) -> None:
+        if self.runtime.observer is not None:
+            self.runtime.observer.adopt(tensor)
+
+    # -- autograd hooks ---------------------------------------------------------------------
+    def _pack(self, tensor: torch.Tensor):
+        slot = self.by_key.get(id(tensor.untyped_storage()))
+        if slot is None:
+            return tensor
+        handle = _Handle(slot, tensor)
+        slot.handles += 1
+        slot.watchers.append(weakref.ref(handle, partial(self._handle_gone, slot)))
+        return handle
+
+    def _unpack(self, packed):
+        if not isinstance(packed, _Handle):
+            return packed
+        slot = packed.slot
+        if slot.restored is None:
+            self._on_demand(slot)
+        self.copies.use(slot.prefetch_done)
+        with torch._C._DisableTorchDispatch():
+            view = torch.empty(0, dtype=packed.dtype, device=slot.restored.device)
+            view.set_(slot.restored.untyped_storage(), packed.offset, packed.shape, packed.stride)
+        return view
+
+    def _on_demand(self, slot: _Slot) -> None:
+        self.on_demand += 1
+        if isinstance(slot.action, Recompute):
+            self._replay(slot.replay)
+            return
+        self._prefetch(slot)
+        self.copies.finish(slot.prefetch_done)
+
+    def _handle_gone(self, slot: _Slot, _ref) -> None:
+        slot.handles -= 1
+        if slot.handles <= 0 and slot.restored is not None:
+            self._drop(slot)
+
+    def _drop(self, slot: _Slot) -> None:
+        slot.restored = slot.device_data = slot.prefetch_done = slot.offload_done = None
+        self._give_back(slot)
+
+    def _give_back(self, slot: _Slot) -> None:
+        if slot.host is not None and self.runtime.pool is not None:
+            self.runtime.pool.give_back(slot.host_offset)
+        slot.host = slot.host_offset = None
+
+    @staticmethod
+    def _device(args) -> torch.device:
+        first = next(_tensors(args), None)
+        return first.device if first is not None else torch.device("cpu")
+
+
+def _group(actions, field_name: str) -> dict[int, list]:
+    grouped: dict[int, list] = {}
+    for action in actions:
+        grouped.setdefault(getattr(action, field_name), []).append(action)
+    return grouped
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A uint8 tensor over the whole storage of ``tensor`` (made without dispatch: not an op of the step)."""
+    storage = tensor.untyped_storage()
+    with torch._C._DisableTorchDispatch():
+        return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+
+
+def _tensors(values):
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from _tensors(value)
+        elif isinstance(value, dict):
+            yield from _tensors(tuple(value.values()))

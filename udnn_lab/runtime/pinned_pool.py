@@ -1,0 +1,120 @@
+"""Host memory for offloaded tensors: one buffer, allocated once, carved up per tensor.
+
+On CUDA the buffer is pinned (page-locked), so device-to-host and host-to-device copies
+can run asynchronously on their own streams; on a CPU-only machine it is ordinary memory.
+The pool never takes more than its cap (by default half of the host memory available when
+it is created) and says so before the machine would swap.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from dataclasses import dataclass
+
+import torch
+
+from udnn_lab.errors import UdnnLabError
+from udnn_lab.units import format_bytes
+
+DEFAULT_CAP_FRACTION = 0.5
+_ALIGN = 512  # every slice starts on a 512-byte boundary, as CUDA copies like
+
+
+class HostMemoryError(UdnnLabError, MemoryError):
+    """The plan needs more host memory than the pool may take."""
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    capacity_bytes: int
+    in_use_bytes: int
+    peak_in_use_bytes: int
+    pinned: bool
+    grown: int  # times the pool had to grow after it was first allocated
+
+
+def available_host_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what can be used without swapping), else physical memory."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class HostPool:
+    """A first-fit allocator over one host buffer; slices are uint8 views of it."""
+
+    def __init__(self, nbytes: int, pinned: bool, cap_bytes: int | None = None) -> None:
+        self.pinned = pinned
+        self.cap_bytes = cap_bytes if cap_bytes is not None else int(available_host_bytes() * DEFAULT_CAP_FRACTION)
+        self._buffer = self._allocate(max(_round(nbytes), _ALIGN))
+        self._free: list[tuple[int, int]] = [(0, self._buffer.numel())]  # (offset, size), sorted by offset
+        self._used: dict[int, int] = {}  # offset -> size
+        self._in_use = self._peak = 0
+        self._grown = 0
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        if nbytes > self.cap_bytes:
+            raise HostMemoryError(
+                f"offloading needs {format_bytes(nbytes)} of host memory, more than the pool may take "
+                f"({format_bytes(self.cap_bytes)}: {DEFAULT_CAP_FRACTION:.0%} of the {format_bytes(available_host_bytes())} "
+                "available now). Raise the budget (offload less), lower the batch size, or pass a larger host_cap_bytes "
+                "if the machine really has the memory")
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._buffer.numel()
+
+    def stats(self) -> PoolStats:
+        return PoolStats(self.capacity_bytes, self._in_use, self._peak, self.pinned, self._grown)
+
+    def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        """A slice of at least ``nbytes``: (its offset, the uint8 view)."""
+        size = max(_round(nbytes), _ALIGN)
+        for i, (offset, free) in enumerate(self._free):
+            if free >= size:
+                self._free[i:i + 1] = [(offset + size, free - size)] if free > size else []
+                self._used[offset] = size
+                self._in_use += size
+                self._peak = max(self._peak, self._in_use)
+                return offset, self._buffer[offset:offset + nbytes]
+        self._grow(size)
+        return self.take(nbytes)
+
+    def give_back(self, offset: int) -> None:
+        size = self._used.pop(offset)
+        self._in_use -= size
+        position = bisect.bisect(self._free, (offset, size))
+        self._free.insert(position, (offset, size))
+        if position + 1 < len(self._free) and offset + size == self._free[position + 1][0]:
+            self._free[position:position + 2] = [(offset, size + self._free[position + 1][1])]
+        if position > 0 and sum(self._free[position - 1]) == self._free[position][0]:
+            self._free[position - 1:position + 1] = [(self._free[position - 1][0],
+                                                        self._free[position - 1][1] + self._free[position][1])]
+
+    def reset(self) -> None:
+        """Every slice back (between steps, or after a failed one)."""
+        self._free = [(0, self.capacity_bytes)]
+        self._used.clear()
+        self._in_use = 0
+
+    def _grow(self, size: int) -> None:
+        """A bigger buffer; only when nothing is in use (the plan's pool size was too small)."""
+        if self._used:
+            raise HostMemoryError(
+                f"the host pool ({format_bytes(self.capacity_bytes)}) is full while {format_bytes(self._in_use)} are "
+                f"offloaded and {format_bytes(size)} more are needed: the plan's pinned_pool_bytes is too small for "
+                "this step; plan again, or give the runtime a larger pool_bytes")
+        self._buffer = self._allocate(_round(self.capacity_bytes + size))
+        self._free = [(0, self._buffer.numel())]
+        self._grown += 1
+
+
+def _round(nbytes: int) -> int:
+    return ((nbytes + _ALIGN - 1) // _ALIGN) * _ALIGN

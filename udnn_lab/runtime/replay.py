@@ -1,0 +1,188 @@
+"""Recompute by replay: record a Recompute's forward ops, re-run them before backward needs them.
+
+This is the mechanism of torch.utils.checkpoint's non-reentrant mode (saved-tensor hooks
+that rebuild what they dropped), at the level of aten ops so that any op range a plan
+names can be rebuilt without touching the model's code. See NOTE [offload runtime] 6.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from udnn_lab.errors import UdnnLabError
+from udnn_lab.plan.ir import Recompute
+
+
+# Ops that update running statistics in training although their schema does not say so.
+_UNDECLARED_WRITES = {"aten.native_batch_norm.default": (3, 4), "aten.cudnn_batch_norm.default": (3, 4),
+                      "aten.miopen_batch_norm.default": (3, 4)}
+
+
+class ReplayError(UdnnLabError, RuntimeError):
+    """A recomputation could not reproduce forward."""
+
+
+@dataclass
+class _Call:
+    func: object
+    args: tuple  # tensors made earlier in the replay appear as _Made markers
+    kwargs: dict
+    rng_state: tuple | None  # (cpu state, cuda state or None) before a random op
+    versions: tuple[tuple[torch.Tensor, int], ...]  # sources and their version counters when recorded
+    mutated: tuple[int, ...]  # positions of arguments the op writes (cloned at replay unless made here)
+    grad_enabled: bool  # some kernels look at the grad mode (oneDNN's LSTM keeps its workspace only with it)
+
+
+@dataclass(frozen=True)
+class _Made:
+    call: int  # index of the recorded call whose output it is
+    output: int  # index among that call's tensor outputs
+
+
+@dataclass
+class Replay:
+    """The recorded calls of one Recompute, and what their outputs were."""
+
+    recompute: Recompute
+    calls: list[_Call] = field(default_factory=list)
+    made: dict[tuple, tuple] = field(default_factory=dict)  # an output's view (see _view) -> (storage ref, _Made)
+    storages: dict[int, tuple] = field(default_factory=dict)  # id(storage) -> (storage ref, an output on it)
+    restores: dict[int, _Made] = field(default_factory=dict)  # tensor id -> an output on its storage
+
+    def record(self, func, args: tuple, kwargs: dict, out, rng_state, written: tuple[int, ...] = ()) -> None:
+        """``written``: positions of arguments whose version counter the op bumped (some ops, like
+        native_batch_norm's running statistics, write arguments their schema does not mark)."""
+        index = len(self.calls)
+        declared = {i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
+        statistics = set(_UNDECLARED_WRITES.get(str(func), ()))
+        mutated = tuple(sorted(set(written) | declared | statistics))
+        if any(i < len(args) and isinstance(args[i], torch.Tensor) and i not in statistics and not self._makes(args[i])
+               for i in mutated):
+            return  # it changed a tensor made before the recomputation, which keeps the result: not replayed
+        converted, versions = self._convert(args, skip=mutated)
+        kw_converted, kw_versions = self._convert(tuple(kwargs.values()))
+        self.calls.append(_Call(func, converted, dict(zip(kwargs, kw_converted)), rng_state, versions + kw_versions,
+                                mutated, torch.is_grad_enabled()))
+        for position, tensor in enumerate(_outputs(out)):
+            storage = tensor.untyped_storage()
+            if _live(self.storages.get(id(storage)), storage) is None:
+                self.storages[id(storage)] = (weakref.ref(storage), _Made(index, position))
+            self.made[_view(tensor)] = (weakref.ref(storage), _Made(index, position))
+
+    def _makes(self, tensor: torch.Tensor) -> bool:
+        storage = tensor.untyped_storage()
+        return _live(self.storages.get(id(storage)), storage) is not None
+
+    def restore_from(self, tensor_id: int, storage_key: int) -> None:
+        self.restores[tensor_id] = self.storages[storage_key][1]
+
+    def _convert(self, values: tuple, skip: tuple[int, ...] = ()):
+        """Arguments with made tensors as _Made markers, and the version of each other tensor read.
+
+        Arguments the op writes (``skip``) are cloned at replay: an op that also reads one it did
+        not make (BN reads its running statistics only in eval mode) starts from its value after
+        forward.
+        """
+        converted, versions = [], []
+        for position, value in enumerate(values):
+            if isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()
+                made = _live(self.made.get(_view(value)), storage)
+                if made is not None:
+                    converted.append(made)
+                    continue
+                if _live(self.storages.get(id(storage)), storage) is not None:
+                    raise ReplayError("a recomputed op reads a view that the recomputation does not make itself; "
+                                      "plan this tensor as kept or offloaded instead")
+                if position not in skip:
+                    versions.append((value, value._version))
+                converted.append(value)
+            elif isinstance(value, (list, tuple)):
+                inner, inner_versions = self._convert(tuple(value))
+                converted.append(type(value)(inner))
+                versions.extend(inner_versions)
+            else:
+                converted.append(value)
+        return tuple(converted), tuple(versions)
+
+    def run(self) -> dict[int, torch.Tensor]:
+        """Re-run the calls; return the restoring outputs by tensor id. Nothing here is recorded or traced."""
+        for source, version in (v for call in self.calls for v in call.versions):
+            if source._version != version:
+                raise ReplayError("a tensor a recomputation reads was modified in place after forward used it, so "
+                                  "forward cannot be reproduced: plan this tensor as kept or offloaded instead")
+        outputs: list[list[torch.Tensor]] = []
+        with torch._C._DisableTorchDispatch():
+            for call in self.calls:
+                args = tuple(_detached(self._resolve(a, outputs)) for a in call.args)
+                args = tuple(a.clone() if i in call.mutated and not _from_replay(call.args[i]) and
+                             isinstance(a, torch.Tensor) else a for i, a in enumerate(args))
+                kwargs = {k: _detached(self._resolve(v, outputs)) for k, v in call.kwargs.items()}
+                with torch.set_grad_enabled(call.grad_enabled):  # detached inputs: no autograd graph is built
+                    outputs.append(list(_outputs(_seeded(call, args, kwargs))))
+        return {tensor: outputs[m.call][m.output] for tensor, m in self.restores.items()}
+
+    def _resolve(self, value, outputs):
+        if isinstance(value, _Made):
+            return outputs[value.call][value.output]
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._resolve(v, outputs) for v in value)
+        return value
+
+
+def _live(entry, storage):
+    """The _Made of an entry if its storage is ``storage`` (ids are reused once a storage dies)."""
+    if entry is None or entry[0]() is not storage:
+        return None
+    return entry[1]
+
+
+def _view(tensor: torch.Tensor) -> tuple:
+    return id(tensor.untyped_storage()), tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), \
+        tensor.dtype
+
+
+def _detached(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach() if value.requires_grad else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached(v) for v in value)
+    return value
+
+
+def _from_replay(value) -> bool:
+    return isinstance(value, _Made)
+
+
+def _seeded(call: _Call, args: tuple, kwargs: dict):
+    if call.rng_state is None:
+        return call.func(*args, **kwargs)
+    cpu_now = torch.get_rng_state()
+    cuda_now = torch.cuda.get_rng_state() if call.rng_state[1] is not None else None
+    torch.set_rng_state(call.rng_state[0])
+    if call.rng_state[1] is not None:
+        torch.cuda.set_rng_state(call.rng_state[1])
+    try:
+        return call.func(*args, **kwargs)
+    finally:
+        torch.set_rng_state(cpu_now)
+        if cuda_now is not None:
+            torch.cuda.set_rng_state(cuda_now)
+
+
+def rng_state(func, device: torch.device):
+    """The RNG state to replay a random op with (None for a deterministic op)."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return None
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def _outputs(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for t in out if isinstance(t, torch.Tensor)]
+    return []
