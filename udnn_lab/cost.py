@@ -176,7 +176,15 @@ class CostModel:
         return self._overhead_s() + work
 
     def transfer_time_s(self, nbytes: int, direction: str, pinned: bool = True) -> float:
-        return self.hardware.transfer_time_s(nbytes, direction=direction, pinned=pinned)
+        """``latency + bytes / bandwidth`` for a copy of ``nbytes`` (0 for nothing)."""
+        if nbytes <= 0:
+            return 0.0
+        key = ("link", direction, pinned)
+        if key not in self.memo:
+            self.memo[key] = (self.hardware.latency_s(direction, pinned),
+                              self.hardware.bandwidth_bytes_per_s(direction, pinned))
+        latency, bandwidth = self.memo[key]
+        return latency + nbytes / bandwidth
 
     def _hardware_rate(self, kind: str) -> float:
         hw = self.hardware

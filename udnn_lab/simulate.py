@@ -181,7 +181,12 @@ def _static(graph: Graph) -> _Static:
 
 
 class _Run:
-    """One simulation's mutable state (NOTE [simulated streams])."""
+    """One simulation's mutable state (NOTE [simulated streams]).
+
+    The loop keeps only running totals (in the budget's unit: 512-byte blocks on CUDA) and
+    notes when an action takes a tensor off the device or brings it back; the curves are
+    the analyzer's with those changes folded in afterwards.
+    """
 
     def __init__(self, graph: Graph, plan: Plan, cost: CostModel) -> None:
         self.graph, self.plan, self.cost = graph, plan, cost
@@ -189,8 +194,11 @@ class _Run:
         self.cuda = graph.device == "cuda"
         self.times = cost.op_times_s(graph).tolist()
         self.budget = plan.budget_bytes
-        self.live = self.static.baseline.copy()
-        self.live_block = self.static.baseline_block
+        self.own = self.static.alloc_block if self.cuda else self.static.alloc_exact
+        self.gone = self.static.release_block if self.cuda else self.static.release_exact
+        self.counted = self.static.baseline_block if self.cuda else int(self.static.baseline.sum())
+        self.op_index = 0
+        self.changes: list[tuple[int, int, int]] = []  # (first op it holds for, +1 or -1, tensor)
         self.pending: list[tuple[float, int]] = []  # (copy end, tensor): device memory freed then
         self.cancelled: set[int] = set()  # offloads whose prefetch came before their copy completed
         self.timeline: list[tuple] = []
@@ -199,8 +207,6 @@ class _Run:
         self.d2h_end: dict[int, float] = {}
         self.stall = 0.0
         self.violations = 0
-        self.allocated_now = 0  # exact bytes allocated for the op being run
-        self.released_now = 0  # exact bytes released since the last op ran
         self._index_actions()
 
     def _index_actions(self) -> None:
@@ -229,101 +235,75 @@ class _Run:
             | set(self.recompute_at) | set(self.drop_after) | readers
 
     # -- memory -----------------------------------------------------------------------------
-    def _counted(self) -> int:
-        return self.live_block if self.cuda else int(self.live.sum())
-
-    def _add(self, tensor: int, sign: int) -> None:
-        static = self.static
-        self.live[static.category[tensor]] += sign * static.exact[tensor]
-        self.live_block += sign * static.block[tensor]
-        if sign > 0:
-            self.allocated_now += static.exact[tensor]
-        else:
-            self.released_now += static.exact[tensor]
-
     def _size(self, tensor: int) -> int:
         return self.static.block[tensor] if self.cuda else self.static.exact[tensor]
+
+    def _change(self, tensor: int, sign: int, from_op: int) -> None:
+        self.counted += sign * self._size(tensor)
+        self.changes.append((from_op, sign, tensor))
 
     def _free_completed(self, until: float) -> None:
         while self.pending and self.pending[0][0] <= until:
             tensor = heapq.heappop(self.pending)[1]
             if tensor not in self.cancelled:
-                self._add(tensor, -1)
+                self._change(tensor, -1, self.op_index)
 
     def _wait_for_memory(self, start: float, need: int) -> float:
         """Start time once ``need`` more bytes fit the budget, freeing completed copies."""
         self._free_completed(start)
-        while self.budget is not None and self._counted() + need > self.budget and self.pending:
+        while self.budget is not None and self.counted + need > self.budget and self.pending:
             done, tensor = heapq.heappop(self.pending)
             if tensor in self.cancelled:
                 continue
             start = max(start, done)
-            self._add(tensor, -1)
-        if self.budget is not None and self._counted() + need > self.budget:
+            self._change(tensor, -1, self.op_index)
+        if self.budget is not None and self.counted + need > self.budget:
             self.violations += 1
         return start
 
     # -- the step -------------------------------------------------------------------------
     def simulate(self) -> Simulation:
-        rows, clock = [], 0.0
+        clock, spans = 0.0, []
         for op in self.graph.ops:
-            clock, row, released_before = self._step(op, clock)
-            if rows:
-                rows[-1][5] = released_before  # released between the previous op and this one
-            rows.append(row)
-        if rows:
-            rows[-1][5] = self.released_now
-        return self._result(rows, clock)
+            self.op_index = op.index
+            start, clock = self._step(op, clock)
+            spans.append((start, clock))
+        return self._result(spans, clock)
 
-    def _step(self, op, clock: float):
-        i, static = op.index, self.static
-        own = static.alloc_block[i] if self.cuda else static.alloc_exact[i]
+    def _step(self, op, clock: float) -> tuple[float, float]:
+        i = op.index
         if i not in self.action_ops:
-            return self._plain_step(op, clock, own)
+            start = self._wait_for_memory(clock, self.own[i]) if self.pending or self.budget is not None else clock
+            self._stall(clock, start, i, "stall_memory")
+            return start, self._run_op(op, start)
         prefetches = self.prefetch_at.get(i, [])
         recomputes = self.recompute_at.get(i, [])
-        need = own + sum(self._size(t) for r in recomputes for t in self._restored(r)) \
+        need = self.own[i] + sum(self._size(t) for r in recomputes for t in self._restored(r)) \
             + sum(self._size(o.tensor) for o in prefetches if self.d2h_end.get(o.tensor, 0.0) <= clock)
         start = self._wait_for_memory(clock, need)
         self._stall(clock, start, i, "stall_memory")
         synced = max([start] + [self.d2h_end[t] for t in self.sync_before.get(i, []) if t in self.d2h_end])
         self._stall(start, synced, i, "stall_sync")
         start = synced
-        released_before, self.released_now = self.released_now, 0  # belongs to the previous op
         for offload in prefetches:
             self._prefetch(offload, start, i)
         for recompute in recomputes:
             start = self._recompute(recompute, start, i)
         ready = max([start] + [self.h2d_end[t] for t in op.inputs if t in self.h2d_end])
         self._stall(start, ready, i, "stall_prefetch")
-        row, end = self._run_op(op, ready)
+        end = self._run_op(op, ready)
         for tensor in self.drop_after.get(i, []):
-            self._add(tensor, -1)
+            self._change(tensor, -1, i + 1)
         for offload in self.offload_after.get(i, []):
             self._offload(offload, end, i)
-        return end, row, released_before
+        return ready, end
 
-    def _plain_step(self, op, clock: float, own: int):
-        """An op the plan does not touch: only the budget can hold it back."""
-        start = self._wait_for_memory(clock, own) if self.pending or self.budget is not None else clock
-        self._stall(clock, start, op.index, "stall_memory")
-        released_before, self.released_now = self.released_now, 0
-        row, end = self._run_op(op, start)
-        return end, row, released_before
-
-    def _run_op(self, op, start: float):
-        i, static = op.index, self.static
+    def _run_op(self, op, start: float) -> float:
+        i = op.index
         end = start + self.times[i]
         self.timeline.append(("compute", "op", start, end, i, op.name, op.module, "", 0))
-        self.live += static.alloc_rows[i]
-        self.live_block += static.alloc_block[i]
-        allocated = self.allocated_now + static.alloc_exact[i]
-        self.allocated_now = 0
-        row = [self.live.copy(), self.live_block, start, end, allocated, 0]
-        self.live -= static.release_rows[i]
-        self.live_block -= static.release_block[i]
-        self.released_now += static.release_exact[i]
-        return row, end
+        self.counted += self.own[i] - self.gone[i]
+        return end
 
     def _restored(self, recompute: Recompute) -> list[int]:
         return [t for t in recompute.tensors if self.static.on_device[t]]
@@ -349,7 +329,7 @@ class _Run:
             self.h2d_end[t.id] = issued
             self.timeline.append(("h2d", "prefetch_cancelled", issued, issued, op, t.name, t.module, t.name, 0))
             return
-        self._add(t.id, +1)
+        self._change(t.id, +1, op)
         start = max(self.h2d_free, issued)
         end = start + self.cost.transfer_time_s(t.nbytes, "h2d", offload.pinned)
         self.h2d_free = self.h2d_end[t.id] = end
@@ -358,7 +338,7 @@ class _Run:
     def _recompute(self, recompute: Recompute, start: float, op: int) -> float:
         restored = self._restored(recompute)
         for tensor in restored:
-            self._add(tensor, +1)
+            self._change(tensor, +1, op)
         end = start + float(sum(self.times[j] for j in recompute.ops))
         names = ", ".join(self.graph.tensors[t].name for t in recompute.tensors)
         nbytes = sum(self.graph.tensors[t].nbytes for t in restored)
@@ -366,26 +346,17 @@ class _Run:
         self.timeline.append(("compute", "recompute", start, end, op, names, module, names, nbytes))
         return end
 
-    def _result(self, rows, clock: float) -> Simulation:
+    def _result(self, spans: list[tuple[float, float]], clock: float) -> Simulation:
         graph = self.graph
-        curve = graph.memory_curve()
-        per_category = np.array([r[0] for r in rows]).reshape(len(rows), len(CATEGORIES))
-        for j, category in enumerate(CATEGORIES):
-            curve[category] = per_category[:, j] if len(rows) else []
-        curve["live_bytes"] = per_category.sum(axis=1) if len(rows) else []
-        curve["cuda_live_bytes"] = [r[1] for r in rows]
-        curve["allocated_bytes"] = [r[4] for r in rows]
-        curve["released_bytes"] = [r[5] for r in rows]
-        curve["start_s"] = [r[2] for r in rows]
-        curve["end_s"] = [r[3] for r in rows]
+        curve = self._curve(spans)
         timeline = pd.DataFrame(self.timeline, columns=TIMELINE_COLUMNS).sort_values(["start_s", "stream"],
                                                                                        kind="stable")
         counted = curve["cuda_live_bytes"] if self.cuda else curve["live_bytes"]
         base = graph.cuda_baseline_bytes if self.cuda else graph.baseline_bytes
-        d2h = timeline[timeline.stream == "d2h"]["nbytes"].sum()
-        h2d = timeline[timeline.stream == "h2d"]["nbytes"].sum()
-        compute = float(timeline[(timeline.stream == "compute") & timeline.kind.isin(["op", "recompute"])]
-                        .eval("end_s - start_s").sum())
+        d2h = int(timeline.loc[timeline.stream == "d2h", "nbytes"].sum())
+        h2d = int(timeline.loc[timeline.stream == "h2d", "nbytes"].sum())
+        work = timeline[(timeline.stream == "compute") & timeline.kind.isin(["op", "recompute"])]
+        compute = float((work["end_s"] - work["start_s"]).sum())
         step = max(clock, self.d2h_free, self.h2d_free)
         hw = self.cost.hardware
         bound = max(compute, d2h / hw.bandwidth_bytes_per_s("d2h", True) if d2h else 0.0,
@@ -393,8 +364,35 @@ class _Run:
         return Simulation(
             model_name=graph.model_name, policy=self.plan.policy, device=graph.device,
             budget_bytes=self.budget, step_time_s=step, compute_time_s=compute, stall_time_s=self.stall,
-            d2h_bytes=int(d2h), h2d_bytes=int(h2d), lower_bound_s=bound,
+            d2h_bytes=d2h, h2d_bytes=h2d, lower_bound_s=bound,
             peak_bytes=int(max(base, counted.max() if len(counted) else 0)),
             timeline=timeline.reset_index(drop=True), curve=curve,
         )
+
+    def _curve(self, spans: list[tuple[float, float]]) -> pd.DataFrame:
+        """The analyzer's curve with each action's changes from the op it takes effect at."""
+        curve = self.graph.memory_curve()
+        n = len(curve)
+        per_category = np.zeros((n + 1, len(CATEGORIES)), dtype=np.int64)
+        blocks = np.zeros(n + 1, dtype=np.int64)
+        allocated = np.zeros(n + 1, dtype=np.int64)
+        released = np.zeros(n + 1, dtype=np.int64)
+        static = self.static
+        for first, sign, tensor in self.changes:
+            per_category[first, static.category[tensor]] += sign * static.exact[tensor]
+            blocks[first] += sign * static.block[tensor]
+            if sign > 0:
+                allocated[first] += static.exact[tensor]
+            elif first > 0:
+                released[first - 1] += static.exact[tensor]  # gone before op ``first``: released after the one before
+        per_category = np.cumsum(per_category[:n], axis=0)
+        for j, category in enumerate(CATEGORIES):
+            curve[category] = curve[category].to_numpy() + per_category[:, j]
+        curve["live_bytes"] = curve[list(CATEGORIES)].sum(axis=1)
+        curve["cuda_live_bytes"] = curve["cuda_live_bytes"].to_numpy() + np.cumsum(blocks[:n])
+        curve["allocated_bytes"] = curve["allocated_bytes"].to_numpy() + allocated[:n]
+        curve["released_bytes"] = curve["released_bytes"].to_numpy() + released[:n]
+        curve["start_s"] = [start for start, _ in spans]
+        curve["end_s"] = [end for _, end in spans]
+        return curve
 

@@ -1,11 +1,11 @@
 """auto: choose keep, offload or recompute per saved tensor, jointly, for the fastest step that fits.
 
-For each candidate it prices both ways out of memory: an offload costs the part of its
-copies that compute cannot hide (the copies against the compute time between its last
-forward use and its first backward use), a recompute costs re-running its producer (when
-the producer's inputs outlive it). Greedily, at the op where the estimated curve peaks,
-it drops the candidate that frees the most bytes per second of cost, by its cheaper
-action, until the estimate fits; the simulator checks, and it aims lower if it must.
+For each candidate it prices both ways out of memory: a recompute costs re-running its
+producer and the in-place ops that follow it (when their inputs outlive it); offloads
+share the copy streams, so they cost nothing while their copies fit in the compute they
+overlap, and their whole copy time beyond. Greedily, at the op where the estimated curve
+peaks, it drops whatever frees bytes for the least time, until the estimate fits; the
+simulator checks, and it aims lower if it must.
 Then every other policy is planned and simulated as well, and the fastest plan that
 fits wins, so auto is never slower (in simulation) than any of them.
 """
@@ -13,8 +13,6 @@ fits wins, so auto is never slower (in simulation) than any of them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import numpy as np
 
 from udnn_lab.cost import CostModel
 from udnn_lab.graph import Graph
@@ -33,7 +31,9 @@ class _Option:
     candidate: Candidate
     action: str  # 'offload' or 'recompute'
     window: tuple[int, int]  # ops it is away from the device
-    cost_s: float
+    cost_s: float  # recompute: the ops' time; offload: both copies' time (hidden, or not, by _choose)
+    d2h_s: float = 0.0
+    h2d_s: float = 0.0
     ops: tuple[int, ...] = ()  # forward ops a recompute re-runs
     sources: tuple[int, ...] = ()  # tensors a recompute needs kept
 
@@ -59,9 +59,12 @@ def auto(graph: Graph, cost: CostModel, budget: int | None) -> Plan:
 def joint(graph: Graph, cost: CostModel, budget: int) -> Plan:
     """The joint keep/offload/recompute greedy, checked by simulation."""
     options = _options(graph, cost)
+    times = cost.op_times_s(graph)
+    boundary = first_backward_op(graph)
+    hideable = (float(times[:boundary].sum()), float(times[boundary:].sum()))  # copy time each stream can hide
     plan = _build(graph, budget, [])
     for margin in MARGINS:
-        plan = _build(graph, budget, _choose(graph, options, budget * (1 - margin)))
+        plan = _build(graph, budget, _choose(graph, options, budget * (1 - margin), hideable))
         if simulate_with(graph, plan, cost).fits:
             break
     return plan
@@ -69,22 +72,20 @@ def joint(graph: Graph, cost: CostModel, budget: int) -> Plan:
 
 def _options(graph: Graph, cost: CostModel) -> list[_Option]:
     times = cost.op_times_s(graph)
-    elapsed = np.concatenate([[0.0], np.cumsum(times)])
     boundary = first_backward_op(graph)
     found = []
     for c in candidates(graph, SIZE_FLOOR):
         if c.last_forward >= boundary:
             continue
         prefetch = prefetch_point(graph, c.first_backward, LOOKAHEAD)
-        hidden = elapsed[c.first_backward] - elapsed[c.last_forward + 1]
-        copies = cost.transfer_time_s(c.nbytes, "d2h") + cost.transfer_time_s(c.nbytes, "h2d")
+        d2h, h2d = cost.transfer_time_s(c.nbytes, "d2h"), cost.transfer_time_s(c.nbytes, "h2d")
         if prefetch > c.last_forward:
-            found.append(_Option(c, "offload", (c.last_forward + 1, prefetch), max(0.0, copies - hidden) + 1e-3 * copies))
+            found.append(_Option(c, "offload", (c.last_forward + 1, prefetch), d2h + h2d, d2h, h2d))
         ops = writers(graph, c.tensor)
         sources = _recompute_sources(graph, c, ops)
         if sources is not None:
             found.append(_Option(c, "recompute", (c.last_forward + 1, c.first_backward),
-                                 float(sum(times[i] for i in ops)), ops, sources))
+                                 float(sum(times[i] for i in ops)), ops=ops, sources=sources))
     return found
 
 
@@ -101,21 +102,55 @@ def _recompute_sources(graph: Graph, c: Candidate, ops: tuple[int, ...]) -> tupl
     return tuple(sorted(needed))
 
 
-def _choose(graph: Graph, options: list[_Option], target: float) -> list[_Option]:
+def _choose(graph: Graph, options: list[_Option], target: float, hideable: tuple[float, float]) -> list[_Option]:
+    """Drop, at the estimated peak, whatever frees bytes for the least time, until the estimate fits.
+
+    A recompute costs its ops' time. Offloads share the copy streams: while the copies fit
+    in the compute time they overlap (forward for the copies out, backward for the copies
+    in) they cost nothing, beyond that their whole copy time.
+    """
     estimate = CurveEstimate(graph)
-    ranked = sorted(options, key=lambda o: (-estimate.size(o.candidate) / (o.cost_s + 1e-9), o.candidate.tensor))
+    recomputes = sorted((o for o in options if o.action == "recompute"),
+                        key=lambda o: (o.cost_s / estimate.size(o.candidate), o.candidate.tensor))
+    offloads = sorted((o for o in options if o.action == "offload"), key=lambda o: (-o.candidate.nbytes, o.candidate.tensor))
     chosen: dict[int, _Option] = {}
     pinned: set[int] = set()  # sources of chosen recomputes: they must stay
+    d2h_left, h2d_left = hideable
     peak, op = estimate.peak()
     while peak > target:
-        pick = next((o for o in ranked if o.window[0] <= op < o.window[1] and _allowed(o, chosen, pinned)), None)
-        if pick is None:
+        recompute = _first(recomputes, op, chosen, pinned)
+        offload = _first(offloads, op, chosen, pinned)
+        if recompute is None and offload is None:
             break
+        offload_cost = None if offload is None else \
+            max(0.0, offload.d2h_s - d2h_left) + max(0.0, offload.h2d_s - h2d_left)
+        if offload is None or (recompute is not None and recompute.cost_s / estimate.size(recompute.candidate)
+                               < offload_cost / estimate.size(offload.candidate)):
+            pick = recompute
+        else:
+            pick = offload
+            d2h_left, h2d_left = d2h_left - offload.d2h_s, h2d_left - offload.h2d_s
         chosen[pick.candidate.tensor] = pick
         pinned.update(pick.sources)
         estimate.drop(pick.candidate, pick.window)
         peak, op = estimate.peak()
     return list(chosen.values())
+
+
+def _first(ranked: list[_Option], op: int, chosen: dict[int, _Option], pinned: set[int]) -> _Option | None:
+    """The best option away at ``op``; options no longer allowed are dropped from ``ranked`` on the way
+    (what is chosen or pinned stays so), so each is passed over at most once."""
+    stale = []
+    found = None
+    for index, option in enumerate(ranked):
+        if not _allowed(option, chosen, pinned):
+            stale.append(index)
+        elif option.window[0] <= op < option.window[1]:
+            found = option
+            break
+    for index in reversed(stale):
+        del ranked[index]
+    return found
 
 
 def _allowed(option: _Option, chosen: dict[int, _Option], pinned: set[int]) -> bool:

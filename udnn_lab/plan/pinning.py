@@ -4,9 +4,9 @@ Every candidate that is not pinned is offloaded after its last forward use and p
 before backward needs it. All candidates are saved across the forward/backward boundary,
 so at that op they compete for the same memory: what is left of the budget once every
 candidate is away. ``pin-dp`` solves that as a 0/1 knapsack exactly, by dynamic
-programming over memory in discrete units, maximizing the transfer time saved (the
-copies each pinned tensor avoids); ``pin-greedy`` pins in access order while they fit,
-as GeePS's memory manager does. Ops other than the boundary are then checked, and
+programming over memory in discrete units, maximizing the bytes pinned (bytes never
+moved: document 001's measure); ``pin-greedy`` pins in access order while they fit, as
+GeePS's memory manager does. Ops other than the boundary are then checked, and
 tensors unpinned where they still overflow.
 
 pin-dp costs O(n * U) time and memory for n candidates and U = capacity / unit units;
@@ -71,20 +71,15 @@ def _capacity(graph: Graph, pool: list[Candidate], target: float) -> tuple[float
     return target - estimate.live[at], estimate
 
 
-def _saving_s(cost: CostModel, c: Candidate) -> float:
-    """The copies a pinned tensor avoids: out and back in."""
-    return cost.transfer_time_s(c.nbytes, "d2h") + cost.transfer_time_s(c.nbytes, "h2d")
-
-
 def _knapsack(graph: Graph, cost: CostModel, pool: list[Candidate], target: float) -> list[Candidate]:
-    """Maximize the transfer time saved by pinned tensors whose bytes fit the boundary capacity."""
+    """Maximize the bytes pinned (the data never moved) within the boundary capacity."""
     capacity, estimate = _capacity(graph, pool, target)
     if capacity <= 0 or not pool:
         return []
     unit = max(MIN_UNIT, capacity / MAX_UNITS)
     units = int(capacity // unit)
     weights = [int(np.ceil(estimate.size(c) / unit)) for c in pool]
-    values = [_saving_s(cost, c) for c in pool]
+    values = [float(c.nbytes) for c in pool]
     best = np.zeros(units + 1)
     took = np.zeros((len(pool), units + 1), dtype=bool)
     for i, (weight, value) in enumerate(zip(weights, values)):
