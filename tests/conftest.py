@@ -1,11 +1,13 @@
 import os
 
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+# One thread per pytest-xdist worker (the suite runs on two cores), two otherwise.
+_threads = "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2"
+os.environ.setdefault("OMP_NUM_THREADS", _threads)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(2)
+torch.set_num_threads(int(_threads))
 
 
 def pytest_collection_modifyitems(config, items):

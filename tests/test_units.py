@@ -19,6 +19,12 @@ def test_parse_bytes_rejects_garbage_with_a_hint(bad):
         parse_bytes(bad)
 
 
+def test_parse_bytes_takes_numpy_numbers():
+    import numpy as np
+
+    assert parse_bytes(np.int64(4096)) == 4096 and parse_bytes(np.float32(2.0)) == 2
+
+
 def test_parse_bytes_rejects_negative_and_wrong_types():
     with pytest.raises(ValueError, match="negative"):
         parse_bytes(-5)

@@ -20,6 +20,7 @@ from udnn_lab.runtime import HostMemoryError, OffloadRuntime, PlanMismatch, Run,
 from udnn_lab.simulate import Simulation, simulate
 from udnn_lab.trace import trace
 from udnn_lab.units import format_bytes, format_seconds, parse_bytes
+from udnn_lab.widgets import MemoryLab
 from udnn_lab.workload import Workload
 
 __all__ = [

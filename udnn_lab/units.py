@@ -6,6 +6,7 @@ Inside the package sizes are ints in bytes and times are floats in seconds.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 
 _BINARY = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
@@ -22,12 +23,12 @@ def parse_bytes(value: int | float | str) -> int:
     """
     if isinstance(value, bool):
         raise TypeError(f"a size must be {_ACCEPTED}, got a bool")
-    if isinstance(value, int):
-        number, scale = value, 1
-    elif isinstance(value, float):
+    if isinstance(value, numbers.Integral):  # numpy integers too
+        number, scale = int(value), 1
+    elif isinstance(value, numbers.Real):
         if not math.isfinite(value):
             raise ValueError(f"a size must be finite, got {value!r}")
-        number, scale = value, 1
+        number, scale = float(value), 1
     elif isinstance(value, str):
         number, scale = _parse_size_string(value)
     else:
