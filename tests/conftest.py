@@ -17,3 +17,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _vdnn_all_for_cuda(name: str, **options):
+    import udnn_lab as ul
+
+    graph = ul.trace(ul.zoo.get(name, batch=2, device="meta", **options), device="cuda")
+    hardware = "titan-x-maxwell"
+    return graph, ul.simulate(graph, ul.plan(graph, None, "vdnn-all", hardware=hardware), hardware=hardware)
+
+
+@pytest.fixture(scope="session")
+def small():
+    """A ResNet-18 step at batch 2, 32x32, traced for CUDA on meta weights, and its vdnn-all simulation."""
+    return _vdnn_all_for_cuda("resnet18", image_size=32)
+
+
+@pytest.fixture(scope="session")
+def resnet1001():
+    """ResNet-1001 at batch 2, traced for CUDA on meta weights, and its vdnn-all simulation."""
+    return _vdnn_all_for_cuda("resnet1001")

@@ -13,7 +13,6 @@ from udnn_lab.allocator import (HEURISTICS, AllocEvent, AllocatorModelError, Cac
                                 events_from_graph, events_from_memory_trace, events_from_simulation, heuristics,
                                 lay_out, model_from_snapshot, preallocate_long_lived, replay)
 
-torch.set_num_threads(1)
 MiB = 1 << 20
 
 

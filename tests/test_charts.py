@@ -2,25 +2,11 @@ import re
 
 import pandas as pd
 import pytest
-import torch
 
 import udnn_lab as ul
 from udnn_lab import charts, frames
 
-torch.set_num_threads(2)
 HW = "titan-x-maxwell"
-
-
-@pytest.fixture(scope="module")
-def small():
-    graph = ul.trace(ul.zoo.get("resnet18", batch=2, image_size=32, device="meta"), device="cuda")
-    return graph, ul.simulate(graph, ul.plan(graph, None, "vdnn-all", hardware=HW), hardware=HW)
-
-
-@pytest.fixture(scope="module")
-def resnet1001():
-    graph = ul.trace(ul.zoo.get("resnet1001", batch=2, device="meta"), device="cuda")
-    return graph, ul.simulate(graph, ul.plan(graph, None, "vdnn-all", hardware=HW), hardware=HW)
 
 
 def layers_of(spec: dict) -> list[dict]:

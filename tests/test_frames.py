@@ -1,7 +1,6 @@
 import numpy as np
 import pandas as pd
 import pytest
-import torch
 
 import udnn_lab as ul
 from udnn_lab import frames
@@ -9,15 +8,7 @@ from udnn_lab.categories import CATEGORIES
 from udnn_lab.frames_streams import TIMELINE_FRAME_COLUMNS
 from udnn_lab.frames_sweeps import MODEL_SIZES
 
-torch.set_num_threads(2)
 HW = "titan-x-maxwell"
-
-
-@pytest.fixture(scope="module")
-def small():
-    """A ResNet-18 step at batch 2, 32x32, traced for CUDA on meta weights, and its vdnn-all simulation."""
-    graph = ul.trace(ul.zoo.get("resnet18", batch=2, image_size=32, device="meta"), device="cuda")
-    return graph, ul.simulate(graph, ul.plan(graph, None, "vdnn-all", hardware=HW), hardware=HW)
 
 
 @pytest.fixture(scope="module")

@@ -84,3 +84,11 @@ def test_a_plan_knows_its_graph(graph):
         Plan.keep_all(other).validate(graph)
     with pytest.raises(PlanError, match="not in this graph"):
         Plan("p", graph.fingerprint, offloads=(Offload(10**6, 1, 2),)).validate(graph)
+
+
+def test_a_plan_reads_as_a_summary(graph):
+    t = _feature_map(graph)
+    plan = Plan("p", graph.fingerprint, budget_bytes=3 * 2**20,
+                offloads=(Offload(t.id, t.last_forward_use, t.first_backward_use - 1),)).located(graph)
+    assert repr(plan) == (f"Plan('p', budget 3.00 MiB: 1 tensor offloaded ({ul.format_bytes(t.nbytes)}), "
+                          "0 recomputed by re-running 0 ops, pinned pool 0 B)")

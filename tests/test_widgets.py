@@ -10,7 +10,6 @@ from torch import nn
 import altair as alt
 from udnn_lab.widgets import MemoryLab
 
-torch.set_num_threads(2)
 
 
 def rows(chart: alt.JupyterChart) -> list[dict]:

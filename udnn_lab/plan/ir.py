@@ -12,6 +12,7 @@ from functools import cached_property
 
 from udnn_lab.errors import UdnnLabError
 from udnn_lab.graph import Graph
+from udnn_lab.units import format_bytes
 
 
 class PlanError(UdnnLabError, ValueError):
@@ -48,7 +49,7 @@ class TensorSite:
     nbytes: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Plan:
     """What to do with each saved tensor; every tensor not named is kept on the device."""
 
@@ -62,6 +63,16 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     sites: tuple[TensorSite, ...] = ()  # filled by located(): what the runtime needs without the graph
     op_count: int = 0  # ops of the step it was located in
+
+    def __repr__(self) -> str:
+        sized = {site.tensor: site.nbytes for site in self.sites}
+        offloaded = f" ({format_bytes(sum(sized.get(o.tensor, 0) for o in self.offloads))})" if sized else ""
+        restored = sum(len(r.tensors) for r in self.recomputes)
+        rerun = sum(len(r.ops) for r in self.recomputes)
+        budget = format_bytes(self.budget_bytes) if self.budget_bytes is not None else "none"
+        return (f"Plan({self.policy!r}, budget {budget}: {_count(len(self.offloads), 'tensor')} offloaded{offloaded}, "
+                f"{restored} recomputed by re-running {_count(rerun, 'op')}, "
+                f"pinned pool {format_bytes(self.pinned_pool_bytes)})")
 
     @classmethod
     def keep_all(cls, graph: Graph, budget_bytes: int | None = None) -> Plan:
@@ -168,3 +179,7 @@ def _check_source(graph: Graph, names: str, source: int, made: set[int], dropped
     if tensor.free_step is not None and tensor.free_step < at_op:
         raise PlanError(f"recomputing {names} needs {tensor.name}, which is released after op {tensor.free_step}, "
                         f"before the recomputation at op {at_op}")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
