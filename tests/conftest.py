@@ -2,7 +2,10 @@ import os
 
 # One thread per pytest-xdist worker (the suite runs on two cores), two otherwise.
 _threads = "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2"
-os.environ.setdefault("OMP_NUM_THREADS", _threads)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = _threads  # kernels and child processes the tests start inherit it
+else:
+    os.environ.setdefault("OMP_NUM_THREADS", _threads)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

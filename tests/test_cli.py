@@ -1,6 +1,7 @@
 import json
 
 import pandas as pd
+import pytest
 
 from udnn_lab.cli import main
 
@@ -47,3 +48,22 @@ def test_zoo_lists_models(capsys):
 
 def test_no_command_prints_help(capsys):
     assert main([]) == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["report", "resnet-9000x", "--budget", "6GiB"], "unknown model 'resnet-9000x'"),
+    (["report", "resnet18", "--budget", "6GiB", "--hardware", "h9000"], "unknown hardware 'h9000'"),
+    (["report", "resnet18", "--budget", "lots"], "cannot read the budget 'lots'"),
+])
+def test_report_refuses_a_bad_request_and_writes_nothing(argv, message, tmp_path, capsys):
+    out = tmp_path / "report.html"
+    assert main([*argv, "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "checking" in err and f"udnn-lab: error: {message}" in err
+    assert not out.exists()
+
+
+def test_report_needs_a_budget(capsys):
+    with pytest.raises(SystemExit):
+        main(["report", "resnet18"])
+    assert "--budget" in capsys.readouterr().err

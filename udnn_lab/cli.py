@@ -45,6 +45,19 @@ def _parser() -> argparse.ArgumentParser:
     analyze.add_argument("--out", type=Path, help="write the memory curve to OUT.csv and OUT.json")
     analyze.add_argument("--measure", action="store_true", help="also run the step for real here and compare")
     analyze.set_defaults(run=_analyze)
+    report = commands.add_parser("report", help="an HTML report: peak, breakdown, curve, the plan at a budget")
+    report.add_argument("model", help="a zoo name (see 'udnn-lab zoo')")
+    report.add_argument("--budget", required=True, help="device memory to fit into, e.g. 6GiB, '300 MiB'")
+    report.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
+    report.add_argument("--image-size", type=int, help="side of image inputs (zoo default: 224, 299 for Inception)")
+    report.add_argument("--hardware", default="h100-sxm",
+                        help="a hardware profile name (data/hardware/*.json) or a profile .json (default h100-sxm)")
+    report.add_argument("--policy", default="auto", help="planning policy (default auto: the fastest that fits)")
+    report.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw", "none"])
+    report.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    report.add_argument("--out", type=Path, default=Path("report.html"),
+                        help="HTML file to write (default report.html)")
+    report.set_defaults(run=_report)
     listing = commands.add_parser("zoo", help="list the models the zoo can build")
     listing.set_defaults(run=_zoo)
     return parser
@@ -75,6 +88,15 @@ def _analyze(args: argparse.Namespace) -> int:
         print(f"\nmeasured peak {format_bytes(summary['measured_peak_bytes'])}  predicted "
               f"{format_bytes(summary['predicted_peak_bytes'])}  (peak error {summary['peak_relative_error']:.3%}, "
               f"worst step error {summary['max_step_relative_error']:.3%})")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from udnn_lab.report import ReportRequest, write_report
+
+    request = ReportRequest(args.model, args.budget, batch=args.batch, hardware=args.hardware, policy=args.policy,
+                            image_size=args.image_size, optimizer=args.optimizer, dtype=args.dtype)
+    write_report(request, args.out, progress=lambda line: print(line, file=sys.stderr))
     return 0
 
 

@@ -1,0 +1,183 @@
+"""A real browser: JupyterLab on 127.0.0.1, driven by Playwright with the system's chromium.
+
+It opens a copy of the quickstart, runs every cell from the Run menu, moves MemoryLab's
+budget slider from the keyboard and checks that the memory chart was drawn again. Outside
+CI the test skips when chromium or playwright is missing; with CI set it fails instead
+(``make test`` installs both on Debian).
+"""
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+QUICKSTART = Path(__file__).resolve().parent.parent / "notebooks" / "00_quickstart.ipynb"
+SETTINGS = {
+    # windowing off: every cell stays in the page, so outputs below the fold can be found and read
+    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false",
+                                                                        "checkForUpdates": False},
+}
+
+DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1 never through a proxy
+
+
+def missing(what: str, how: str):
+    message = f"{what} is missing: {how}"
+    if os.environ.get("CI"):
+        pytest.fail(f"{message}. In CI this test must run: make test installs it (see the Makefile)")
+    pytest.skip(message)
+
+
+@pytest.fixture
+def chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        missing("chromium", "apt-get install chromium (or run make test)")
+    return path
+
+
+@pytest.fixture
+def playwright():
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        missing("playwright", "pip install -e '.[dev]'")
+    with sync_playwright() as driver:
+        yield driver
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """JupyterLab serving a copy of the quickstart on a free port of 127.0.0.1: yields (url, token)."""
+    root, home = tmp_path / "notebooks", tmp_path / "jupyter"
+    root.mkdir()
+    shutil.copy(QUICKSTART, root)
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(home / "config"), "JUPYTER_DATA_DIR": str(home / "data"),
+           "JUPYTER_RUNTIME_DIR": str(home / "runtime"), "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"),
+           "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces")}
+    for name, values in SETTINGS.items():
+        path = home / "settings" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(values))
+    token = secrets.token_hex(16)
+    log = tmp_path / "jupyterlab.log"
+    with log.open("w") as output:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", "--port=0", "--allow-root",
+             f"--ServerApp.root_dir={root}", f"--IdentityProvider.token={token}"],
+            stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        url = wait_until_serving(server, home / "runtime", token, log)
+        yield url, token
+    finally:
+        stop(server)
+
+
+def wait_until_serving(server: subprocess.Popen, runtime: Path, token: str, log: Path, timeout_s: float = 60) -> str:
+    """The server's URL once its API answers (it picked the port: --port=0 avoids a race for a free one)."""
+    info, deadline = runtime / f"jpserver-{server.pid}.json", time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"jupyter lab exited with {server.returncode}:\n{log.read_text()}")
+        try:
+            url = json.loads(info.read_text())["url"].rstrip("/")
+            with DIRECT.open(f"{url}/api/status?token={token}", timeout=5) as answer:
+                if answer.status == 200:
+                    return url
+        except (OSError, ValueError):  # no file yet, half written, or not answering yet
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"jupyter lab did not answer within {timeout_s:.0f} s:\n{log.read_text()}")
+
+
+def stop(server: subprocess.Popen) -> None:
+    """SIGTERM makes the server shut its kernels down; the group kill catches anything left of it."""
+    if server.poll() is None:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(server.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    server.wait(timeout=10)
+
+
+def test_quickstart_runs_in_jupyterlab_and_the_budget_slider_redraws_the_chart(chromium, playwright, lab, tmp_path):
+    url, token = lab
+    browser = playwright.chromium.launch(executable_path=chromium)
+    page = browser.new_page(viewport={"width": 1680, "height": 1100})
+    page.set_default_timeout(30_000)
+    try:
+        app = run_all_cells(page, f"{url}/lab/tree/{QUICKSTART.name}?token={token}")
+        summary = app.locator(".widget-html", has_text="of budget")
+        before = budget_rule(app)
+        assert before == pytest.approx(budget_shown(app), abs=0.05)
+
+        handle = app.locator(".noUi-handle").first
+        handle.focus()
+        for _ in range(8):
+            handle.press("PageDown")
+        deadline = time.monotonic() + 30  # the app waits for the keys to stop (debounce), then replans
+        while budget_rule(app) == before:
+            assert time.monotonic() < deadline, "the memory chart was not redrawn after the budget moved"
+            time.sleep(0.25)
+        after = budget_shown(app)
+        assert after < before and budget_rule(app) == pytest.approx(after, abs=0.05)
+        summary.filter(has_text=f"of budget {after:.2f} MiB").wait_for()
+        assert "fits" in summary.inner_text() and "Error" not in app.inner_text()
+
+        app.scroll_into_view_if_needed()
+        screenshot = tmp_path / "memorylab.png"
+        page.screenshot(path=screenshot)
+        print(f"screenshot: {screenshot}")
+    except Exception:
+        page.screenshot(path=tmp_path / "failure.png")
+        print(f"screenshot of the failure: {tmp_path / 'failure.png'}; server log: {tmp_path / 'jupyterlab.log'}")
+        raise
+    finally:
+        browser.close()
+
+
+def run_all_cells(page, notebook_url: str):
+    """Open the notebook, run every cell from the Run menu, and return MemoryLab's output once it has drawn."""
+    page.goto(notebook_url)
+    # the toolbar's indicator reads idle before there is a kernel; the status bar names the kernel once connected
+    page.locator(".jp-StatusBar-Widget").get_by_text(re.compile(r"\(ipykernel\) \| Idle")).wait_for(timeout=60_000)
+    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+    page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+    app = page.locator(".jp-OutputArea-output").filter(has=page.locator(".noUi-handle"))
+    app.locator(".vega-embed svg.marks").first.wait_for(timeout=120_000)
+    page.locator(".jp-InputPrompt", has_text="[*]").first.wait_for(state="detached", timeout=60_000)
+    app.locator(".widget-html", has_text="of budget").wait_for()
+    prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
+    assert all(re.fullmatch(r"\[\d+\]:", prompt) for prompt in prompts), f"not every cell ran: {prompts}"
+    assert page.locator("[data-mime-type='application/vnd.jupyter.error']").count() == 0
+    assert page.locator(".jp-OutputArea-output .vega-embed").count() >= 4  # two charts above, two in the app
+    return app
+
+
+def budget_rule(app) -> float:
+    """MiB on the budget rule's label in the app's memory chart (the first vega-embed in the app, drawn as SVG)."""
+    text = app.locator(".vega-embed svg.marks").first.text_content()
+    found = re.findall(r"budget ([\d,.]+) MiB", text)
+    assert len(found) == 1, f"expected one budget rule in the memory chart, found {found}"
+    return float(found[0].replace(",", ""))
+
+
+def budget_shown(app) -> float:
+    """MiB of the budget the app displays under its slider ('budget: 181.27 MiB')."""
+    text = app.locator(".widget-html", has_text="budget:").first.inner_text()
+    return float(re.search(r"budget: ([\d,.]+) MiB", text).group(1).replace(",", ""))

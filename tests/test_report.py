@@ -1,0 +1,96 @@
+"""udnn-lab report: a papermill run of the report template, written as one offline HTML file."""
+
+import datetime
+import html
+import platform
+import re
+import shlex
+
+import pytest
+import torch
+
+import udnn_lab as ul
+from udnn_lab.cli import _parser, main
+from udnn_lab.report import TEMPLATE, ReportRequest
+
+pytestmark = pytest.mark.slow
+LOADS_FROM_NETWORK = re.compile(r"\b(src|href)\s*=\s*[\"']?(https?:)?//", re.IGNORECASE)
+
+
+def header(page: str) -> dict[str, str]:
+    """The report's header table as label -> text (tags stripped, entities decoded)."""
+    rows = re.findall(r"<th[^>]*>(.*?)</th>\s*<td[^>]*>(.*?)</td>", page, re.DOTALL)
+    return {html.unescape(label): html.unescape(re.sub(r"<[^>]+>", "", value)) for label, value in rows}
+
+
+def test_report_of_a_plan_at_a_budget(tmp_path, capsys):
+    out = tmp_path / "resnet18.html"
+    assert main(["report", "resnet18", "--batch", "16", "--image-size", "96", "--budget", "180MiB",
+                 "--hardware", "h100-sxm", "--out", str(out)]) == 0
+    page = out.read_text(encoding="utf-8")
+    assert "running the report notebook" in capsys.readouterr().err
+
+    # header: the command, the versions, the date and the hardware profile
+    top = header(page)
+    command = top["reproduce with"]
+    assert command.startswith("udnn-lab report resnet18 --batch 16 --image-size 96 --budget 180MiB "
+                              "--hardware h100-sxm")
+    request = _parser().parse_args(shlex.split(command)[1:])
+    assert (request.model, request.batch, request.image_size, request.budget, request.out) == \
+        ("resnet18", 16, 96, "180MiB", out)
+    assert (top["udnn_lab"], top["torch"]) == (ul.__version__, torch.__version__)
+    assert top["python"].startswith(platform.python_version())
+    today = {datetime.datetime.now(datetime.timezone.utc).date() - datetime.timedelta(days=d) for d in (0, 1)}
+    assert datetime.datetime.fromisoformat(top["date"]).date() in today
+    assert top["hardware profile"].startswith("h100-sxm: NVIDIA H100")
+
+    # peak, breakdown, the plan and its simulation, the minimum
+    graph = ul.trace(ul.zoo.get("resnet18", batch=16, image_size=96, device="meta"), device="cuda")
+    assert ul.format_bytes(graph.cuda_peak_bytes) in page and "feature_map" in page
+    assert "Fits:" in page and "Infeasible" not in page
+    minimum = ul.min_budget(graph, "auto", hardware="h100-sxm")
+    assert f"<b>{ul.format_bytes(minimum)}</b> ({minimum:,} bytes)" in page
+
+    # charts drawn inline, nothing loaded from the network
+    assert page.count("<svg") == 3
+    for title in ("resnet18, batch 16: every tensor kept", "memory under the plan (auto)", "streams over one step (simulated)",
+                  "budget 180.0 MiB", "device → host"):
+        assert f">{title}<" in page
+    assert not LOADS_FROM_NETWORK.search(page)
+    assert "<script" not in page
+
+
+def test_an_infeasible_budget_is_reported_with_the_minimum(tmp_path):
+    out = tmp_path / "mlp3.html"
+    assert main(["report", "mlp3", "--batch", "4", "--budget", "1 MiB", "--out", str(out)]) == 0
+    page = out.read_text(encoding="utf-8")
+    graph = ul.trace(ul.zoo.get("mlp3", batch=4, device="meta"), device="cuda")
+    minimum = ul.min_budget(graph, "auto", hardware="h100-sxm")
+    assert "Infeasible:" in page and "Fits:" not in page
+    assert f"The minimum feasible budget is <b>{ul.format_bytes(minimum)}</b>" in page
+    assert f"<code>--budget {minimum}</code>" in page
+    assert "No plan" in page and page.count("<svg") == 1
+    assert "--budget '1 MiB'" in header(page)["reproduce with"]  # the budget as typed, quoted for a shell
+
+
+def test_the_template_ships_inside_the_package_with_a_parameters_cell():
+    import nbformat
+
+    notebook = nbformat.read(TEMPLATE, as_version=4)
+    tagged = [cell for cell in notebook.cells if "parameters" in cell.metadata.get("tags", [])]
+    assert len(tagged) == 1
+    assert all(f"{name} =" in tagged[0].source for name in ("model", "budget", "hardware", "command"))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model": "resnet-9000x"}, "unknown model"),
+    ({"hardware": "h9000"}, "unknown hardware"),
+    ({"budget": "6 gigs"}, "cannot read the budget '6 gigs'"),
+    ({"budget": "0"}, "more than 0 bytes"),
+    ({"policy": "fastest"}, "unknown policy 'fastest'"),
+    ({"model": "mlp3", "image_size": 32}, "not images"),
+])
+def test_a_bad_request_is_refused_before_any_kernel_starts(change, message):
+    fields = {"model": "resnet18", "budget": "6GiB", **change}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ReportRequest(**fields).check()
