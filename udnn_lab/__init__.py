@@ -20,15 +20,22 @@ from udnn_lab.runtime import HostMemoryError, OffloadRuntime, PlanMismatch, Run,
 from udnn_lab.simulate import Simulation, simulate
 from udnn_lab.trace import trace
 from udnn_lab.units import format_bytes, format_seconds, parse_bytes
-from udnn_lab.widgets import MemoryLab
 from udnn_lab.workload import Workload
 
 __all__ = [
     "CostModel", "FakeTensorUnsupported", "Graph", "Hardware", "HardwareMismatchWarning", "HardwareProfileError",
-    "Measurement", "HostMemoryError", "MissingDependency", "ModelInputError", "Offload", "OffloadRuntime", "Plan", "PlanMismatch", "PlanError", "PlanInfeasible", "Profile",
-    "RateCurve", "Run",
-    "Recompute", "Simulation", "TraceMismatch", "UdnnLabError", "UnknownHardwareError", "UnknownModelError",
-    "Workload", "format_bytes", "format_seconds", "measure", "min_budget", "parse_bytes", "plan", "profile", "simulate",
-    "sweep", "trace", "train", "zoo",
+    "HostMemoryError", "Measurement", "MemoryLab", "MissingDependency", "ModelInputError", "Offload",
+    "OffloadRuntime", "Plan", "PlanError", "PlanInfeasible", "PlanMismatch", "Profile", "RateCurve", "Recompute",
+    "Run", "Simulation", "TraceMismatch", "UdnnLabError", "UnknownHardwareError", "UnknownModelError", "Workload",
+    "format_bytes", "format_seconds", "measure", "min_budget", "parse_bytes", "plan", "profile", "simulate", "sweep",
+    "trace", "train", "zoo",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "MemoryLab":  # the app pulls in altair and ipywidgets (seconds to import): loaded on first use
+        from udnn_lab.widgets import MemoryLab
+
+        return MemoryLab
+    raise AttributeError(f"module 'udnn_lab' has no attribute {name!r}")
