@@ -113,9 +113,9 @@ def rules(values: dict[str, float | None], scale: int, unit: str, orient: str = 
     rule = alt.Chart(data).mark_rule(strokeWidth=2, strokeDash=[6, 3]).encode(
         field, color=alt.Color("label:N", scale=colors, title=None, legend=None), tooltip=["text:N"])
     layers = [rule]
-    for end, group in data.groupby("end"):  # labels alternate sides of their rules so close rules stay readable
-        if orient == "y":
-            placement = dict(align="right", x="width", dy=-6 if end else 12)
+    for end, group in data.groupby("end"):  # labels alternate ends of their rules so close rules stay readable
+        if orient == "y":  # forward starts low, so the left end is usually clear of the curve
+            placement = dict(align="right", x="width", dy=-6) if end else dict(align="left", x=4, dy=-6)
         else:
             placement = dict(align="left", dx=4, y=8) if end else dict(align="left", dx=4, y="height", dy=-8)
         layers.append(alt.Chart(group).mark_text(fontWeight="bold", **placement).encode(
