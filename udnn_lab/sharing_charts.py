@@ -5,13 +5,15 @@ from __future__ import annotations
 import altair as alt
 import pandas as pd
 
+from udnn_lab.charts_base import check_columns
+
 
 def degradation_heatmap(result_or_frame, width: int = 320, height: int = 320) -> alt.LayerChart:
     """r_AB as a heatmap: job A in rows, partner B in columns, 1 (no slowdown) white, worse redder.
 
     Takes a StudyResult or its ``degradation()`` frame (job, partner, r)."""
     frame = result_or_frame.degradation() if hasattr(result_or_frame, "degradation") else result_or_frame
-    _need(frame, ["job", "partner", "r"], "StudyResult.degradation()")
+    check_columns(frame, ["job", "partner", "r"], "StudyResult.degradation()")
     names = _order(frame)
     top = max(2.0, float(frame["r"].max()) if len(frame) else 2.0)
     color = alt.Color("r:Q", title="r_AB", scale=alt.Scale(domain=[1.0, top], scheme="reds", clamp=True))
@@ -44,7 +46,7 @@ def q1_chart(result, width: int = 520, height: int = 260, uncapped_at: float = 1
     need (its predicted peak plus allocator overhead), so every job shares the axis; uncapped is drawn
     at ``uncapped_at``."""
     frame = result.q1_summary()
-    _need(frame, ["job", "cap", "cap_bytes", "median_time_s", "slowdown"], "StudyResult.q1_summary()")
+    check_columns(frame, ["job", "cap", "cap_bytes", "median_time_s", "slowdown"], "StudyResult.q1_summary()")
     need = result.jobs.set_index("job")["need_bytes"]
     frame = frame[frame["oom"].isna()].copy()
     frame["of_need"] = (frame["cap_bytes"].astype(float) / frame["job"].map(need).astype(float)).fillna(uncapped_at)
@@ -63,7 +65,7 @@ def q1_chart(result, width: int = 520, height: int = 260, uncapped_at: float = 1
 def op_mix_chart(result, top: int = 8, width: int = 520, height: int = 200) -> alt.Chart:
     """Q3: each job's share of step time per op type (the ``top`` largest overall, the rest as 'other')."""
     frame = result.op_mix.copy()
-    _need(frame, ["job", "op", "share"], "StudyResult.op_mix")
+    check_columns(frame, ["job", "op", "share"], "StudyResult.op_mix")
     keep = frame.groupby("op")["share"].sum().nlargest(top).index
     frame["op"] = frame["op"].where(frame["op"].isin(keep), "other")
     frame = frame.groupby(["job", "op"], as_index=False)["share"].sum()
@@ -78,7 +80,7 @@ def signals_chart(result, signal: str = "device_busy_percent", width: int = 120,
                   columns: int = 3) -> alt.FacetChart:
     """Q4: a signal's samples alone and shared, one box per window, one panel per pair."""
     frame = result.samples
-    _need(frame, ["pair", "window", "subject", "signal", "value"], "StudyResult.samples")
+    check_columns(frame, ["pair", "window", "subject", "signal", "value"], "StudyResult.samples")
     frame = frame[frame["signal"] == signal].assign(
         label=lambda f: f["window"].where(f["window"] == "shared", "alone: " + f["subject"]))
     return alt.Chart(frame).mark_boxplot().encode(
@@ -91,7 +93,7 @@ def signals_chart(result, signal: str = "device_busy_percent", width: int = 120,
 def repeat_chart(frame: pd.DataFrame, tolerance: float = 0.10, width: int = 300, height: int = 300) -> alt.LayerChart:
     """Two runs of one study: each r of the second against the first, with the band where they agree
     within ``tolerance``. Takes sharing.compare_runs(...)."""
-    _need(frame, ["job", "partner", "run1", "run2", "relative_spread"], "sharing.compare_runs(results)")
+    check_columns(frame, ["job", "partner", "run1", "run2", "relative_spread"], "sharing.compare_runs(results)")
     frame = frame.assign(label=frame["job"] + " with " + frame["partner"],
                          agrees=frame["relative_spread"] <= tolerance)
     values = frame[["run1", "run2"]].to_numpy().ravel()
@@ -115,11 +117,3 @@ def repeat_chart(frame: pd.DataFrame, tolerance: float = 0.10, width: int = 300,
 
 def _order(frame: pd.DataFrame) -> list[str]:
     return list(dict.fromkeys(list(frame["job"]) + list(frame["partner"])))
-
-
-def _need(frame: pd.DataFrame, columns: list[str], made_by: str) -> None:
-    if not isinstance(frame, pd.DataFrame):
-        raise TypeError(f"this chart takes a StudyResult or a DataFrame from {made_by}, got {type(frame).__name__}")
-    missing = [c for c in columns if c not in frame]
-    if missing:
-        raise ValueError(f"this chart needs the columns {columns}; missing {missing}: use {made_by}")

@@ -13,6 +13,8 @@ from typing import Iterable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from udnn_lab.runtime.offload import tensors_in
+
 
 class LiveBytes(TorchDispatchMode):
     def __init__(self, existing: Iterable[torch.Tensor] = ()) -> None:
@@ -25,9 +27,9 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for tensor in _tensors(args) if self._unseen_inputs(args) else ():
+        for tensor in tensors_in(args) if self._unseen_inputs(args) else ():
             self._see(tensor)
-        for tensor in _tensors((out,)):
+        for tensor in tensors_in((out,)):
             self._see(tensor)
         return out
 
@@ -36,7 +38,7 @@ class LiveBytes(TorchDispatchMode):
         self._see(tensor)
 
     def _unseen_inputs(self, args) -> bool:
-        return any(id(t.untyped_storage()) not in self._refs for t in _tensors(args))
+        return any(id(t.untyped_storage()) not in self._refs for t in tensors_in(args))
 
     def _see(self, tensor: torch.Tensor) -> None:
         try:
@@ -54,11 +56,3 @@ class LiveBytes(TorchDispatchMode):
     def _gone(self, key: int, nbytes: int, _ref) -> None:
         if self._refs.pop(key, None) is not None:
             self.live -= nbytes
-
-
-def _tensors(values):
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (list, tuple)):
-            yield from _tensors(value)

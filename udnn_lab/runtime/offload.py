@@ -242,9 +242,9 @@ class _Step(TorchDispatchMode):
         return out
 
     def _found(self, site, args, out) -> None:
-        taken = {id(t.untyped_storage()) for t in _tensors(args)}
+        taken = {id(t.untyped_storage()) for t in tensors_in(args)}
         fresh = []
-        for tensor in _tensors((out,)):
+        for tensor in tensors_in((out,)):
             key = id(tensor.untyped_storage())
             if key not in taken:
                 taken.add(key)
@@ -359,7 +359,7 @@ class _Step(TorchDispatchMode):
 
     @staticmethod
     def _device(args) -> torch.device:
-        first = next(_tensors(args), None)
+        first = next(tensors_in(args), None)
         return first.device if first is not None else torch.device("cpu")
 
 
@@ -377,11 +377,12 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
 
 
-def _tensors(values):
+def tensors_in(values):
+    """The tensors in an op's arguments or results, through lists, tuples and dicts."""
     for value in values:
         if isinstance(value, torch.Tensor):
             yield value
         elif isinstance(value, (list, tuple)):
-            yield from _tensors(value)
+            yield from tensors_in(value)
         elif isinstance(value, dict):
-            yield from _tensors(tuple(value.values()))
+            yield from tensors_in(tuple(value.values()))
