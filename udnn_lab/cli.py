@@ -15,7 +15,6 @@ from udnn_lab import zoo
 from udnn_lab.errors import UdnnLabError
 from udnn_lab.units import format_bytes
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     analyze.add_argument("--image-size", type=int, help="side of image inputs (zoo default: 224, 299 for Inception)")
     analyze.add_argument("--input-shape", help="one example's shape for your own module, e.g. 3,224,224")
     analyze.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw", "none"])
-    analyze.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    analyze.add_argument("--dtype", default="float32", choices=sorted(zoo.DTYPES))
     analyze.add_argument("--device", default="cpu", help="device whose step is predicted: cpu or cuda (default cpu)")
     analyze.add_argument("--out", type=Path, help="write the memory curve to OUT.csv and OUT.json")
     analyze.add_argument("--measure", action="store_true", help="also run the step for real here and compare")
@@ -54,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="a hardware profile name (data/hardware/*.json) or a profile .json (default h100-sxm)")
     report.add_argument("--policy", default="auto", help="planning policy (default auto: the fastest that fits)")
     report.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw", "none"])
-    report.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    report.add_argument("--dtype", default="float32", choices=sorted(zoo.DTYPES))
     report.add_argument("--out", type=Path, default=Path("report.html"),
                         help="HTML file to write (default report.html)")
     report.set_defaults(run=_report)
@@ -108,7 +107,7 @@ def _real_device(device: str) -> str:
 
 def _workload(args: argparse.Namespace, device: str):
     optimizer = None if args.optimizer == "none" else args.optimizer
-    dtype = _DTYPES[args.dtype]
+    dtype = zoo.DTYPES[args.dtype]
     shape = tuple(int(x) for x in args.input_shape.split(",")) if args.input_shape else None
     if ":" in args.model:
         module = _import_factory(args.model)

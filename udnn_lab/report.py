@@ -22,10 +22,9 @@ from udnn_lab.errors import UdnnLabError
 from udnn_lab.hardware import Hardware
 from udnn_lab.plan.policies import POLICIES
 from udnn_lab.units import format_bytes, parse_bytes
+from udnn_lab.zoo import DTYPES, OPTIMIZERS
 
 TEMPLATE = Path(__file__).with_name("report_template.ipynb")
-DTYPES = ("float32", "float16", "bfloat16")
-OPTIMIZERS = ("sgd", "adam", "adamw", "none")
 # The lab page, less the blocks that load scripts from a CDN (the report has no math, diagrams or widgets).
 _PAGE = """{%- extends 'index.html.j2' -%}
 {%- block html_head_js -%}{%- endblock html_head_js -%}

@@ -25,7 +25,7 @@ from udnn_lab.plan.budget import PlanInfeasible
 from udnn_lab.plan.policies import POLICIES
 from udnn_lab.simulate import Simulation
 from udnn_lab.units import format_bytes, format_seconds
-from udnn_lab.widgets_state import DTYPES, OPTIMIZERS, LabSession, Setting
+from udnn_lab.widgets_state import LabSession, Setting
 from udnn_lab.widgets_train import TrainingPanel
 
 _MiB = 2**20
@@ -101,8 +101,8 @@ class MemoryLab(widgets.AppLayout):
         self.network = widgets.Combobox(value=network, options=names, description="network", ensure_option=False,
                                         continuous_update=False, layout=wide)
         self.batch = widgets.BoundedIntText(value=batch, min=1, max=1 << 20, description="batch", layout=wide)
-        self.dtype = widgets.Dropdown(options=list(DTYPES), value=dtype, description="dtype", layout=wide)
-        self.optimizer = widgets.Dropdown(options=list(OPTIMIZERS), value=optimizer, description="optimizer",
+        self.dtype = widgets.Dropdown(options=list(zoo.DTYPES), value=dtype, description="dtype", layout=wide)
+        self.optimizer = widgets.Dropdown(options=list(zoo.OPTIMIZERS), value=optimizer, description="optimizer",
                                           layout=wide)
         self.hardware = widgets.Dropdown(options=self.session.hardware_names(), value=hardware,
                                          description="hardware", layout=wide)

@@ -23,9 +23,8 @@ from udnn_lab.plan.ir import Plan
 from udnn_lab.simulate import Simulation, simulate
 from udnn_lab.trace import trace
 from udnn_lab.workload import Workload
+from udnn_lab.zoo import DTYPES
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-OPTIMIZERS = ("sgd", "adam", "adamw", "none")
 
 
 @dataclass(frozen=True)

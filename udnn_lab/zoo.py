@@ -19,6 +19,9 @@ from torch import nn
 from udnn_lab.errors import MissingDependency, UnknownModelError
 from udnn_lab.workload import Workload
 
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # by the name users type
+OPTIMIZERS = ("sgd", "adam", "adamw", "none")  # what get(optimizer=...) builds; 'none': forward and backward only
+
 
 @dataclass(frozen=True)
 class ZooEntry:
@@ -284,7 +287,7 @@ def _optimizer(kind: str | None, model: nn.Module) -> torch.optim.Optimizer | No
         return torch.optim.Adam(params, lr=1e-3)
     if kind == "adamw":
         return torch.optim.AdamW(params, lr=1e-3)
-    raise ValueError(f"unknown optimizer {kind!r}: use 'sgd', 'adam', 'adamw' or None")
+    raise ValueError(f"unknown optimizer {kind!r}: use one of {OPTIMIZERS} (or None)")
 
 
 def classification_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
