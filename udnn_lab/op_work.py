@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import flop_registry
 
+from udnn_lab.fake_memo import flat_tensors
+
 
 class OpWork:
     """Per-op FLOPs and bytes, with the per-op-kind look-ups cached."""
@@ -25,8 +27,8 @@ class OpWork:
         formula, is_view = kind
         if is_view:
             return 0, 0, 0
-        read = sum(_nbytes(t) for t in _flat_tensors(args, kwargs))
-        written = sum(_nbytes(t) for t in _flat_tensors((out,), {}))
+        read = sum(_nbytes(t) for t in flat_tensors((*args, *kwargs.values())))
+        written = sum(_nbytes(t) for t in flat_tensors((out,)))
         return (self._count(func, formula, args, kwargs, out) if formula is not None else 0), read, written
 
     def _count(self, func, formula, args: tuple, kwargs: dict, out) -> int:
@@ -69,11 +71,3 @@ def _is_view(func) -> bool:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def _flat_tensors(args: tuple, kwargs: dict):
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (list, tuple)):
-            yield from _flat_tensors(tuple(value), {})

@@ -13,7 +13,7 @@ from typing import Iterable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from udnn_lab.runtime.offload import tensors_in
+from udnn_lab.fake_memo import flat_tensors
 
 
 class LiveBytes(TorchDispatchMode):
@@ -27,9 +27,9 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for tensor in tensors_in(args) if self._unseen_inputs(args) else ():
+        for tensor in flat_tensors(args) if self._unseen_inputs(args) else ():
             self._see(tensor)
-        for tensor in tensors_in((out,)):
+        for tensor in flat_tensors((out,)):
             self._see(tensor)
         return out
 
@@ -38,7 +38,7 @@ class LiveBytes(TorchDispatchMode):
         self._see(tensor)
 
     def _unseen_inputs(self, args) -> bool:
-        return any(id(t.untyped_storage()) not in self._refs for t in tensors_in(args))
+        return any(id(t.untyped_storage()) not in self._refs for t in flat_tensors(args))
 
     def _see(self, tensor: torch.Tensor) -> None:
         try:

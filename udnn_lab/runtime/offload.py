@@ -46,6 +46,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from udnn_lab.errors import UdnnLabError
+from udnn_lab.fake_memo import flat_tensors
 from udnn_lab.plan.ir import Offload, Plan, Recompute
 from udnn_lab.recorder import records_op
 from udnn_lab.runtime.copies import Copies
@@ -242,9 +243,9 @@ class _Step(TorchDispatchMode):
         return out
 
     def _found(self, site, args, out) -> None:
-        taken = {id(t.untyped_storage()) for t in tensors_in(args)}
+        taken = {id(t.untyped_storage()) for t in flat_tensors(args)}
         fresh = []
-        for tensor in tensors_in((out,)):
+        for tensor in flat_tensors((out,)):
             key = id(tensor.untyped_storage())
             if key not in taken:
                 taken.add(key)
@@ -359,7 +360,7 @@ class _Step(TorchDispatchMode):
 
     @staticmethod
     def _device(args) -> torch.device:
-        first = next(tensors_in(args), None)
+        first = next(flat_tensors(args), None)
         return first.device if first is not None else torch.device("cpu")
 
 
@@ -375,14 +376,3 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     storage = tensor.untyped_storage()
     with torch._C._DisableTorchDispatch():
         return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
-
-
-def tensors_in(values):
-    """The tensors in an op's arguments or results, through lists, tuples and dicts."""
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (list, tuple)):
-            yield from tensors_in(value)
-        elif isinstance(value, dict):
-            yield from tensors_in(tuple(value.values()))
