@@ -1,4 +1,5 @@
 # make lab  - create .venv if needed, install, open JupyterLab on the quickstart
+# make gpu-check - every GPU test and GPU benchmark; raw JSON under data/benchmarks/gpu/ (needs a CUDA device)
 # make test - create .venv if needed, install, run the whole test suite (on Debian it first installs
 #             chromium when missing, for the browser test; sudo is used unless you are root)
 
@@ -11,7 +12,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export OMP_NUM_THREADS ?= 2
 TEST_WORKERS ?= 2
 
-.PHONY: lab test chromium clean
+.PHONY: lab test gpu-check chromium clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +25,9 @@ lab: $(STAMP)
 
 test: $(STAMP) chromium
 	$(BIN)/python -m pytest -n $(TEST_WORKERS)
+
+gpu-check: $(STAMP)
+	$(BIN)/python benchmarks/gpu_check.py
 
 # tests/test_browser.py drives JupyterLab with the system's chromium (Playwright's own browser downloads are not used)
 chromium:

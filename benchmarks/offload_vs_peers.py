@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import platform
 import statistics
@@ -32,6 +33,8 @@ from torch import nn
 import udnn_lab as ul
 from udnn_lab.devices import device_name
 from udnn_lab.plan import PlanInfeasible
+from udnn_lab.runtime import HostMemoryError
+from udnn_lab.runtime.pinned_pool import empty_pinned_cache
 from udnn_lab.runtime.live_bytes import LiveBytes
 from udnn_lab.step import compute_loss, split_input
 
@@ -67,6 +70,7 @@ class Bench:
             counter = None if self.cuda else LiveBytes([*model.parameters(), *model.buffers(), *_state(optimizer),
                                                         self.work.example_input, self.work.target])
             self._sync(reset=True)
+            outside = self._outside(model, optimizer)
             start = time.perf_counter()
             with counter or nullcontext(), context_factory():
                 loss = compute_loss(model(*args, **kwargs), self.work.loss_fn, self.work.target)
@@ -75,8 +79,21 @@ class Bench:
             self._sync()
             if index:  # the first step warms up caches and creates optimizer state
                 times.append(time.perf_counter() - start)
-                peaks.append(torch.cuda.max_memory_allocated(self.device) if self.cuda else counter.peak)
+                peaks.append(torch.cuda.max_memory_allocated(self.device) - outside if self.cuda else counter.peak)
+        release = getattr(context_factory(), "release", None)  # our runtime: pinned memory back to the machine
+        if release is not None:
+            release()
+        if self.cuda:  # save_on_cpu's pinned copies are cached by PyTorch too
+            empty_pinned_cache()
         return {"step_time_s": statistics.median(times), "step_times_s": times, "peak_bytes": max(peaks)}
+
+    def _outside(self, model: nn.Module, optimizer) -> int:
+        """CUDA bytes held outside this step (the workload's own model, earlier methods' leftovers): not its peak."""
+        if not self.cuda:
+            return 0
+        tensors = [*model.parameters(), *model.buffers(), *_state(optimizer), self.work.example_input, self.work.target]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.is_cuda}
+        return torch.cuda.memory_allocated(self.device) - sum(-(-n // 512) * 512 for n in storages.values())
 
     def _sync(self, reset: bool = False) -> None:
         if self.cuda:
@@ -178,7 +195,11 @@ def budgets_for(bench: Bench, unconstrained: dict, quick: bool) -> list[dict]:
             except PlanInfeasible as err:
                 rows.append({**row, "fits": False, "note": str(err)})
                 continue
-            measured = bench.measure(factory)
+            try:
+                measured = bench.measure(factory)
+            except HostMemoryError as err:  # the plan is valid; this machine's host memory is not enough
+                rows.append({**row, "fits": False, "note": f"host memory: {err}"})
+                continue
             rows.append({**row, **measured, "fits": measured["peak_bytes"] <= budget,
                          "relative_step_time": measured["step_time_s"] / unconstrained["step_time_s"],
                          "predicted_step_time_s": predicted.step_time_s, "predicted_peak_bytes": predicted.peak_bytes})
@@ -193,7 +214,10 @@ def peers(bench: Bench, unconstrained: dict) -> list[dict]:
                  "relative_step_time": measured["step_time_s"] / unconstrained["step_time_s"]})
     at_equal = ours(bench, "auto", measured["peak_bytes"])[0] if _fits(bench, measured["peak_bytes"]) else None
     if at_equal is not None:
-        ours_equal = bench.measure(at_equal)
+        try:
+            ours_equal = bench.measure(at_equal)
+        except HostMemoryError as err:
+            ours_equal = {"note": f"host memory: {err}"}
         rows.append({**base, "method": "udnn_lab auto at save_on_cpu's peak", **ours_equal,
                      "speedup_over_save_on_cpu": measured["step_time_s"] / ours_equal["step_time_s"]})
     factory, why = torchtune_offload()
@@ -248,22 +272,24 @@ def _try(method: str, name: str, batch: int, options: dict, device: torch.device
          quick: bool) -> dict | None:
     cuda = device.type == "cuda"
     if cuda:
+        gc.collect()  # the last try's model and batch
         torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(device).total_memory, device)
     try:
         bench = Bench(name, batch, options, device, steps=1 if quick else 2)
+        own = bench.work.model  # trained in place: a copy would count against the cap
         if method == "unconstrained":
-            result = bench.measure(nullcontext)
+            result = bench.measure(nullcontext, own)
         elif method == "udnn_lab auto":
-            result = bench.measure(ours(bench, "auto", int(cap * 0.9))[0])
+            result = bench.measure(ours(bench, "auto", int(cap * 0.9))[0], own)
         elif method == "save_on_cpu":
-            result = bench.measure(save_on_cpu(bench))
+            result = bench.measure(save_on_cpu(bench), own)
         else:
-            model = checkpointed(copy.deepcopy(bench.work.model))
+            model = checkpointed(own)
             if model is None:
                 return None
             result = bench.measure(nullcontext, model)
-    except (torch.cuda.OutOfMemoryError, PlanInfeasible):
+    except (torch.cuda.OutOfMemoryError, PlanInfeasible, HostMemoryError):
         return None
     finally:
         if cuda:
@@ -272,12 +298,19 @@ def _try(method: str, name: str, batch: int, options: dict, device: torch.device
     return result if result["peak_bytes"] <= cap else None
 
 
-def run(device: torch.device, quick: bool) -> dict:
+def run(device: torch.device, quick: bool, models: list[str] | None = None) -> dict:
     cases = GPU_CASES if device.type == "cuda" else CPU_CASES
     cases = QUICK_CASES if quick else cases
+    if models:
+        unknown = set(models) - {name for name, _, _ in cases}
+        if unknown:
+            raise SystemExit(f"no case named {', '.join(sorted(unknown))}: choose from "
+                             f"{', '.join(name for name, _, _ in cases)}")
+        cases = [case for case in cases if case[0] in models]
     results, batches = [], []
     for name, batch, options in cases:
         print(f"  {name} (batch {batch}) ...", file=sys.stderr, flush=True)
+        began = time.perf_counter()
         bench = Bench(name, batch, options, device, steps=1 if quick else 5)
         unconstrained = bench.measure(nullcontext)
         results.append({"model": name, "batch": batch, "method": "unconstrained", **unconstrained,
@@ -285,7 +318,11 @@ def run(device: torch.device, quick: bool) -> dict:
         results += budgets_for(bench, unconstrained, quick)
         results += peers(bench, unconstrained)
         cap = int(unconstrained["peak_bytes"] * 1.1)  # the unconstrained step fits its own batch, no more
+        del bench  # its model and batch would count against the cap below
+        gc.collect()
+        print(f"    budgets and peers done in {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
         batches += largest_batch(name, batch, options, device, cap, quick)
+        print(f"    largest batches done in {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
     return {"rows": results, "largest_batch": batches}
 
 
@@ -316,12 +353,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="two small cases, two budgets, one step (for CI)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--models", nargs="+", help="only these of the device's cases (default: all)")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:  # the memory-fraction calls want an index
+        device = torch.device("cuda", torch.cuda.current_device())
     torch.set_num_threads(2)
     document = {"benchmark": "offload_vs_peers", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "machine": {"device": device.type, "device_name": device_name(device), "torch": torch.__version__,
-                            "python": platform.python_version()}, "quick": args.quick, **run(device, args.quick)}
+                            "python": platform.python_version()}, "quick": args.quick, **run(device, args.quick, args.models)}
     _print(document)
     _print_batches(document["largest_batch"])
     out = args.out or Path(__file__).resolve().parent.parent / "data" / "benchmarks" / f"offload_vs_peers-{device.type}.json"

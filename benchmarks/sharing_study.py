@@ -35,6 +35,9 @@ def main() -> None:
         results.append((result, path, elapsed))
     if len(results) >= 2:
         _compare(results, Path(args.out) / f"{results[0][0].meta['device'].split(':')[0]}-{args.size}-repeat.json")
+    failed = sum(len(result.errors) for result, _, _ in results)
+    if failed:
+        raise SystemExit(f"{failed} job errors in the study (see 'errors' above): its figures are incomplete")
 
 
 def _arguments() -> argparse.Namespace:

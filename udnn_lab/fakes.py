@@ -62,8 +62,9 @@ def fake_optimizer(optimizer: torch.optim.Optimizer | None, model: torch.nn.Modu
                    fake_mode: FakeTensorMode, device: torch.device, counted_as: str):
     """The same optimizer class and hyperparameters over the fake parameters, with steady-state state.
 
-    When CPU kernels stand in for CUDA ones, a group that leaves ``foreach`` to PyTorch
-    gets ``foreach=True``, which is what PyTorch picks for CUDA tensors.
+    For a CUDA step (fake CUDA tensors, or CPU kernels standing in for CUDA ones), a group
+    that leaves ``foreach`` to PyTorch gets ``foreach=True``, which is what PyTorch picks for
+    real CUDA tensors.
     """
     if optimizer is None:
         return None
@@ -77,8 +78,10 @@ def fake_optimizer(optimizer: torch.optim.Optimizer | None, model: torch.nn.Modu
             twin[id(p)] = fake
             params.append(fake)
         settings = {k: v for k, v in group.items() if k != "params"}
-        if counted_as == "cuda" and device.type == "cpu" and settings.get("foreach", False) is None \
-                and not settings.get("fused"):
+        # FakeTensor is not among the types PyTorch's default picks foreach for, so a fake CUDA
+        # group would step one parameter at a time where the real one steps with foreach.
+        if counted_as == "cuda" and settings.get("foreach", False) is None and not settings.get("fused") \
+                and not settings.get("differentiable"):
             settings["foreach"] = True
         groups.append({**settings, "params": params})
     clone = _same_kind(optimizer, groups)

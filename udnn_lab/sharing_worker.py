@@ -131,7 +131,8 @@ class _State:
 
 def _start(spec: JobSpec, device: str, conn) -> _State | None:
     try:
-        if torch.device(device).type == "cuda":
+        if torch.device(device).type == "cuda":  # an index from here on: set_device and the memory calls refuse "cuda"
+            device = str(torch.device("cuda", torch.device(device).index or 0))
             torch.cuda.set_device(torch.device(device))
         analysis, graph = analyze_job(spec, device)
     except Exception:  # the job could not even be built: report it, the study goes on

@@ -9,7 +9,11 @@ NOTE [simulated streams]
      are not counted).
   2. Device-to-host copies run in order on their own stream; an offloaded tensor's copy
      starts when both the stream and its ``after_op`` are done, and its device memory is
-     freed when the copy completes, not before.
+     freed when the copy completes, not before. An offload with a release point
+     (NOTE [offload runtime] 3) is freed just before that op instead, which waits for the
+     copy (a sync stall); a prefetch at or before that op is cancelled. The simulation
+     reports where each offload was freed (``released_before``): ``ul.plan`` writes those
+     points into the plan, so the runtime lets go of memory where the simulation did.
   3. Host-to-device copies run in order on a third stream; a prefetch is issued when
      compute reaches ``prefetch_at``, allocates its device memory then, and starts once
      the stream is free. If the tensor's offload copy has not completed by then, its
@@ -21,7 +25,8 @@ NOTE [simulated streams]
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 from functools import lru_cache
 import numpy as np
 import pandas as pd
@@ -55,6 +60,7 @@ class Simulation:
     peak_bytes: int  # as the budget counts them: 512-byte blocks on CUDA, exact on CPU
     timeline: pd.DataFrame  # one row per op, copy and stall (TIMELINE_COLUMNS)
     curve: pd.DataFrame  # Graph.memory_curve()'s columns, plus start_s and end_s
+    released_before: Mapping[int, int] = field(default_factory=dict)  # offloaded tensor -> op it was freed before
 
     def __repr__(self) -> str:
         budget = format_bytes(self.budget_bytes) if self.budget_bytes is not None else "none"
@@ -207,6 +213,7 @@ class _Run:
         self.d2h_end: dict[int, float] = {}
         self.stall = 0.0
         self.violations = 0
+        self.released: dict[int, int] = {}  # offloaded tensor -> the op its device memory was freed before
         self._index_actions()
 
     def _index_actions(self) -> None:
@@ -214,6 +221,8 @@ class _Run:
         self.offload_after: dict[int, list[Offload]] = {}
         self.prefetch_at: dict[int, list[Offload]] = {}
         self.sync_before: dict[int, list[int]] = {}
+        self.release_at: dict[int, list[int]] = {}  # offloads with a release point
+        self.release_op: dict[int, int] = {}
         self.recompute_at: dict[int, list[Recompute]] = {}
         self.drop_after: dict[int, list[int]] = {}
         moved = set()
@@ -224,6 +233,9 @@ class _Run:
                 self.prefetch_at.setdefault(offload.prefetch_at, []).append(offload)
                 if offload.wait_before is not None:
                     self.sync_before.setdefault(offload.wait_before, []).append(offload.tensor)
+                if offload.release_before is not None:
+                    self.release_at.setdefault(offload.release_before, []).append(offload.tensor)
+                    self.release_op[offload.tensor] = offload.release_before
         for recompute in self.plan.recomputes:
             self.recompute_at.setdefault(recompute.at_op, []).append(recompute)
             for tensor in recompute.tensors:
@@ -231,7 +243,7 @@ class _Run:
                     last = self.graph.tensors[tensor].last_forward_use
                     self.drop_after.setdefault(last, []).append(tensor)
         readers = {i for t in moved for i in self.graph.tensors[t].consumers}
-        self.action_ops = set(self.offload_after) | set(self.prefetch_at) | set(self.sync_before) \
+        self.action_ops = set(self.offload_after) | set(self.prefetch_at) | set(self.sync_before) | set(self.release_at) \
             | set(self.recompute_at) | set(self.drop_after) | readers
 
     # -- memory -----------------------------------------------------------------------------
@@ -246,7 +258,7 @@ class _Run:
         while self.pending and self.pending[0][0] <= until:
             tensor = heapq.heappop(self.pending)[1]
             if tensor not in self.cancelled:
-                self._change(tensor, -1, self.op_index)
+                self._release(tensor)
 
     def _wait_for_memory(self, start: float, need: int) -> float:
         """Start time once ``need`` more bytes fit the budget, freeing completed copies."""
@@ -256,9 +268,23 @@ class _Run:
             if tensor in self.cancelled:
                 continue
             start = max(start, done)
-            self._change(tensor, -1, self.op_index)
+            self._release(tensor)
         if self.budget is not None and self.counted + need > self.budget:
             self.violations += 1
+        return start
+
+    def _release(self, tensor: int) -> None:
+        self._change(tensor, -1, self.op_index)
+        self.released[tensor] = self.op_index
+
+    def _release_points(self, i: int, clock: float) -> float:
+        """Free the offloads released before op i, once their copies complete; the wait is a sync stall."""
+        start = clock
+        for tensor in self.release_at.get(i, []):
+            if tensor in self.d2h_end and tensor not in self.cancelled:
+                start = max(start, self.d2h_end[tensor])
+                self._release(tensor)
+        self._stall(clock, start, i, "stall_sync")
         return start
 
     # -- the step -------------------------------------------------------------------------
@@ -277,9 +303,14 @@ class _Run:
             self._stall(clock, start, i, "stall_memory")
             return start, self._run_op(op, start)
         prefetches = self.prefetch_at.get(i, [])
+        for offload in prefetches:  # at or before its release point the tensor never left: nothing to fetch
+            if self.release_op.get(offload.tensor, -1) >= i:
+                self.cancelled.add(offload.tensor)
+        clock = self._release_points(i, clock)
         recomputes = self.recompute_at.get(i, [])
         need = self.own[i] + sum(self._size(t) for r in recomputes for t in self._restored(r)) \
-            + sum(self._size(o.tensor) for o in prefetches if self.d2h_end.get(o.tensor, 0.0) <= clock)
+            + sum(self._size(o.tensor) for o in prefetches
+                  if o.tensor not in self.cancelled and self.d2h_end.get(o.tensor, 0.0) <= clock)
         start = self._wait_for_memory(clock, need)
         self._stall(clock, start, i, "stall_memory")
         synced = max([start] + [self.d2h_end[t] for t in self.sync_before.get(i, []) if t in self.d2h_end])
@@ -319,12 +350,14 @@ class _Run:
         start = max(self.d2h_free, after)
         end = start + self.cost.transfer_time_s(t.nbytes, "d2h", offload.pinned)
         self.d2h_free = self.d2h_end[t.id] = end
-        heapq.heappush(self.pending, (end, t.id))
+        if t.id not in self.release_op:  # else freed at its release point
+            heapq.heappush(self.pending, (end, t.id))
         self.timeline.append(("d2h", "offload", start, end, op, t.name, t.module, t.name, t.nbytes))
 
     def _prefetch(self, offload: Offload, issued: float, op: int) -> None:
         t = self.graph.tensors[offload.tensor]
-        if self.d2h_end.get(t.id, 0.0) > issued:  # its copy is still in flight: it never left the device
+        if t.id in self.cancelled or (t.id not in self.release_op and self.d2h_end.get(t.id, 0.0) > issued):
+            # its copy is still in flight (or its release point is to come): it never left the device
             self.cancelled.add(t.id)
             self.h2d_end[t.id] = issued
             self.timeline.append(("h2d", "prefetch_cancelled", issued, issued, op, t.name, t.module, t.name, 0))
@@ -366,7 +399,7 @@ class _Run:
             budget_bytes=self.budget, step_time_s=step, compute_time_s=compute, stall_time_s=self.stall,
             d2h_bytes=d2h, h2d_bytes=h2d, lower_bound_s=bound,
             peak_bytes=int(max(base, counted.max() if len(counted) else 0)),
-            timeline=timeline.reset_index(drop=True), curve=curve,
+            timeline=timeline.reset_index(drop=True), curve=curve, released_before=dict(self.released),
         )
 
     def _curve(self, spans: list[tuple[float, float]]) -> pd.DataFrame:

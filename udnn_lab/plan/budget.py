@@ -42,14 +42,15 @@ def plan(graph: Graph, budget: int | str | None = None, policy: str = "auto", ha
     cost = cost_model(graph, hardware, profile, rates)
     budget_bytes = None if budget is None else parse_bytes(budget)
     result = _policy(policy)(graph, cost, budget_bytes)
-    if budget_bytes is not None and not simulate_with(graph, result, cost).fits:
+    simulation = simulate_with(graph, result, cost)
+    if budget_bytes is not None and not simulation.fits:
         minimum = min_budget(graph, policy, cost=cost)
         other = _fitting_policy(graph, cost, budget_bytes)
         hint = f"; {other!r} fits {format_bytes(budget_bytes)}" if other else \
             "; no policy fits it: raise the budget, or lower the batch size"
         raise PlanInfeasible(f"policy {policy!r} cannot fit {graph.model_name} into {format_bytes(budget_bytes)}: "
                              f"the smallest budget it meets is {format_bytes(minimum)}{hint}", minimum, other)
-    return result.located(graph)
+    return result.with_releases(simulation.released_before).located(graph)
 
 
 def min_budget(graph: Graph, policy: str = "auto", hardware: Hardware | str | None = None,

@@ -28,6 +28,16 @@ class Offload:
     prefetch_at: int  # the host-to-device copy is issued when this op starts (before the first backward use)
     pinned: bool = True  # into the pinned host pool (else pageable memory, staged by the driver)
     wait_before: int | None = None  # this op does not start before the copy completes (vDNN's per-layer sync)
+    # the device memory is let go just before this op, which waits for the copy (NOTE [offload runtime] 3);
+    # None: at wait_before if set, else before the op after after_op. ul.plan fills it from the simulation.
+    release_before: int | None = None
+
+    @property
+    def release_op(self) -> int:
+        """The op before which the device copy is let go (NOTE [offload runtime] 3)."""
+        if self.release_before is not None:
+            return self.release_before
+        return self.wait_before if self.wait_before is not None else self.after_op + 1
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,16 @@ class Plan:
                                  graph.tensors[t].nbytes) for t in tensors)
         return replace(self, sites=sites, op_count=len(graph.ops))
 
+    def with_releases(self, released_before: dict[int, int]) -> Plan:
+        """This plan with each offload's release point set where a simulation let its memory go.
+
+        An offload the simulation never freed (its prefetch came first) gets its prefetch op:
+        the tensor stays on the device, as simulated."""
+        offloads = tuple(o if o.release_before is not None
+                         else replace(o, release_before=released_before.get(o.tensor, o.prefetch_at))
+                         for o in self.offloads)
+        return replace(self, offloads=offloads)
+
     def action(self, tensor: int) -> Offload | Recompute | None:
         """The plan's action for a tensor id (None: keep it)."""
         return self._actions.get(tensor)
@@ -141,6 +161,9 @@ def _check_offload(graph: Graph, offload: Offload) -> None:
     if offload.prefetch_at >= tensor.first_backward_use:
         raise PlanError(f"{tensor.name} is prefetched at op {offload.prefetch_at}, not before its first backward "
                         f"use (op {tensor.first_backward_use})")
+    if offload.release_before is not None and offload.release_before <= offload.after_op:
+        raise PlanError(f"{tensor.name} is released before op {offload.release_before}, before its copy to the host "
+                        f"starts (after op {offload.after_op})")
     if offload.prefetch_at <= offload.after_op:
         raise PlanError(f"{tensor.name} is prefetched (op {offload.prefetch_at}) before it is offloaded "
                         f"(after op {offload.after_op})")

@@ -7,10 +7,15 @@ NOTE [offload runtime]
   2. Saving. Autograd's pack hook returns a handle for a planned storage (one slot per
      storage however many ops save it, in whatever views) and the tensor itself otherwise:
      parameters, buffers and unplanned tensors are never touched.
-  3. Offload. After op ``after_op`` the storage is copied into a slice of the host pool:
-     on CUDA on the offload stream, which first waits on the compute stream. The runtime
-     holds the device tensor until that copy's event has completed and only then lets it
-     go, so the caching allocator never hands the memory out while the copy reads it.
+  3. Offload and release. After op ``after_op`` the storage is copied into a slice of the
+     host pool: on CUDA on the offload stream, which first waits on the compute stream. The
+     runtime holds the device tensor until the offload's release point (``release_op``:
+     where the simulation freed it; ``ul.plan`` writes it into the plan). There the compute
+     stream waits for the copy's event and the runtime lets the tensor go. The caching
+     allocator then hands the block only to later compute-stream work, which runs after the
+     copy: memory leaves the device at the op the simulation said, however far the host
+     runs ahead of the GPU, and a slow copy costs a stall, never memory. A prefetch at or
+     before the release point keeps the device tensor (it never left).
   4. Prefetch. When compute reaches op ``prefetch_at``, a device buffer is allocated on
      the compute stream and filled from the host slice on the prefetch stream, which first
      waits on the compute stream (the block may be memory compute has just released). The
@@ -26,13 +31,17 @@ NOTE [offload runtime]
      state, into clones of any buffer they write, so running statistics stay as eager
      leaves them (replay.py).
   7. Release. A slot's restored storage is dropped when the last handle of it is
-     collected: autograd frees saved variables as their backward node finishes.
+     collected: autograd frees saved variables as their backward node finishes. A handle
+     collected before its prefetch completed (never unpacked) first waits for that copy, so
+     neither the block nor the host slice is reused while the copy still uses it.
   8. Unseen. The runtime's own tensor work (pool slices, copies, views over restored
      storage, replays) runs with Python dispatch disabled: it is not an op of the step, and
      a recorder watching the step counts the same ops as without the runtime.
   9. Exit. Leaving the context, normally or by an exception or KeyboardInterrupt, removes
-     the mode and the hooks, waits for copies in flight, drops every reference held and
-     returns the pool's slices; the pool itself stays for the next step.
+     the mode and the hooks, waits for copies in flight, drops every reference held (the
+     recorded replays too: the step object is in a reference cycle, and memory must not
+     wait for the garbage collector) and returns the pool's slices; the pool itself stays
+     for the next step (``OffloadRuntime.release`` gives it back).
 """
 
 from __future__ import annotations
@@ -132,6 +141,14 @@ class OffloadRuntime:
             self.last_step = step.finish(completed=exc_type is None)
         return False
 
+    def release(self) -> None:
+        """Give the host pool's memory back (pinned memory is scarce); the next step allocates it again."""
+        if self._step is not None:
+            raise RuntimeError("release() inside a step: leave the `with runtime:` block first")
+        if self.pool is not None:
+            pool, self.pool = self.pool, None
+            pool.release()
+
     def host_pool(self, device: torch.device) -> HostPool:
         if self.pool is None:
             needed = self.pool_bytes or _pool_bytes(self.plan)
@@ -163,6 +180,8 @@ class _Step(TorchDispatchMode):
         self.by_key: dict[int, _Slot] = {}
         self.offload_after = _group(plan.offloads, "after_op")
         self.prefetch_at = _group(plan.offloads, "prefetch_at")
+        self.release_at = _group(plan.offloads, "release_op")
+        self.wait_at = _group([o for o in plan.offloads if o.wait_before is not None], "wait_before")
         self.replay_at: dict[int, list[Replay]] = {}
         self.recording: dict[int, list[Replay]] = {}
         for recompute in plan.recomputes:
@@ -172,10 +191,9 @@ class _Step(TorchDispatchMode):
             for op in recompute.ops:
                 self.recording.setdefault(op, []).append(replay)
         self.watched = set(self.sites) | set(self.offload_after) | set(self.prefetch_at) | set(self.replay_at) \
-            | set(self.recording)
+            | set(self.recording) | set(self.release_at) | set(self.wait_at)
         self.last_planned_op = max(self.watched, default=-1)
         self.counted: dict = {}
-        self.copying_out: deque[_Slot] = deque()  # offloads in flight, in issue order (one stream: in order)
         self.copying_in: deque[_Slot] = deque()  # prefetches in flight
         self.recomputed = self.on_demand = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -201,9 +219,14 @@ class _Step(TorchDispatchMode):
                 copies.finish(slot.prefetch_done)
             slot.restored = slot.device_data = slot.prefetch_done = slot.offload_done = slot.host = None
             slot.watchers.clear()
-        self.copying_out.clear()
         self.copying_in.clear()
         self.by_key.clear()
+        # The hooks and weakref callbacks make this object a reference cycle that only the
+        # garbage collector frees: hold no tensor past the step (NOTE [offload runtime] 9).
+        for slot in self.slots.values():
+            slot.replay = None
+        self.replay_at.clear()
+        self.recording.clear()
         if self.runtime.pool is not None:
             self.runtime.pool.reset()
         if completed and self.index < self.last_planned_op + 1:
@@ -227,6 +250,10 @@ class _Step(TorchDispatchMode):
             return func(*args, **kwargs)
         for offload in self.prefetch_at.get(index, ()):
             self._prefetch(self.slots[offload.tensor])
+        for offload in self.wait_at.get(index, ()):  # vDNN's per-layer sync
+            self.copies.use(self.slots[offload.tensor].offload_done)
+        for offload in self.release_at.get(index, ()):
+            self._release(self.slots[offload.tensor])
         recording = self.recording.get(index, ())
         state = rng_state(func, self._device(args)) if recording else None
         versions = [a._version if isinstance(a, torch.Tensor) else None for a in args] if recording else ()
@@ -279,14 +306,16 @@ class _Step(TorchDispatchMode):
             pool = self.runtime.host_pool(self.copies.device)
             slot.host_offset, slot.host = pool.take(slot.device_data.numel())
             slot.offload_done = self.copies.to_host(slot.device_data, slot.host)
-        self.copying_out.append(slot)
-        self._settle()
+
+    def _release(self, slot: _Slot) -> None:
+        """The release point (NOTE [offload runtime] 3): compute waits for the copy, the device tensor goes."""
+        if slot.device_data is None or slot.restored is not None:
+            return
+        self.copies.use(slot.offload_done)
+        slot.device_data = None
 
     def _settle(self) -> None:
-        """Let go of what completed copies no longer need (NOTE [offload runtime] 3 and 4)."""
-        while self.copying_out and self.copies.done(self.copying_out[0].offload_done):
-            slot = self.copying_out.popleft()
-            slot.device_data = slot.offload_done = None
+        """Return the host slices of completed prefetches (NOTE [offload runtime] 4)."""
         while self.copying_in and self.copies.done(self.copying_in[0].prefetch_done):
             self._give_back(self.copying_in.popleft())
 
@@ -294,7 +323,7 @@ class _Step(TorchDispatchMode):
         if slot.host is None or slot.restored is not None:
             return
         self._settle()
-        if slot.device_data is not None:  # its copy out is still in flight: it never left
+        if slot.device_data is not None:  # at or before its release point: it never left
             slot.restored, slot.device_data = slot.device_data, None
             self._give_back(slot)
             return
@@ -350,6 +379,7 @@ class _Step(TorchDispatchMode):
             self._drop(slot)
 
     def _drop(self, slot: _Slot) -> None:
+        self.copies.finish(slot.prefetch_done)  # NOTE [offload runtime] 7: a copy may still use block and slice
         slot.restored = slot.device_data = slot.prefetch_done = slot.offload_done = None
         self._give_back(slot)
 

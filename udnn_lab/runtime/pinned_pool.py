@@ -104,6 +104,15 @@ class HostPool:
         self._used.clear()
         self._in_use = 0
 
+    def release(self) -> None:
+        """Hand the buffer back to the machine. PyTorch caches freed pinned blocks for reuse, so
+        without emptying that cache the memory stays page-locked until the process exits."""
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+        self._free, self._in_use = [(0, 0)], 0
+        self._used.clear()
+        if self.pinned:
+            empty_pinned_cache()
+
     def _grow(self, size: int) -> None:
         """A bigger buffer; only when nothing is in use (the plan's pool size was too small)."""
         if self._used:
@@ -114,6 +123,12 @@ class HostPool:
         self._buffer = self._allocate(_round(self.capacity_bytes + size))
         self._free = [(0, self._buffer.numel())]
         self._grown += 1
+
+
+def empty_pinned_cache() -> None:
+    """Return unused pinned blocks that PyTorch's host caching allocator keeps."""
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    (empty or torch._C._host_emptyCache)()
 
 
 def _round(nbytes: int) -> int:

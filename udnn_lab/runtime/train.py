@@ -91,11 +91,13 @@ def train(model: torch.nn.Module, batches: Iterable, optimizer: torch.optim.Opti
         bar.close()
         if fused is not None:
             fused.remove()
+        pinned_bytes = runtime.pool.capacity_bytes if runtime.pool is not None else 0
+        runtime.release()
     return Run(model_name=name or type(model).__name__, device=device.type, device_name=device_name(device),
                policy=plan.policy if plan is not None else "none", fused_optimizer=fused is not None,
                started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                steps=pd.DataFrame(rows, columns=STEP_COLUMNS), stopped=stopped,
-               pinned_bytes=runtime.pool.capacity_bytes if runtime.pool is not None else 0)
+               pinned_bytes=pinned_bytes)
 
 
 def _one_step(index: int, model, batch, device, loss_fn, optimizer, fused, runtime: OffloadRuntime,

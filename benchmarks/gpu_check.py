@@ -1,0 +1,154 @@
+"""Every GPU test and GPU benchmark in one command: the raw results as one JSON per run.
+
+Steps (each a child process with its own time limit, so one hang or crash does not lose the rest):
+
+    tests      pytest -m gpu, one record per test (outcome, seconds, failure text)
+    hardware   Hardware.measure("cuda"): copy sweeps both ways, pinned and pageable, FLOP rates
+    peaks      benchmarks/cuda_peaks_probe.py: measured against simulated peaks per policy
+    peers      benchmarks/offload_vs_peers.py --device cuda --models resnet50 transformer
+               (step time and peak under budgets, largest batch under a cap; about 5 minutes)
+    sharing    benchmarks/sharing_study.py --device cuda --size small (co-training study)
+
+Writes <out>/gpu_check-<device>-<date>.json (machine, versions, date, every step's output,
+exit status and seconds) and each step's own JSON beside it. Without a CUDA device it says
+so and exits 0: nothing here is ever estimated.
+
+    python benchmarks/gpu_check.py [--steps tests hardware peers sharing] [--out data/benchmarks/gpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout, installed or not
+STEPS = ("tests", "hardware", "peaks", "peers", "sharing")
+LIMIT_S = {"tests": 120, "hardware": 120, "peaks": 150, "peers": 420, "sharing": 240}
+
+
+def _machine() -> dict:
+    from udnn_lab import nvml
+
+    props = torch.cuda.get_device_properties(0)
+    reading = nvml.read(0)
+    return {"device_name": props.name, "total_memory_bytes": props.total_memory,
+            "multiprocessors": props.multi_processor_count, "capability": f"{props.major}.{props.minor}",
+            "nvml": dataclasses.asdict(reading), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+            "python": platform.python_version(), "platform": platform.platform(), "cpu_cores": os.cpu_count(),
+            "host_memory": _meminfo()}
+
+
+def _meminfo() -> dict:
+    """Host memory as the kernel reports it: the pinned pool is capped by what is available."""
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        return {}
+    wanted = ("MemTotal", "MemAvailable", "MemFree", "Cached")
+    return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in lines) if k in wanted}
+
+
+def _run(command: list[str], limit_s: int) -> dict:
+    print(f"\n$ {' '.join(command)}  (limit {limit_s} s)", flush=True)
+    started = time.perf_counter()
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "PYTHONUNBUFFERED": "1"}
+    try:
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit_s)
+        status, out = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as stopped:
+        status = "timeout"
+        out = "".join(part.decode() if isinstance(part, bytes) else (part or "")
+                      for part in (stopped.stdout, stopped.stderr))
+    seconds = time.perf_counter() - started
+    print(out[-6000:], flush=True)
+    print(f"-> exit {status} after {seconds:.1f} s", flush=True)
+    return {"command": command, "exit": status, "seconds": seconds, "output_tail": out[-20000:]}
+
+
+def _tests(out: Path) -> dict:
+    report = out / "pytest-gpu.xml"
+    result = _run([sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-q", "-rfEs", "--continue-on-collection-errors",
+                   f"--junitxml={report}"], LIMIT_S["tests"])
+    if report.exists():
+        result["tests"] = [_case(case) for case in ET.parse(report).getroot().iter("testcase")]
+        report.unlink()
+    return result
+
+
+def _case(case: ET.Element) -> dict:
+    outcome, message = "passed", ""
+    for child in case:
+        if child.tag in ("failure", "error", "skipped"):
+            outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[child.tag]
+            message = (child.get("message") or "") + "\n" + (child.text or "")
+    return {"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
+            "seconds": float(case.get("time", 0)), "message": message[-4000:]}
+
+
+def _hardware(out: Path) -> dict:
+    code = ("import json, sys, udnn_lab as ul\n"
+            "profile, sweep = ul.Hardware.measure('cuda', progress=False)\n"
+            f"profile.save({str(out / 'hardware-measured.json')!r})\n"
+            f"sweep.to_json({str(out / 'hardware-sweep.json')!r}, orient='records', indent=1)\n"
+            "print(json.dumps(profile.to_dict(), indent=1, default=str))\n")
+    return _run([sys.executable, "-c", code], LIMIT_S["hardware"])
+
+
+def _peaks(out: Path) -> dict:
+    return _run([sys.executable, "benchmarks/cuda_peaks_probe.py", "--out", str(out / "cuda_peaks_probe.json")],
+                LIMIT_S["peaks"])
+
+
+def _peers(out: Path) -> dict:
+    return _run([sys.executable, "benchmarks/offload_vs_peers.py", "--device", "cuda", "--models", "resnet50",
+                 "transformer", "--out", str(out / "offload_vs_peers-cuda.json")], LIMIT_S["peers"])
+
+
+def _sharing(out: Path) -> dict:
+    return _run([sys.executable, "benchmarks/sharing_study.py", "--device", "cuda", "--size", "small",
+                 "--out", str(out / "sharing")], LIMIT_S["sharing"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", nargs="+", default=list(STEPS), choices=STEPS)
+    parser.add_argument("--out", type=Path, default=ROOT / "data" / "benchmarks" / "gpu")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu-check: this machine has no CUDA device, so no GPU test or benchmark was run.")
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    date = datetime.now(timezone.utc)
+    machine = _machine()
+    print(json.dumps(machine, indent=1), flush=True)
+    steps = {}
+    for step in args.steps:
+        steps[step] = {"tests": _tests, "hardware": _hardware, "peaks": _peaks, "peers": _peers,
+                        "sharing": _sharing}[step](args.out)
+    document = {"check": "gpu_check", "date": date.isoformat(timespec="seconds"), "machine": machine,
+                "steps": steps}
+    slug = machine["device_name"].lower().replace("nvidia ", "").replace(" ", "-")
+    path = args.out / f"gpu_check-{slug}-{date:%Y%m%dT%H%M%S}.json"
+    path.write_text(json.dumps(document, indent=1, default=str))
+    print(f"\nwrote {path}")
+    failed = [name for name, step in steps.items() if step["exit"] != 0]
+    print("all steps passed" if not failed else f"steps that failed: {', '.join(failed)}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
