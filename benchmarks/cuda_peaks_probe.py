@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import udnn_lab as ul  # noqa: E402
-from udnn_lab.step import compute_loss, split_input  # noqa: E402
+from udnn_lab.analysis.step import compute_loss, split_input  # noqa: E402
 
 CASES = (("resnet50", 64), ("transformer", 16))
 

@@ -3,7 +3,7 @@
 For a few zoo models (traced for CUDA on meta builds: no GPU needed) and the policies
 keep-all (the eager step), vdnn-all and vdnn++ at 50% of the step's peak, replay the
 step's allocations through the caching allocator model and the other heuristics of
-``udnn_lab.allocator`` and report, per heuristic, the live, allocated and reserved peaks
+``udnn_lab.allocator.heuristics`` and report, per heuristic, the live, allocated and reserved peaks
 and the fragmentation (1 - live peak / reserved peak). A policy that cannot fit 50% is
 recorded as infeasible, and planned again at the smallest budget it meets. The
 eager step is also run for three steps (best fit), to show the cache settling.
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import udnn_lab as ul
-from udnn_lab.allocator import HEURISTICS, compare
+from udnn_lab.allocator.heuristics import HEURISTICS, compare
 from udnn_lab.devices import device_name
 
 MODELS = [("resnet50", 64), ("densenet121", 32), ("vgg16", 64)]
@@ -103,7 +103,7 @@ def main() -> None:
         "machine": {"device": "cpu (no GPU: steps traced for CUDA on meta builds)", "cpu": device_name("cpu"),
                     "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
                     "platform": platform.platform()},
-        "hardware_profile": HARDWARE, "allocator": "udnn_lab.allocator model of the CUDA caching allocator, "
+        "hardware_profile": HARDWARE, "allocator": "udnn_lab.allocator.heuristics model of the CUDA caching allocator, "
         "default config (NOTE [modelled allocator behaviour] in udnn_lab/allocator_model.py)",
         "heuristics": {h.name: {"kind": h.kind, "description": h.description} for h in HEURISTICS},
         "fragmentation_definition": "1 - live_peak_bytes / reserved_peak_bytes",

@@ -39,7 +39,7 @@ LIMIT_S = {"tests": 120, "hardware": 120, "peaks": 150, "peers": 420, "sharing":
 
 
 def _machine() -> dict:
-    from udnn_lab import nvml
+    from udnn_lab.measurement import nvml
 
     props = torch.cuda.get_device_properties(0)
     reading = nvml.read(0)

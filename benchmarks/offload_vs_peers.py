@@ -32,11 +32,11 @@ from torch import nn
 
 import udnn_lab as ul
 from udnn_lab.devices import device_name
-from udnn_lab.plan import PlanInfeasible
+from udnn_lab.planning import PlanInfeasible
 from udnn_lab.runtime import HostMemoryError
 from udnn_lab.runtime.pinned_pool import empty_pinned_cache
 from udnn_lab.runtime.live_bytes import LiveBytes
-from udnn_lab.step import compute_loss, split_input
+from udnn_lab.analysis.step import compute_loss, split_input
 
 GPU_CASES = [("resnet50", 256, {}), ("vgg16", 128, {}), ("densenet201", 128, {}), ("transformer", 64, {})]
 CPU_CASES = [("resnet18", 16, {"image_size": 64}), ("vgg11", 8, {"image_size": 64}), ("mlp5", 256, {}),
@@ -107,7 +107,7 @@ def _state(optimizer):
 
 
 def _hardware(device: torch.device) -> ul.Hardware:
-    from udnn_lab.simulate import resolve_hardware
+    from udnn_lab.simulation.simulator import resolve_hardware
 
     try:
         return resolve_hardware(None, device.type)

@@ -25,9 +25,9 @@ import torch
 
 import udnn_lab as ul
 from udnn_lab.devices import device_name
-from udnn_lab.plan import POLICIES
-from udnn_lab.plan.pinning import pin_dp, pin_greedy
-from udnn_lab.simulate import cost_model, simulate_with
+from udnn_lab.planning import POLICIES
+from udnn_lab.planning.pinning import pin_dp, pin_greedy
+from udnn_lab.simulation.simulator import cost_model, simulate_with
 
 MODELS = [("alexnet", 128, {}), ("vgg16", 64, {}), ("googlenet", 64, {}), ("inception_v3", 32, {}),
           ("resnet50", 64, {}), ("resnet152", 32, {}), ("densenet121", 32, {}), ("densenet201", 32, {}),

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 import udnn_lab as ul
-from udnn_lab.cost import RATES_DIR, RateCurve
+from udnn_lab.cost.model import RATES_DIR, RateCurve
 from udnn_lab.devices import device_name
-from udnn_lab.simulate import resolve_hardware, simulate
+from udnn_lab.simulation.simulator import resolve_hardware, simulate
 
 CALIBRATION = [  # (zoo name, batch, options): none of them is validated below
     ("alexnet", 8, {"image_size": 64}), ("vgg16", 4, {"image_size": 64}), ("resnet34", 8, {"image_size": 64}),

@@ -9,7 +9,7 @@ import torch
 
 import udnn_lab as ul
 from udnn_lab import zoo
-from udnn_lab.allocator import (HEURISTICS, AllocEvent, AllocatorModelError, CachingAllocatorModel, compare,
+from udnn_lab.allocator.heuristics import (HEURISTICS, AllocEvent, AllocatorModelError, CachingAllocatorModel, compare,
                                 events_from_graph, events_from_memory_trace, events_from_simulation, heuristics,
                                 lay_out, model_from_snapshot, preallocate_long_lived, replay)
 
@@ -333,7 +333,7 @@ def test_a_snapshot_seeds_the_model_and_a_trace_replays_on_it():
 
 # -- a real GPU ----------------------------------------------------------------------------
 def _real_step(workload):
-    from udnn_lab.step import run_step, split_input
+    from udnn_lab.analysis.step import run_step, split_input
 
     args, kwargs = split_input(workload.example_input)
     return run_step(workload.model, args, kwargs, loss_fn=workload.loss_fn, target=workload.target,

@@ -5,8 +5,8 @@ import pytest
 
 import udnn_lab as ul
 from udnn_lab import zoo
-from udnn_lab.cost import CUDA_LAUNCH_S, CostModel, RateCurve, op_kind
-from udnn_lab.hardware import Hardware
+from udnn_lab.cost.model import CUDA_LAUNCH_S, CostModel, RateCurve, op_kind
+from udnn_lab.hardware.profiles import Hardware
 
 H100 = Hardware.load("h100-sxm")
 

@@ -7,7 +7,7 @@ import torch
 
 import udnn_lab as ul
 from udnn_lab import zoo
-from udnn_lab.step import compute_loss, split_input
+from udnn_lab.analysis.step import compute_loss, split_input
 
 
 @pytest.mark.gpu

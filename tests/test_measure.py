@@ -82,7 +82,7 @@ def test_meta_models_cannot_be_measured():
 
 
 def test_nvml_is_unavailable_without_a_driver_and_says_why():
-    from udnn_lab import nvml
+    from udnn_lab.measurement import nvml
 
     reading = nvml.read()
     if reading.available:

@@ -2,7 +2,7 @@ import pytest
 
 import udnn_lab as ul
 from udnn_lab import zoo
-from udnn_lab.plan import Offload, Plan, PlanError, Recompute
+from udnn_lab.planning import Offload, Plan, PlanError, Recompute
 
 
 @pytest.fixture(scope="module")

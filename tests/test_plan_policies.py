@@ -8,11 +8,11 @@ from torch import nn
 
 import udnn_lab as ul
 from udnn_lab import zoo
-from udnn_lab.hardware import Hardware
-from udnn_lab.plan import POLICIES, PlanInfeasible, min_budget, plan, sweep
-from udnn_lab.plan.candidates import candidates
-from udnn_lab.plan.pinning import pin_dp, pin_greedy
-from udnn_lab.simulate import cost_model, simulate
+from udnn_lab.hardware.profiles import Hardware
+from udnn_lab.planning import POLICIES, PlanInfeasible, min_budget, plan, sweep
+from udnn_lab.planning.candidates import candidates
+from udnn_lab.planning.pinning import pin_dp, pin_greedy
+from udnn_lab.simulation.simulator import cost_model, simulate
 
 H100 = Hardware.load("h100-sxm")
 FRACTIONS = (0.4, 0.6, 0.8, 1.0)  # this graph's smallest feasible budget is about 53% of its peak

@@ -11,7 +11,7 @@ import torch
 
 import udnn_lab as ul
 from udnn_lab.cli import _parser, main
-from udnn_lab.report import TEMPLATE, ReportRequest
+from udnn_lab.report.writing import TEMPLATE, ReportRequest
 
 pytestmark = pytest.mark.slow
 LOADS_FROM_NETWORK = re.compile(r"\b(src|href)\s*=\s*[\"']?(https?:)?//", re.IGNORECASE)

@@ -7,10 +7,10 @@ from torch import nn
 
 import udnn_lab as ul
 from udnn_lab import zoo
-from udnn_lab.plan import POLICIES, PlanInfeasible, plan
+from udnn_lab.planning import POLICIES, PlanInfeasible, plan
 from udnn_lab.runtime import HostMemoryError, OffloadRuntime, PlanMismatch
-from udnn_lab.simulate import simulate
-from udnn_lab.step import run_step, split_input
+from udnn_lab.simulation.simulator import simulate
+from udnn_lab.analysis.step import run_step, split_input
 
 CPU = ul.Hardware.load("cpu-amd-epyc-2cpu")
 # The same CPU with copies that take no time: the runtime's CPU copies are synchronous memcpys.

@@ -9,9 +9,9 @@ from torch import nn
 import udnn_lab as ul
 from udnn_lab import zoo
 from udnn_lab.errors import TraceMismatch
-from udnn_lab.hardware import Hardware, HardwareMismatchWarning, UnknownHardwareError
-from udnn_lab.plan import Offload, Plan, PlanError, Recompute
-from udnn_lab.simulate import simulate
+from udnn_lab.hardware.profiles import Hardware, HardwareMismatchWarning, UnknownHardwareError
+from udnn_lab.planning import Offload, Plan, PlanError, Recompute
+from udnn_lab.simulation.simulator import simulate
 
 H100 = Hardware.load("h100-sxm")
 # The same GPU behind a link 4 times slower: copies lag behind compute.

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import altair as alt
-from udnn_lab.widgets import MemoryLab
+from udnn_lab.widgets.app import MemoryLab
 
 
 

@@ -14,6 +14,9 @@ import torch
 from udnn_lab import zoo
 from udnn_lab.errors import UdnnLabError
 from udnn_lab.units import format_bytes
+from udnn_lab.analysis.tracing import trace
+from udnn_lab.measurement.measuring import measure
+from udnn_lab.report.writing import ReportRequest, write_report
 
 
 
@@ -69,9 +72,6 @@ def _zoo(args: argparse.Namespace) -> int:
 
 
 def _analyze(args: argparse.Namespace) -> int:
-    from udnn_lab.measure import measure
-    from udnn_lab.trace import trace
-
     work = _workload(args, device="meta")
     print(f"tracing {work.name} (batch {args.batch}, {args.dtype}, optimizer {args.optimizer}) ...", file=sys.stderr)
     start = time.perf_counter()
@@ -91,8 +91,6 @@ def _analyze(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from udnn_lab.report import ReportRequest, write_report
-
     request = ReportRequest(args.model, args.budget, batch=args.batch, hardware=args.hardware, policy=args.policy,
                             image_size=args.image_size, optimizer=args.optimizer, dtype=args.dtype)
     write_report(request, args.out, progress=lambda line: print(line, file=sys.stderr))

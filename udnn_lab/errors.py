@@ -25,3 +25,69 @@ class TraceMismatch(UdnnLabError, RuntimeError):
 
 class MissingDependency(UdnnLabError, ImportError):
     """An optional package is needed for what was asked."""
+
+
+class ReplayError(UdnnLabError, RuntimeError):
+    """A recomputation could not reproduce forward."""
+
+
+class PlanMismatch(UdnnLabError, RuntimeError):
+    """The step run under the runtime is not the step the plan was made for."""
+
+
+class HostMemoryError(UdnnLabError, MemoryError):
+    """The plan needs more host memory than the pool may take."""
+
+
+class PlanInfeasible(UdnnLabError, ValueError):
+    """No plan of the policy fits the budget."""
+
+    def __init__(self, message: str, minimum_bytes: int, fitting_policy: str | None) -> None:
+        super().__init__(message)
+        self.minimum_bytes = minimum_bytes
+        self.fitting_policy = fitting_policy
+
+
+class PlanError(UdnnLabError, ValueError):
+    """A plan that breaks a rule, or that was made for another graph."""
+
+
+class AllocatorModelError(UdnnLabError, ValueError):
+    """An event sequence the allocator cannot replay (a double allocation, a free of an unknown block)."""
+
+
+class AllocatorOutOfMemory(UdnnLabError, MemoryError):
+    """A segment the capacity cannot hold, even after releasing every free cached segment."""
+
+
+class ReportError(UdnnLabError, RuntimeError):
+    """The report notebook failed while it ran."""
+
+
+class HardwareProfileError(UdnnLabError, ValueError):
+    """A hardware profile that cannot be found, read or trusted."""
+
+
+class UnknownHardwareError(HardwareProfileError):
+    """A profile name that is not among the shipped profiles."""
+
+
+class HardwareMismatchWarning(UserWarning):
+    """A profile made for one device is applied to another."""
+
+
+class JobFailed(UdnnLabError, RuntimeError):
+    """A job's worker reported an error, died, or stopped answering."""
+
+    def __init__(self, job: str, message: str) -> None:
+        super().__init__(f"{job}: {message}")
+        self.job = job
+        self.message = message
+
+
+class CapBelowMinimum(UdnnLabError, ValueError):
+    """A memory cap under the least a job can run with."""
+
+    def __init__(self, message: str, job: str, cap_bytes: int, minimum_bytes: int) -> None:
+        super().__init__(message)
+        self.job, self.cap_bytes, self.minimum_bytes = job, cap_bytes, minimum_bytes

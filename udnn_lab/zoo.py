@@ -140,7 +140,7 @@ class TransformerClassifier(nn.Module):
 # -- the catalogue ----------------------------------------------------------------------------
 def _torchvision(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
-        import torchvision
+        import torchvision  # heavy (hundreds of ms): only when a torchvision model is built
 
         return getattr(torchvision.models, name)(weights=None, **kwargs)
 
@@ -150,7 +150,7 @@ def _torchvision(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
 def _timm(name: str) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         try:
-            import timm
+            import timm  # optional dependency: udnn_lab[timm]
         except ImportError as err:
             raise MissingDependency(f"{name} comes from timm, which is not installed: "
                                     "pip install 'udnn_lab[timm]' (or pip install timm)") from err

@@ -2,6 +2,6 @@
 
 from udnn_lab.runtime.offload import OffloadRuntime, PlanMismatch, StepStats
 from udnn_lab.runtime.pinned_pool import HostMemoryError
-from udnn_lab.runtime.train import Run, train
+from udnn_lab.runtime.training import Run, train
 
 __all__ = ["HostMemoryError", "OffloadRuntime", "PlanMismatch", "Run", "StepStats", "train"]

@@ -54,17 +54,13 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from udnn_lab.errors import UdnnLabError
-from udnn_lab.fake_memo import flat_tensors
-from udnn_lab.plan.ir import Offload, Plan, Recompute
-from udnn_lab.recorder import records_op
+from udnn_lab.errors import PlanMismatch, UdnnLabError
+from udnn_lab.analysis.fake.memo import flat_tensors
+from udnn_lab.graph.plan_ir import Offload, Plan, Recompute
+from udnn_lab.analysis.recorder import records_op
 from udnn_lab.runtime.copies import Copies
 from udnn_lab.runtime.pinned_pool import HostPool
 from udnn_lab.runtime.replay import Replay, rng_state
-
-
-class PlanMismatch(UdnnLabError, RuntimeError):
-    """The step run under the runtime is not the step the plan was made for."""
 
 
 @dataclass(frozen=True)

@@ -14,15 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from udnn_lab.errors import UdnnLabError
+from udnn_lab.errors import HostMemoryError, UdnnLabError
 from udnn_lab.units import format_bytes
 
 DEFAULT_CAP_FRACTION = 0.5
 _ALIGN = 512  # every slice starts on a 512-byte boundary, as CUDA copies like
-
-
-class HostMemoryError(UdnnLabError, MemoryError):
-    """The plan needs more host memory than the pool may take."""
 
 
 @dataclass(frozen=True)

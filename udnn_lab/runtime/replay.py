@@ -12,17 +12,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from udnn_lab.errors import UdnnLabError
-from udnn_lab.plan.ir import Recompute
+from udnn_lab.errors import ReplayError, UdnnLabError
+from udnn_lab.graph.plan_ir import Recompute
 
 
 # Ops that update running statistics in training although their schema does not say so.
 _UNDECLARED_WRITES = {"aten.native_batch_norm.default": (3, 4), "aten.cudnn_batch_norm.default": (3, 4),
                       "aten.miopen_batch_norm.default": (3, 4)}
-
-
-class ReplayError(UdnnLabError, RuntimeError):
-    """A recomputation could not reproduce forward."""
 
 
 @dataclass

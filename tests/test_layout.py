@@ -1,0 +1,150 @@
+"""The package's shape: imports point one way (no cycles), and no import hides inside a function."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import udnn_lab as ul
+
+PACKAGE = Path(ul.__file__).resolve().parent
+# optional or heavy third-party packages that may be imported where they are used
+LATE_IMPORTS_ALLOWED = {"altair", "ipywidgets", "timm", "transformers", "peft", "vl_convert", "papermill",
+                        "nbformat", "nbconvert", "jinja2", "pynvml", "torchvision", "IPython", "anywidget"}
+LATE_MODULES_ALLOWED = {"udnn_lab.widgets"}  # the app: it imports altair and ipywidgets
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _top_level_imports(tree: ast.Module):
+    """Imports run when the module is imported (module body, try/if blocks), not TYPE_CHECKING ones."""
+    pending = list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If) and not _is_type_checking(node):
+            pending += node.body + node.orelse
+        elif isinstance(node, ast.Try):
+            pending += node.body + node.orelse + node.finalbody + [n for h in node.handlers for n in h.body]
+
+
+def _targets(node: ast.Import | ast.ImportFrom, modules: dict[str, Path]) -> set[str]:
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names if alias.name in modules}
+    if node.level or not node.module or not node.module.startswith("udnn_lab"):
+        return set()
+    found = set()
+    for alias in node.names:
+        submodule = f"{node.module}.{alias.name}"
+        found.add(submodule if submodule in modules else node.module)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        edges = set()
+        for node in _top_level_imports(tree):
+            edges |= _targets(node, modules)
+        edges.discard("udnn_lab")  # every module's parent: the root's re-exports are not a dependency
+        graph[name] = edges - {name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _package_of(module: str, modules: dict[str, Path]) -> str:
+    return module if modules[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+def test_the_package_has_no_import_cycle():
+    graph = import_graph()
+    modules = _modules()
+    # a package's __init__ re-exports its own modules: that edge is the package's face, not a dependency
+    for name in graph:
+        if modules[name].name == "__init__.py":
+            graph[name] = {t for t in graph[name] if not t.startswith(name + ".")}
+    found = cycles(graph)
+    assert not found, "import cycles: " + "; ".join(" -> ".join(c) for c in found)
+
+
+def test_no_import_inside_a_function_but_optional_heavy_packages_with_a_comment():
+    offenders = []
+    for name, path in _modules().items():
+        source = path.read_text()
+        lines = source.splitlines()
+        for function in ast.walk(ast.parse(source)):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                    continue
+                modules = {alias.name for alias in node.names} if isinstance(node, ast.Import) else {node.module or ""}
+                allowed = all(m.split(".")[0] in LATE_IMPORTS_ALLOWED or m in LATE_MODULES_ALLOWED for m in modules)
+                commented = any("#" in line for line in lines[max(0, node.lineno - 3):node.lineno])  # said why
+                if not (allowed and commented):
+                    offenders.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+    assert not offenders, "imports inside functions:\n" + "\n".join(offenders)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_flat_prefixed_modules_are_left():
+    flat = [p.name for p in PACKAGE.glob("*.py") if p.stem.split("_")[0] in
+            ("sharing", "charts", "frames", "allocator", "widgets", "hardware", "fake", "plan")]
+    assert not flat
+
+
+def test_dir_lists_every_public_name():
+    listed = set(dir(ul))
+    assert set(ul.__all__) <= listed and "MemoryLab" in listed
+    for name in ul.__all__:
+        assert getattr(ul, name) is not None

@@ -1,0 +1,10 @@
+"""Analysis: trace one training step (forward, backward, optimizer) at the level of aten ops.
+
+``trace`` runs the step under fake tensors (no memory, no GPU) and returns a Graph; the
+recorder follows every storage from allocation to release (NOTE [storage lifetimes]).
+May import: the Graph, the vocabulary, units, errors, devices and the workload.
+"""
+
+from udnn_lab.analysis.tracing import trace
+
+__all__ = ["trace"]

@@ -1,0 +1,135 @@
+"""Fake twins of a model's parameters, buffers, inputs and optimizer, for tracing.
+
+Fake tensors are made directly over meta storage (no fake op per tensor), and a fresh
+optimizer's state is created by one step on meta tensors, whose kernels are C++ and
+need no fake-mode bookkeeping; only the resulting state is turned into fakes. That is
+what keeps a 1,000-layer trace within seconds.
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+
+from udnn_lab.analysis.step import ensure_optimizer_state, map_tensors
+
+# Ops whose results depend on tensor values: a fake trace cannot go past them.
+FAKE_LIMITS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
+
+
+def fake_like(tensor: torch.Tensor, fake_mode: FakeTensorMode, device: torch.device) -> FakeTensor:
+    """A fake tensor with ``tensor``'s shape, strides, dtype and requires_grad, on ``device``.
+
+    Call outside the fake mode: the meta storage under it must be a plain meta tensor.
+    """
+    meta = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+    fake = FakeTensor(fake_mode, meta, device)
+    if tensor.requires_grad and tensor.is_floating_point():
+        fake.requires_grad_(True)
+    return fake
+
+
+def fake_inputs(value: Any, fake_mode: FakeTensorMode, device: torch.device) -> Any:
+    return map_tensors(lambda t: fake_like(t, fake_mode, device), value)
+
+
+def fake_state(model: torch.nn.Module, fake_mode: FakeTensorMode, device: torch.device) -> dict[str, torch.Tensor]:
+    """Fake parameters and buffers by name; tied tensors stay tied.
+
+    They are plain leaf tensors, not ``nn.Parameter``: the module holds them only for
+    the trace.
+    """
+    made: dict[int, torch.Tensor] = {}
+    state = {}
+    named = chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
+    for name, tensor in named:
+        if id(tensor) not in made:
+            made[id(tensor)] = fake_like(tensor, fake_mode, device)
+        state[name] = made[id(tensor)]
+    return state
+
+
+def fake_optimizer(optimizer: torch.optim.Optimizer | None, model: torch.nn.Module, fakes: dict[str, torch.Tensor],
+                   fake_mode: FakeTensorMode, device: torch.device, counted_as: str):
+    """The same optimizer class and hyperparameters over the fake parameters, with steady-state state.
+
+    For a CUDA step (fake CUDA tensors, or CPU kernels standing in for CUDA ones), a group
+    that leaves ``foreach`` to PyTorch gets ``foreach=True``, which is what PyTorch picks for
+    real CUDA tensors.
+    """
+    if optimizer is None:
+        return None
+    names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    twin: dict[int, torch.Tensor] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            fake = fakes[names[id(p)]] if id(p) in names else fake_like(p, fake_mode, device)
+            twin[id(p)] = fake
+            params.append(fake)
+        settings = {k: v for k, v in group.items() if k != "params"}
+        # FakeTensor is not among the types PyTorch's default picks foreach for, so a fake CUDA
+        # group would step one parameter at a time where the real one steps with foreach.
+        if counted_as == "cuda" and settings.get("foreach", False) is None and not settings.get("fused") \
+                and not settings.get("differentiable"):
+            settings["foreach"] = True
+        groups.append({**settings, "params": params})
+    clone = _same_kind(optimizer, groups)
+    for p, state in optimizer.state.items():
+        clone.state[twin[id(p)]] = _fake_values(state, p.device, fake_mode, device)
+    if not clone.state:
+        _initial_state(clone, fake_mode, device)
+    return clone
+
+
+def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
+    try:
+        return type(optimizer)(groups, **optimizer.defaults)
+    except TypeError:
+        return type(optimizer)(groups)
+
+
+def _fake_values(state: dict, param_device: torch.device, fake_mode: FakeTensorMode, device: torch.device) -> dict:
+    """Tensors on the parameter's device (or meta) become fakes on ``device``; others (host-side
+    step counters, which the optimizer reads with .item()) stay real, as copies."""
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.device in (param_device, torch.device("meta")):
+            out[key] = fake_like(value, fake_mode, device)
+        elif isinstance(value, torch.Tensor):
+            out[key] = value.detach().clone()
+        else:
+            out[key] = value
+    return out
+
+
+def _initial_state(clone: torch.optim.Optimizer, fake_mode: FakeTensorMode, device: torch.device) -> None:
+    """Give a fresh optimizer the state its first step creates, by stepping a meta twin."""
+    metas, groups = {}, []
+    for group in clone.param_groups:
+        params = []
+        for p in group["params"]:
+            meta = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="meta",
+                                       requires_grad=p.requires_grad)
+            metas[id(meta)] = p
+            params.append(meta)
+        groups.append({**{k: v for k, v in group.items() if k not in ("params", "foreach")}, "params": params})
+    try:
+        twin = _same_kind(clone, groups)
+        ensure_optimizer_state(twin, prefer_foreach=False)
+    except (RuntimeError, NotImplementedError):  # an op without a meta kernel: step the fakes instead
+        with fake_mode:
+            ensure_optimizer_state(clone, torch.empty_like)
+        return
+    for meta, state in twin.state.items():
+        clone.state[metas[id(meta)]] = _fake_values(state, meta.device, fake_mode, device)

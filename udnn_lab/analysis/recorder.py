@@ -1,0 +1,316 @@
+"""Record one training step at the level of aten ops: ops, storages, their lives.
+
+The same recorder serves ``trace`` (fake tensors: nothing is allocated) and
+``measure`` (real tensors: the live bytes it reports are the storages that exist).
+
+NOTE [storage lifetimes]
+  1. A storage is identified by its Python ``UntypedStorage`` object. PyTorch keeps
+     that object alive for as long as the C++ storage lives (PyObject preservation),
+     so ``id()`` of it is stable while it lives, and a weakref callback on it fires
+     exactly when the storage is released.
+  2. The recorder holds weakrefs and ints only, never a tensor or a storage, so it
+     does not delay any release it observes.
+  3. A release observed while op ``i`` is the latest recorded op is attributed to
+     "right after op ``i``": it happened before op ``i + 1`` started.
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import lru_cache, partial
+from typing import Callable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from udnn_lab.analysis.fake.fast_paths import FakeFastPaths
+from udnn_lab.analysis.op_work import OpWork
+from udnn_lab.vocabulary import AUTOGRAD_SCOPE, OPTIMIZER_SCOPE
+
+_NO_SEQUENCE = 2**64 - 1  # sequence number of AccumulateGrad nodes
+# Not recorded: metadata queries (prim.device), profiler markers, and detach, which never
+# allocates and whose placement moves when saved-tensor hooks are installed (so a traced
+# step and a plain eager step would otherwise disagree on op indices).
+_SKIPPED_NAMESPACES = ("prim", "profiler")
+_SKIPPED_OPS = ("aten.detach.default",)
+_SKIP, _RECORD = "skip", "record"
+
+
+@lru_cache(maxsize=None)
+def records_op(func) -> bool:
+    """Whether ops of this kind are recorded: every tool that aligns to a Graph skips the same ones."""
+    return func.namespace not in _SKIPPED_NAMESPACES and str(func) not in _SKIPPED_OPS
+
+
+@dataclass(slots=True)
+class StorageRecord:
+    """Mutable while recording; frozen into a TensorInfo afterwards."""
+
+    sid: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    device: str
+    producer: int | None
+    alloc_step: int
+    fake: bool = False  # a fake tensor's storage (a real one may sit beside it, e.g. a step counter)
+    role: str | None = None  # preset category: parameter, buffer, input, optimizer_state, ...
+    name: str | None = None
+    free_step: int | None = None
+    consumers: list[int] = field(default_factory=list)
+    saved_nodes: list[int] = field(default_factory=list)  # autograd sequence numbers
+
+
+@dataclass(slots=True)
+class OpRecord:
+    index: int
+    phase: str
+    module: str
+    name: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    allocated: tuple[int, ...]
+    forward_op: int | None
+    output_shapes: tuple[tuple[int, ...], ...]
+    flops: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    released: list[int] = field(default_factory=list)
+
+
+@dataclass
+class CallRecord:
+    path: str
+    type: str
+    first_op: int
+    last_op: int = -1
+    outputs: tuple[int, ...] = ()
+
+
+class StepRecorder(TorchDispatchMode):
+    """A dispatch mode that records ops and storage lives (see NOTE [storage lifetimes])."""
+
+    def __init__(self, after_op: Callable[[], None] | None = None, fake_mode: FakeTensorMode | None = None,
+                 fast_paths: bool = True) -> None:
+        """``after_op`` is called after each recorded op, e.g. to read CUDA allocator counters.
+
+        ``fake_mode``: the step runs on fake tensors of this mode, and ops run as NOTE [fake
+        fast paths] (fake_fast.py) says; ``fast_paths=False`` leaves them to fake mode.
+        """
+        super().__init__()
+        self.after_op = after_op
+        self._fake = FakeFastPaths(fake_mode, fast_paths) if fake_mode is not None else None
+        self.storages: list[StorageRecord] = []
+        self.ops: list[OpRecord] = []
+        self.calls: list[CallRecord] = []
+        self.phase = "forward"
+        self.scope: str | None = None  # overrides the module path (loss, optimizer)
+        self.recording = False
+        self.module_stack: list[tuple[str, str, list[tuple[int, ...]]]] = []  # path, type, input shapes
+        self._open_calls: list[CallRecord] = []
+        self._live: dict[int, int] = {}  # id(storage) -> sid, live storages only
+        self._refs: dict[int, weakref.ref] = {}
+        self._work = OpWork()
+        self._names: dict = {}  # op -> its name
+        self._kinds: dict = {}  # op -> _SKIP or _RECORD
+        self._sequence_to_op: dict[int, int] = {}
+        self._last_sequence = torch._C._autograd._get_sequence_nr()
+        self._param_paths: dict[int, str] = {}  # id(parameter) -> name, for AccumulateGrad nodes
+
+    # -- storages ------------------------------------------------------------------------
+    def sid_of(self, tensor: torch.Tensor, produced: bool = False) -> int | None:
+        """The storage id of ``tensor``, registering its storage if unseen.
+
+        ``produced``: an unseen storage is an output of the op being recorded (else it
+        came from outside the dispatcher, e.g. a constant, and has no producer).
+        """
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return None  # sparse and other storage-less tensors are not tracked
+        key = id(storage)
+        sid = self._live.get(key)
+        if sid is None:
+            sid = self._new_storage(storage, tensor, key, produced)
+        return sid
+
+    def _new_storage(self, storage, tensor: torch.Tensor, key: int, produced: bool) -> int:
+        sid = len(self.storages)
+        step = len(self.ops) if (self.recording and produced) else -1  # unseen inputs existed before
+        self.storages.append(StorageRecord(
+            sid=sid, nbytes=storage.nbytes(), dtype=str(tensor.dtype).removeprefix("torch."),
+            shape=tuple(tensor.shape), device=tensor.device.type,
+            producer=step if produced and step >= 0 else None, alloc_step=step, fake=isinstance(tensor, FakeTensor),
+        ))
+        self._live[key] = sid
+        self._refs[key] = weakref.ref(storage, partial(self._released, key, sid))
+        return sid
+
+    def _released(self, key: int, sid: int, _ref) -> None:
+        if self._live.get(key) == sid:
+            del self._live[key]
+            del self._refs[key]
+        if self.recording:
+            step = len(self.ops) - 1  # NOTE [storage lifetimes] 3
+            self.storages[sid].free_step = step
+            if step >= 0:
+                self.ops[step].released.append(sid)
+
+    def register(self, tensor: torch.Tensor, role: str, name: str) -> int | None:
+        """Mark a tensor that exists before the step (parameter, input, ...) or ends as a role."""
+        sid = self.sid_of(tensor)
+        if sid is not None:
+            record = self.storages[sid]
+            if record.role is None or role in ("parameter_gradient", "optimizer_state"):
+                record.role, record.name = role, name
+        return sid
+
+    def adopt(self, tensor: torch.Tensor) -> None:
+        """A storage allocated at the current op by something other than an op (an offload runtime's prefetch)."""
+        if self.recording:
+            self.sid_of(tensor, produced=True)
+
+    def name_parameters(self, named: dict[str, torch.Tensor]) -> None:
+        self._param_paths = {id(p): name for name, p in named.items()}
+
+    # -- dispatch ------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kind = self._kinds.get(func)
+        if kind is None:
+            kind = self._kinds[func] = self._classify(func)
+        out = self._fake.run(func, args, kwargs) if self._fake is not None else func(*args, **kwargs)
+        if kind is not _SKIP and self.recording:
+            self._record(func, args, kwargs, out)
+        return out
+
+    def _classify(self, func) -> str:
+        self._names[func] = str(func)
+        return _RECORD if records_op(func) else _SKIP
+
+    def _record(self, func, args, kwargs, out) -> None:
+        index = len(self.ops)
+        storages, sid_of = self.storages, self.sid_of
+        inputs = []
+        for t in _tensors(args, kwargs):
+            sid = sid_of(t)
+            if sid is not None and sid not in inputs:
+                inputs.append(sid)
+                storages[sid].consumers.append(index)
+        outputs, allocated, shapes = [], [], []
+        for t in (out,) if isinstance(out, torch.Tensor) else _tensors((out,), None):
+            sid = sid_of(t, True)
+            if sid is None or sid in outputs:
+                continue
+            outputs.append(sid)
+            shapes.append(tuple(t.shape))
+            if storages[sid].producer == index:
+                allocated.append(sid)
+        module, forward_op = self._where(index)
+        flops, read, written = self._work.measure(func, args, kwargs, out)
+        self.ops.append(OpRecord(index, self.phase, module, self._names[func], tuple(inputs), tuple(outputs),
+                                 tuple(allocated), forward_op, tuple(shapes), flops, read, written))
+        if self.after_op is not None:
+            self.after_op()
+
+    def _where(self, index: int) -> tuple[str, int | None]:
+        """Module path and forward op of the op being recorded."""
+        if self.phase == "forward":
+            sequence = torch._C._autograd._get_sequence_nr()
+            for s in range(self._last_sequence, sequence):
+                self._sequence_to_op.setdefault(s, index)
+            self._last_sequence = sequence
+            if self.scope is not None:
+                return self.scope, index
+            return (self.module_stack[-1][0] if self.module_stack else ""), index
+        if self.phase == "optimizer":
+            return OPTIMIZER_SCOPE, None
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return (self.scope or AUTOGRAD_SCOPE), None
+        sequence = node._sequence_nr()
+        if sequence == _NO_SEQUENCE:  # AccumulateGrad: belongs to its parameter's module
+            variable = getattr(node, "variable", None)
+            path = self._param_paths.get(id(variable), "")
+            return path.rpartition(".")[0], None
+        forward_op = self._sequence_to_op.get(sequence)
+        if forward_op is None:
+            return AUTOGRAD_SCOPE, None
+        return self.ops[forward_op].module, forward_op
+
+    # -- saved tensors -------------------------------------------------------------------
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """saved_tensors_hooks pack hook: note which storage autograd keeps for backward."""
+        if self.recording:
+            sid = self.sid_of(tensor)
+            if sid is not None:
+                # The node that saves is already created, so it holds the previous number.
+                self.storages[sid].saved_nodes.append(torch._C._autograd._get_sequence_nr() - 1)
+        return tensor
+
+    @staticmethod
+    def unpack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def forward_op_of_node(self, sequence: int) -> int | None:
+        return self._sequence_to_op.get(sequence)
+
+    # -- modules -------------------------------------------------------------------------
+    @contextmanager
+    def watching(self, model: torch.nn.Module):
+        """Track the module path of every op while ``model`` runs (hooks removed on exit)."""
+        handles = []
+        seen = set()
+        for path, module in model.named_modules(remove_duplicate=False):
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            handles.append(module.register_forward_pre_hook(partial(self._enter, path)))
+            handles.append(module.register_forward_hook(partial(self._exit, path)))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _enter(self, path: str, module, args) -> None:
+        shapes = [tuple(t.shape) for t in _tensors(args, None)]
+        self.module_stack.append((path, type(module).__name__, shapes))
+        if self.recording and self.phase == "forward":
+            self._open_calls.append(CallRecord(path, type(module).__name__, len(self.ops)))
+
+    def _exit(self, path: str, module, args, output) -> None:
+        if self.module_stack:
+            self.module_stack.pop()
+        if self.recording and self.phase == "forward" and self._open_calls:
+            call = self._open_calls.pop()
+            call.last_op = len(self.ops) - 1
+            call.outputs = tuple(sid for t in _tensors((output,), None) if (sid := self.sid_of(t)) is not None)
+            self.calls.append(call)
+
+
+def _tensors(args, kwargs):
+    """Tensors among op arguments: top level, and inside lists, tuples and dicts."""
+    for value in args:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from _tensors(value, None)
+        elif isinstance(value, dict):
+            yield from _tensors(value.values(), None)
+        elif hasattr(value, "_fields") or hasattr(value, "__dataclass_fields__"):
+            yield from _tensors(_fields_of(value), None)
+    if kwargs:
+        yield from _tensors(kwargs.values(), None)
+
+
+def _fields_of(value):
+    if hasattr(value, "_fields"):
+        return tuple(value)
+    return tuple(getattr(value, name) for name in value.__dataclass_fields__)
+
+
+__all__ = ["StepRecorder", "StorageRecord", "OpRecord", "CallRecord", "OPTIMIZER_SCOPE"]

@@ -1,0 +1,167 @@
+"""Run one step under a StepRecorder, then freeze what it saw into a Graph."""
+
+from __future__ import annotations
+
+import gc
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable
+
+import torch
+
+from udnn_lab.vocabulary import LOSS_SCOPE
+from udnn_lab.errors import ModelInputError
+from udnn_lab.analysis.fake.tensors import FAKE_LIMITS
+from udnn_lab.graph.step_graph import Graph, ModuleCall, OpInfo, TensorInfo
+from udnn_lab.analysis.recorder import StepRecorder, StorageRecord
+from udnn_lab.analysis.step import input_tensors, run_step
+
+
+def record_step(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwargs: dict, target: Any,
+                loss_fn: Callable | None, optimizer: torch.optim.Optimizer | None, *, track_saved: bool,
+                runtime=None) -> None:
+    """Run one training step with ``recorder`` watching; roles of pre-existing tensors are registered first.
+
+    ``runtime``: an OffloadRuntime to run the step under; it is entered inside the recorder,
+    so the recorder sees the step's ops as the runtime lets them run, and is told of the
+    storages the runtime allocates.
+    """
+    named = dict(model.named_parameters())
+    recorder.name_parameters(named)
+    for i, tensor in enumerate(input_tensors(args, kwargs)):
+        recorder.register(tensor, "input", "input" if i == 0 else f"input.{i}")
+    for i, tensor in enumerate(input_tensors((target,), {})):
+        recorder.register(tensor, "input", "target" if i == 0 else f"target.{i}")
+    for name, param in named.items():
+        recorder.register(param, "parameter", name)
+    for name, buffer in model.named_buffers():
+        recorder.register(buffer, "buffer", name)
+    _register_optimizer_state(recorder, optimizer, named)
+
+    def mark(phase: str, scope: str | None) -> None:
+        recorder.phase, recorder.scope = phase, scope
+
+    saved_hooks = (torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack)
+                   if track_saved else nullcontext())
+    if runtime is not None:
+        runtime.observer = recorder
+    with no_gc(), recorder.watching(model), recorder, saved_hooks, runtime or nullcontext():
+        recorder.recording = True
+        try:
+            run_step(model, args, kwargs, loss_fn=loss_fn, target=target, optimizer=optimizer, mark=mark)
+            for name, param in named.items():
+                if param.grad is not None:
+                    recorder.register(param.grad, "parameter_gradient", f"grad:{name}")
+            _register_optimizer_state(recorder, optimizer, named)
+        except Exception as err:
+            explained = _explain(err, recorder, args, kwargs)
+            if explained is err:
+                raise
+            raise explained from err
+        finally:
+            recorder.recording = False
+            recorder.module_stack.clear()
+            if runtime is not None:
+                runtime.observer = None
+
+
+@contextmanager
+def no_gc():
+    """Pause the cycle collector: mid-step it would release cyclic garbage at a random op
+    (and over tens of thousands of new records it only costs time)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _register_optimizer_state(recorder: StepRecorder, optimizer, named: dict[str, torch.Tensor]) -> None:
+    if optimizer is None:
+        return
+    names = {id(p): name for name, p in named.items()}
+    for param, state in optimizer.state.items():
+        owner = names.get(id(param), "param")
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                recorder.register(value, "optimizer_state", f"{owner}.{key}")
+
+
+def _explain(err: Exception, recorder: StepRecorder, args: tuple, kwargs: dict) -> Exception:
+    """Turn a failure inside the model or the loss into an error that names where it happened."""
+    if isinstance(err, FAKE_LIMITS):
+        return err  # trace() explains these: the model needs real values
+    given = [tuple(t.shape) for t in input_tensors(args, kwargs)]
+    if recorder.phase == "forward" and recorder.module_stack:
+        path, kind, shapes = recorder.module_stack[-1]
+        where = f"module {path!r} ({kind})" if path else f"the model ({kind})"
+        return ModelInputError(
+            f"the example input does not fit the model: {where} got input shapes {shapes} and failed with: "
+            f"{_first_line(err)}. The example input has shapes {given}; check its shape, dtype and device."
+        )
+    if recorder.phase == "forward" and recorder.scope == LOSS_SCOPE:
+        return ModelInputError(f"loss_fn failed on the model's output: {_first_line(err)}. "
+                               f"The example input has shapes {given}.")
+    return err
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
+
+
+def graph_from_recording(recorder: StepRecorder, model_name: str, device: str, *, fake: bool,
+                         notes: list[str] | tuple[str, ...] = (), cpu_stands_for_device: bool = False) -> Graph:
+    """Freeze the recorder's mutable records into a Graph.
+
+    ``cpu_stands_for_device``: the step ran with CPU kernels in place of ``device``'s, so
+    its fake CPU tensors are counted as ``device`` tensors (real ones stay on the host).
+    """
+    with no_gc():
+        return _freeze(recorder, model_name, device, fake, notes, cpu_stands_for_device)
+
+
+def _freeze(recorder: StepRecorder, model_name: str, device: str, fake: bool, notes, cpu_stands_for_device: bool):
+    phases = [op.phase for op in recorder.ops]
+    ops = recorder.ops
+    tensors, unnamed, constants = [], 0, 0
+    for record in recorder.storages:
+        name = record.name
+        if name is None and record.producer is None:
+            name, constants = f"const{constants}", constants + 1
+        elif name is None:
+            name, unnamed = f"t{unnamed}", unnamed + 1
+        saved_by = sorted({op for node in record.saved_nodes
+                           if (op := recorder.forward_op_of_node(node)) is not None})
+        forward_uses = [i for i in record.consumers if phases[i] == "forward"]
+        if record.producer is not None and phases[record.producer] == "forward":
+            forward_uses.append(record.producer)
+        tensors.append(TensorInfo(
+            id=record.sid, name=name, nbytes=record.nbytes, dtype=record.dtype, shape=record.shape,
+            device=device if cpu_stands_for_device and record.fake else record.device, category=_category(record, phases),
+            producer=record.producer, consumers=tuple(record.consumers), saved=bool(record.saved_nodes),
+            saved_by=tuple(saved_by), alloc_step=record.alloc_step, free_step=record.free_step,
+            module=ops[record.producer].module if record.producer is not None else "",
+            last_forward_use=max(forward_uses) if forward_uses else None,
+            first_backward_use=next((i for i in record.consumers if phases[i] == "backward"), None),
+        ))
+    frozen_ops = tuple(OpInfo(op.index, op.phase, op.module, op.name, op.inputs, op.outputs, op.allocated,
+                              tuple(op.released), op.forward_op, op.output_shapes, op.flops, op.bytes_read,
+                              op.bytes_written) for op in ops)
+    calls = tuple(ModuleCall(c.path, c.type, c.first_op, c.last_op, c.outputs) for c in recorder.calls)
+    return Graph(model_name=model_name, device=device, ops=frozen_ops, tensors=tuple(tensors), module_calls=calls,
+                 fake=fake, torch_version=torch.__version__, notes=tuple(notes))
+
+
+def _category(record: StorageRecord, phases: list[str]) -> str:
+    if record.role is not None:
+        return record.role
+    if record.producer is None:
+        return "buffer"  # a constant from outside the step (e.g. a tensor attribute that is not a buffer)
+    phase = phases[record.producer]
+    if phase == "forward":
+        return "feature_map" if record.saved_nodes else "temporary"
+    if phase == "backward":
+        return "gradient_map"
+    return "temporary"

@@ -1,0 +1,113 @@
+"""model + example input -> Graph, without real memory and without a GPU.
+
+The step runs under ``FakeTensorMode``: every tensor has its real shape, dtype and
+device but no data. The user's model is never touched: its parameters and buffers
+are swapped for fake ones for the duration of the trace, and the optimizer is cloned
+over those fakes. ``fake=False`` traces with real tensors instead (for models whose
+ops need real values), restoring the model and optimizer afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from itertools import chain
+from typing import Any, Callable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
+
+from udnn_lab.errors import FakeTensorUnsupported
+from udnn_lab.analysis.fake.tensors import FAKE_LIMITS, fake_inputs, fake_optimizer, fake_state
+from udnn_lab.graph.step_graph import Graph
+from udnn_lab.analysis.recorder import StepRecorder
+from udnn_lab.analysis.recording import graph_from_recording, record_step
+from udnn_lab.analysis.step import ensure_optimizer_state, input_tensors, map_tensors, preserved, split_input
+from udnn_lab.workload import Workload, as_workload
+
+CPU_FOR_CUDA_NOTE = ("no CUDA device here: traced with CPU kernels; sizes are those of the CUDA step, "
+                     "cuDNN-specific saved tensors and workspaces are not included")
+
+
+def trace(model: torch.nn.Module | Workload, example_input: Any = None, loss_fn: Callable | None = None,
+          optimizer: torch.optim.Optimizer | None = None, *, target: Any = None, device: str | None = None,
+          fake: bool = True, name: str | None = None, fast_paths: bool = True) -> Graph:
+    """Record one training step (forward, backward, optimizer step) as a :class:`Graph`.
+
+    ``example_input``: a tensor, a tuple of positional tensors or a dict of keyword
+    tensors. ``loss_fn(output)`` or, with ``target``, ``loss_fn(output, target)``;
+    without one, the loss is the sum of the outputs. ``device``: where the step would
+    run ('cpu', 'cuda'); by default the model's. With ``fake=False`` the step runs for
+    real on that device; the model and optimizer are restored afterwards.
+    ``fast_paths=False`` runs every op through fake mode's own dispatch (slower; it is
+    how the fast paths of fake_fast.py are checked).
+    """
+    work = as_workload(model, example_input, loss_fn=loss_fn, optimizer=optimizer, target=target, name=name)
+    run_on, counted_as = _resolve_device(work, device, fake)
+    if fake:
+        return _trace_fake(work, run_on, counted_as, fast_paths)
+    return _trace_real(work, run_on)
+
+
+def _resolve_device(work: Workload, device: str | None, fake: bool) -> tuple[torch.device, str]:
+    """Where the step runs, and which device's memory the graph describes."""
+    if device is None:
+        first = next(chain(work.model.parameters(), work.model.buffers()), None)
+        if first is None:
+            tensors = input_tensors(*split_input(work.example_input))
+            first = tensors[0] if tensors else None
+        chosen = first.device if first is not None and first.device.type != "meta" else torch.device("cpu")
+    else:
+        chosen = torch.device(device)
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        if not fake:
+            raise RuntimeError("fake=False runs the step for real on CUDA, but no CUDA device is available here")
+        return torch.device("cpu"), "cuda"
+    return chosen, chosen.type
+
+
+def _trace_fake(work: Workload, device: torch.device, counted_as: str, fast_paths: bool) -> Graph:
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = work.model
+    fakes = fake_state(model, fake_mode, device)
+    args, kwargs = split_input(fake_inputs(work.example_input, fake_mode, device))
+    target = fake_inputs(work.target, fake_mode, device)
+    optimizer = fake_optimizer(work.optimizer, model, fakes, fake_mode, device, counted_as)
+    recorder = StepRecorder(fake_mode=fake_mode, fast_paths=fast_paths)
+    try:
+        with _reparametrize_module(model, fakes, tie_weights=True), fake_mode, _quiet_fake_errors():
+            record_step(recorder, model, args, kwargs, target, work.loss_fn, optimizer, track_saved=True)
+            substituted = counted_as != device.type
+            notes = [CPU_FOR_CUDA_NOTE] if substituted else []
+            return graph_from_recording(recorder, work.name, counted_as, fake=True, notes=notes,
+                                        cpu_stands_for_device=substituted)
+    except FAKE_LIMITS as err:
+        op = getattr(err, "func", None) or str(err)
+        raise FakeTensorUnsupported(
+            f"op {op} cannot run under fake tensors: its result depends on tensor values. "
+            f"Trace with a real small batch instead: ul.trace(model, small_batch, ..., fake=False)"
+        ) from err
+
+
+@contextmanager
+def _quiet_fake_errors():
+    """FakeTensorMode logs every failing meta kernel at ERROR; the error we raise says it better."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _trace_real(work: Workload, device: torch.device) -> Graph:
+    model, optimizer = work.model, work.optimizer
+    args, kwargs = split_input(map_tensors(lambda t: t.to(device), work.example_input))
+    target = map_tensors(lambda t: t.to(device), work.target)
+    recorder = StepRecorder()
+    with preserved(model, optimizer):
+        ensure_optimizer_state(optimizer)
+        record_step(recorder, model, args, kwargs, target, work.loss_fn, optimizer, track_saved=True)
+        return graph_from_recording(recorder, work.name, device.type, fake=False)

@@ -1,0 +1,123 @@
+"""What every chart shares: offline rendering, saving, display units, colours."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import altair as alt
+import pandas as pd
+
+from udnn_lab.vocabulary import CATEGORIES
+
+SAVE_FORMATS = ("html", "png", "svg", "pdf", "json")
+CATEGORY_COLORS = {
+    "parameter": "#4c78a8", "buffer": "#9ecae9", "input": "#bab0ac", "feature_map": "#f58518",
+    "gradient_map": "#e45756", "parameter_gradient": "#72b7b2", "optimizer_state": "#54a24b",
+    "temporary": "#eeca3b",
+}
+PHASE_COLORS = {"forward": "#dbe9f6", "backward": "#fde2cf", "optimizer": "#e2f0d9"}
+_CDN_SCRIPT = re.compile(r"<script[^>]+src=[\"']?(https?:)?//", re.IGNORECASE)
+
+
+def enable_offline() -> None:
+    """Render charts in notebooks as JupyterChart widgets from JavaScript bundled with the package (no CDN,
+    no network); JupyterChart widgets made directly are offline too.
+
+    Same as ``alt.renderers.enable("jupyter", offline=True)``, except that the chart is rebuilt
+    from its spec without re-validating every data row against the Vega-Lite schema (altair's
+    renderer spends seconds on that for a few thousand rows).
+    """
+    alt.JupyterChart.enable_offline(True)
+    if "udnn_lab" not in alt.renderers.names():
+        alt.renderers.register("udnn_lab", _render_widget)
+    alt.renderers.enable("udnn_lab", offline=True)
+
+
+_TOP_LEVEL = (("layer", "LayerChart"), ("vconcat", "VConcatChart"), ("hconcat", "HConcatChart"),
+              ("concat", "ConcatChart"), ("facet", "FacetChart"), ("repeat", "RepeatChart"))
+
+
+def _render_widget(spec: dict, **metadata) -> dict:
+    """The jupyter renderer, offline. A chart without params is handed to the widget as the spec it already
+    is; one with params (selections, bindings) is rebuilt as the chart class its spec names, unvalidated."""
+    alt.JupyterChart.enable_offline(metadata.get("offline", True))
+    embed = metadata.get("embed_options")
+    if '"params"' in json.dumps({k: v for k, v in spec.items() if k != "datasets"}):
+        kind = next((getattr(alt, name) for key, name in _TOP_LEVEL if key in spec), alt.Chart)
+        widget = alt.JupyterChart(chart=kind.from_dict(spec, validate=False), embed_options=embed)
+    else:
+        widget = alt.JupyterChart(None, embed_options=embed)
+        widget.spec = spec
+    return widget._repr_mimebundle_()
+
+
+def save(chart: alt.TopLevelMixin, path: str | os.PathLike, scale: float = 2.0) -> Path:
+    """Save ``chart`` to a standalone file: .html (JavaScript embedded, no CDN), .png, .svg, .pdf or .json.
+
+    PNG, SVG and PDF are drawn by vl-convert, without a browser or a network.
+    """
+    path = Path(path)
+    kind = path.suffix.lower().lstrip(".")
+    if kind not in SAVE_FORMATS:
+        raise ValueError(f"cannot save a chart as {path.name!r}: use a file ending in "
+                         f"{', '.join('.' + f for f in SAVE_FORMATS)}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "html":
+        chart.save(path, format="html", inline=True)
+        if _CDN_SCRIPT.search(path.read_text(encoding="utf-8")):
+            raise RuntimeError(f"{path} loads a script from the network; update vl-convert-python so that "
+                               "altair can inline the Vega JavaScript")
+    elif kind in ("png", "pdf"):
+        chart.save(path, format=kind, scale_factor=scale)
+    else:
+        chart.save(path, format=kind)
+    return path
+
+
+def byte_unit(largest: float) -> tuple[str, int]:
+    """The display unit for sizes up to ``largest`` bytes: ('GiB', 2**30), ('MiB', 2**20) or ('KiB', 2**10)."""
+    if largest >= 2 * 2**30:
+        return "GiB", 2**30
+    if largest >= 2 * 2**20:
+        return "MiB", 2**20
+    return "KiB", 2**10
+
+
+def category_scale(present: list[str] | None = None) -> alt.Scale:
+    """Fixed colours per memory category, in CATEGORIES order."""
+    domain = [c for c in CATEGORIES if present is None or c in present]
+    return alt.Scale(domain=domain, range=[CATEGORY_COLORS[c] for c in domain])
+
+
+def check_columns(frame: pd.DataFrame, columns: list[str], made_by: str) -> None:
+    """Raise ValueError naming the missing columns and the frames function that makes the right frame."""
+    if not isinstance(frame, pd.DataFrame):
+        raise TypeError(f"charts take DataFrames; make this one with {made_by}, got {type(frame).__name__}")
+    missing = [c for c in columns if c not in frame]
+    if missing:
+        raise ValueError(f"this chart needs the columns {columns}; missing {missing}: make the frame with {made_by}")
+
+
+def rules(values: dict[str, float | None], scale: int, unit: str, orient: str = "y") -> alt.LayerChart | None:
+    """Labelled reference rules (a budget, a minimum), one per non-None value, in display units."""
+    rows = [{"label": label, "value": value / scale, "text": f"{label} {value / scale:,.1f} {unit}"}
+            for label, value in values.items() if value is not None]
+    if not rows:
+        return None
+    data = pd.DataFrame(rows).assign(end=[i % 2 == 0 for i in range(len(rows))])
+    colors = alt.Scale(domain=list(values), range=["#d62728", "#7f7f7f", "#2ca02c"][:len(values)])
+    field = alt.Y("value:Q") if orient == "y" else alt.X("value:Q")
+    rule = alt.Chart(data).mark_rule(strokeWidth=2, strokeDash=[6, 3]).encode(
+        field, color=alt.Color("label:N", scale=colors, title=None, legend=None), tooltip=["text:N"])
+    layers = [rule]
+    for end, group in data.groupby("end"):  # labels alternate ends of their rules so close rules stay readable
+        if orient == "y":  # forward starts low, so the left end is usually clear of the curve
+            placement = dict(align="right", x="width", dy=-6) if end else dict(align="left", x=4, dy=-6)
+        else:
+            placement = dict(align="left", dx=4, y=8) if end else dict(align="left", dx=4, y="height", dy=-8)
+        layers.append(alt.Chart(group).mark_text(fontWeight="bold", **placement).encode(
+            field, text="text:N", color=alt.Color("label:N", scale=colors, legend=None)))
+    return alt.layer(*layers)

@@ -1,0 +1,103 @@
+"""Tidy DataFrames (udnn_lab.frames.memory) -> altair charts, rendered without a CDN.
+
+Charts know DataFrames, not graphs. Bytes and seconds come in; MiB/GiB and ms go out.
+Every chart is an ordinary altair chart: display it, ``save(chart, "x.html" | ".png" |
+".svg")``, or wrap it in ``alt.JupyterChart`` to update it in place.
+"""
+
+from __future__ import annotations
+
+import altair as alt
+import pandas as pd
+
+from udnn_lab.vocabulary import CATEGORIES, PHASES
+from udnn_lab.charts.base import PHASE_COLORS, byte_unit, category_scale, check_columns, enable_offline, rules, save
+from udnn_lab.charts.streams import timeline, training
+from udnn_lab.charts.sweeps import bandwidth, batch_sweep, budget_sweep, layer_bars, policy_savings, step_times
+
+__all__ = [
+    "bandwidth", "batch_sweep", "budget_sweep", "enable_offline", "layer_bars", "memory_by_category", "memory_curve",
+    "policy_savings", "predicted_vs_measured", "save", "step_times", "timeline", "training",
+]
+
+_SERIES_COLORS = alt.Scale(domain=["predicted", "measured"], range=["#222222", "#d62728"])
+_SERIES_DASH = alt.Scale(domain=["predicted", "measured"], range=[[1, 0], [5, 3]])
+
+
+def memory_curve(frame: pd.DataFrame, budget_bytes: int | None = None, min_budget_bytes: int | None = None,
+                 width: int = 720, height: int = 300, title: str | None = None) -> alt.LayerChart:
+    """Live memory over the step (from frames.memory_curve): categories stacked, predicted and measured totals
+    as lines, forward | backward | optimizer shaded, the budget (and the policy's minimum) as rules."""
+    check_columns(frame, ["index", "phase", "module", "op", "series", "category", "bytes"], "frames.memory_curve")
+    largest = max([frame["bytes"].max() if len(frame) else 0, budget_bytes or 0, min_budget_bytes or 0])
+    unit, scale = byte_unit(largest)
+    data = frame.assign(value=frame["bytes"] / scale, time_ms=frame.get("start_s", float("nan")) * 1e3)
+    x = alt.X("index:Q", title="op of the step (forward | backward | optimizer)", scale=alt.Scale(nice=False))
+    y_title = f"live {unit}"
+    layers = [_phase_bands(data)]
+    stacked = data[(data["series"] == "predicted") & (data["category"] != "total")]
+    present = [c for c in CATEGORIES if c in set(stacked["category"])]
+    stacked = stacked.assign(rank=stacked["category"].map({c: i for i, c in enumerate(CATEGORIES)}))
+    tooltip = ["index:Q", "phase:N", "module:N", "op:N", alt.Tooltip("value:Q", title=unit, format=",.1f")]
+    layers.append(alt.Chart(stacked).mark_area(interpolate="step-after", opacity=0.85).encode(
+        x, alt.Y("value:Q", stack="zero", title=y_title), color=alt.Color("category:N", scale=category_scale(present),
+                                                                          title="category"),
+        order=alt.Order("rank:Q"), tooltip=tooltip[:4] + ["category:N"] + tooltip[4:] +
+        [alt.Tooltip("time_ms:Q", title="starts at ms", format=",.2f")]))
+    totals = data[data["category"] == "total"]
+    layers.append(alt.Chart(totals).mark_line(interpolate="step-after", strokeWidth=1.5).encode(
+        x, alt.Y("value:Q", stack=None, title=y_title), stroke=alt.Stroke("series:N", scale=_SERIES_COLORS,
+                                                                         title="total"),
+        strokeDash=alt.StrokeDash("series:N", scale=_SERIES_DASH, legend=None), tooltip=tooltip + ["series:N"]))
+    marks = rules({"budget": budget_bytes, "minimum feasible": min_budget_bytes}, scale, unit)
+    if marks is not None:
+        layers.append(marks)
+    chart = alt.layer(*layers).resolve_scale(color="independent").properties(width=width, height=height)
+    return chart.properties(title=title) if title else chart
+
+
+def _phase_bands(data: pd.DataFrame) -> alt.LayerChart:
+    spans = data.groupby("phase", sort=False)["index"].agg(["min", "max"]).reset_index()
+    spans = spans.rename(columns={"min": "start", "max": "end"})
+    spans["end"] = spans["end"] + 1
+    domain = [p for p in PHASES if p in set(spans["phase"])]
+    colors = alt.Scale(domain=domain, range=[PHASE_COLORS[p] for p in domain])
+    band = alt.Chart(spans).mark_rect(opacity=0.6).encode(
+        x="start:Q", x2="end:Q", color=alt.Color("phase:N", scale=colors, legend=None),
+        tooltip=["phase:N", alt.Tooltip("start:Q", title="first op"), alt.Tooltip("end:Q", title="ends before op")])
+    wide = spans[(spans["end"] - spans["start"]) >= 0.06 * max(spans["end"].max(), 1)]
+    label = alt.Chart(wide).mark_text(align="left", baseline="top", dx=3, dy=3, color="#555555").encode(
+        x="start:Q", y=alt.value(0), text="phase:N")
+    return alt.layer(band, label)
+
+
+def memory_by_category(frame: pd.DataFrame, width: int = 720, height: int = 280) -> alt.Chart:
+    """Stacked live bytes over the step, one band per category (from frames.memory_by_category)."""
+    check_columns(frame, ["index", "phase", "module", "op", "category", "bytes"], "frames.memory_by_category")
+    unit, scale = byte_unit(frame.groupby("index")["bytes"].sum().max() if len(frame) else 0)
+    present = [c for c in CATEGORIES if c in set(frame["category"])]
+    data = frame.assign(value=frame["bytes"] / scale,
+                        rank=frame["category"].map({c: i for i, c in enumerate(CATEGORIES)}))
+    return alt.Chart(data).mark_area(interpolate="step-after").encode(
+        x=alt.X("index:Q", title="op (forward, backward, optimizer)", scale=alt.Scale(nice=False)),
+        y=alt.Y("value:Q", stack="zero", title=f"live {unit}"),
+        color=alt.Color("category:N", scale=category_scale(present)),
+        order=alt.Order("rank:Q"),
+        tooltip=["index:Q", "phase:N", "module:N", "op:N", "category:N",
+                 alt.Tooltip("value:Q", title=unit, format=",.1f")],
+    ).properties(width=width, height=height)
+
+
+def predicted_vs_measured(frame: pd.DataFrame, width: int = 720, height: int = 280) -> alt.Chart:
+    """Predicted against measured live bytes over the step (from frames.predicted_vs_measured)."""
+    check_columns(frame, ["index", "phase", "module", "op", "series", "bytes"], "frames.predicted_vs_measured")
+    unit, scale = byte_unit(frame["bytes"].max() if len(frame) else 0)
+    data = frame.assign(value=frame["bytes"] / scale)
+    return alt.Chart(data).mark_line(interpolate="step-after").encode(
+        x=alt.X("index:Q", title="op", scale=alt.Scale(nice=False)),
+        y=alt.Y("value:Q", title=f"live {unit}"),
+        color=alt.Color("series:N", scale=_SERIES_COLORS),
+        strokeDash=alt.StrokeDash("series:N", scale=_SERIES_DASH),
+        tooltip=["index:Q", "phase:N", "module:N", "op:N", "series:N",
+                 alt.Tooltip("value:Q", title=unit, format=",.1f")],
+    ).properties(width=width, height=height)

@@ -1,0 +1,200 @@
+"""Per-op compute time and per-copy transfer time: what the simulator charges for each step.
+
+Compute time comes from a Profile of the same step when one is given; otherwise from a
+roofline, ``overhead + max(FLOPs / achieved rate, bytes / memory bandwidth)``, where the
+achieved rate depends on the op's kind and size (document 000's ``FLOPS(FLOPs_l)``): a
+RateCurve fitted on profiles taken on the device, or the Hardware profile's figures.
+Transfers cost ``latency + bytes / bandwidth`` for pinned or pageable host memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from udnn_lab.graph.step_graph import Graph
+from udnn_lab.hardware.profiles import DATA_DIR, Hardware, HardwareMismatchWarning
+from udnn_lab.cost.profiling import Profile
+
+RATES_DIR = DATA_DIR / "rates"
+CUDA_LAUNCH_S = 5e-6  # an eager kernel launch: what a tiny op costs on a GPU when nothing is measured
+_MIN_MEMORY_OP_BYTES = 1 << 20  # memory-bound ops below this are dominated by overhead, not bandwidth
+_TINY_OP_BYTES = 4096
+
+
+def op_kind(name: str, flops: int) -> str:
+    """conv, conv_backward, matmul, attention, other (counted FLOPs) or memory (no FLOPs)."""
+    if "convolution_backward" in name:
+        return "conv_backward"
+    if "convolution" in name:
+        return "conv"
+    if any(f"aten.{k}." in name for k in ("mm", "addmm", "bmm", "baddbmm")):
+        return "matmul"
+    if "scaled_dot_product" in name:
+        return "attention"
+    return "other" if flops > 0 else "memory"
+
+
+@dataclass(frozen=True)
+class RateCurve:
+    """What ops achieve on one device: FLOP/s against op size, bytes/s, and a per-op overhead.
+
+    Rates are kept per op name (``aten.addmm.default``) and per kind of op (``kind:matmul``,
+    ``kind:memory``); a look-up tries the name first, then the kind.
+    """
+
+    device_name: str
+    points: Mapping[str, tuple[tuple[float, float], ...]]  # name or kind -> ((flops, flops per s), ...), ascending
+    bytes_per_s: Mapping[str, float]  # name or kind -> bytes read + written per second, for ops without FLOPs
+    op_overhead_s: float  # what an op costs beyond its work (dispatch, launch)
+    source: str = ""
+    notes: tuple[str, ...] = field(default=())
+
+    def flops_per_s(self, name: str, flops: float) -> float | None:
+        """Interpolated in log-log space; clamped at both ends; None if neither name nor kind was measured."""
+        points = self.points.get(name) or self.points.get(f"kind:{op_kind(name, int(flops) or 1)}")
+        if not points:
+            return None
+        xs = np.log([p[0] for p in points])
+        ys = np.log([p[1] for p in points])
+        return float(np.exp(np.interp(math.log(max(flops, 1.0)), xs, ys)))
+
+    def memory_bytes_per_s(self, name: str) -> float | None:
+        return self.bytes_per_s.get(name) or self.bytes_per_s.get("kind:memory")
+
+    @classmethod
+    def fit(cls, profiles: Iterable[Profile], source: str = "") -> RateCurve:
+        """Fit on ops timed by ``ul.profile`` on one device: median rate per name (and kind) and size bin."""
+        profiles = list(profiles)
+        if not profiles:
+            raise ValueError("fitting a rate curve needs at least one Profile")
+        if len({p.device_name for p in profiles}) > 1:
+            raise ValueError(f"profiles from several devices ({sorted({p.device_name for p in profiles})}): "
+                             "fit one curve per device")
+        rows = [row for p in profiles for row in zip(p.ops, p.flops, p.bytes_read, p.bytes_written, p.time_s)]
+        tiny = [t for _, flops, r, w, t in rows if flops == 0 and r + w <= _TINY_OP_BYTES]
+        overhead = statistics.median(tiny) if tiny else 0.0
+        bins: dict[tuple[str, int], list[float]] = defaultdict(list)
+        bandwidths: dict[str, list[float]] = defaultdict(list)
+        for name, flops, read, written, seconds in rows:
+            work_s = max(seconds - overhead, seconds * 0.05, 1e-9)
+            if flops > 0:
+                for key in (name, f"kind:{op_kind(name, flops)}"):
+                    bins[(key, int(math.log2(flops)))].append(flops / work_s)
+            elif read + written >= _MIN_MEMORY_OP_BYTES:
+                for key in (name, "kind:memory"):
+                    bandwidths[key].append((read + written) / work_s)
+        points: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        for (key, exponent), rates in sorted(bins.items()):
+            points[key].append((float(2 ** exponent * math.sqrt(2)), statistics.median(rates)))
+        return cls(device_name=profiles[0].device_name, points={k: tuple(v) for k, v in points.items()},
+                   bytes_per_s={k: statistics.median(v) for k, v in bandwidths.items()},
+                   op_overhead_s=overhead, source=source or f"fitted on {', '.join(p.model_name for p in profiles)}")
+
+    def to_dict(self) -> dict:
+        return {"device_name": self.device_name, "points": {k: [list(p) for p in v] for k, v in self.points.items()},
+                "bytes_per_s": dict(self.bytes_per_s), "op_overhead_s": self.op_overhead_s,
+                "source": self.source, "notes": list(self.notes)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping, origin: str = "rate curve") -> RateCurve:
+        try:
+            points = {str(k): tuple((float(f), float(r)) for f, r in v) for k, v in data["points"].items()}
+            return cls(device_name=str(data["device_name"]), points=points,
+                       bytes_per_s={str(k): float(v) for k, v in data["bytes_per_s"].items()},
+                       op_overhead_s=float(data["op_overhead_s"]), source=str(data.get("source", "")),
+                       notes=tuple(data.get("notes", ())))
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise ValueError(f"{origin}: malformed rate curve ({type(err).__name__}: {err}); expected fields "
+                             "device_name, points {name: [[flops, flops_per_s], ...]}, bytes_per_s {name: rate}, "
+                             "op_overhead_s") from err
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> RateCurve:
+        path = Path(path)
+        return cls.from_dict(json.loads(path.read_text()), origin=str(path))
+
+    @classmethod
+    def for_hardware(cls, hardware: Hardware) -> RateCurve | None:
+        """The curve kept for this hardware profile (data/rates/<name>.json), if one was fitted."""
+        path = RATES_DIR / f"{hardware.name}.json"
+        return cls.load(path) if path.exists() else None
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Times for the simulator: ops from a Profile or a roofline, copies from the Hardware profile.
+
+    ``memo`` keeps what was computed under this model (op times per graph, simulations per
+    plan) for planners that ask again; it is never compared or shown.
+    """
+
+    hardware: Hardware
+    profile: Profile | None = None
+    rates: RateCurve | None = None
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def op_times_s(self, graph: Graph) -> np.ndarray:
+        """Compute time of every op of ``graph``, in seconds."""
+        key = ("op_times", id(graph), graph.fingerprint)
+        if key not in self.memo:
+            self.memo[key] = self._op_times_s(graph)
+        return self.memo[key]
+
+    def _op_times_s(self, graph: Graph) -> np.ndarray:
+        if self.profile is not None:
+            self.profile.check_matches(graph)
+            if self.profile.device_name not in self.hardware.device_names:
+                warnings.warn(f"the profile was taken on {self.profile.device_name}, but the hardware profile is "
+                              f"{self.hardware.title}: its op times may not hold there", HardwareMismatchWarning,
+                              stacklevel=2)
+            return np.asarray(self.profile.time_s) + self.profile.overhead_per_op_s
+        return np.array([self.roofline_s(op.name, op.flops, op.bytes_read + op.bytes_written) for op in graph.ops])
+
+    def roofline_s(self, name: str, flops: int, nbytes: int) -> float:
+        """``overhead + max(flops / achieved rate, bytes / memory bandwidth)`` for one op."""
+        rate = self.rates.flops_per_s(name, flops) if self.rates is not None and flops else None
+        if rate is None:
+            rate = self._hardware_rate(op_kind(name, flops))
+        bandwidth = self.rates.memory_bytes_per_s(name) if self.rates is not None else None
+        bandwidth = bandwidth or self.hardware.memory_bytes_per_s
+        work = max(flops / rate if flops else 0.0, nbytes / bandwidth if nbytes else 0.0)
+        return self._overhead_s() + work
+
+    def transfer_time_s(self, nbytes: int, direction: str, pinned: bool = True) -> float:
+        """``latency + bytes / bandwidth`` for a copy of ``nbytes`` (0 for nothing)."""
+        if nbytes <= 0:
+            return 0.0
+        key = ("link", direction, pinned)
+        if key not in self.memo:
+            self.memo[key] = (self.hardware.latency_s(direction, pinned),
+                              self.hardware.bandwidth_bytes_per_s(direction, pinned))
+        latency, bandwidth = self.memo[key]
+        return latency + nbytes / bandwidth
+
+    def _hardware_rate(self, kind: str) -> float:
+        hw = self.hardware
+        if kind in ("conv", "conv_backward") and hw.conv_fp32_achieved_flops_per_s:
+            return hw.conv_fp32_achieved_flops_per_s
+        if kind in ("matmul", "attention") and hw.matmul_fp32_achieved_flops_per_s:
+            return hw.matmul_fp32_achieved_flops_per_s
+        return hw.fp32_flops_per_s
+
+    def _overhead_s(self) -> float:
+        if self.rates is not None:
+            return self.rates.op_overhead_s
+        return CUDA_LAUNCH_S if self.hardware.device_type == "cuda" else 0.0

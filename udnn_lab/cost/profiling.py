@@ -1,0 +1,208 @@
+"""Measure what each op of a training step costs here: FLOPs, bytes and time, aligned to the Graph's ops.
+
+FLOPs come from torch.utils.flop_counter's formulas, bytes from the tensors each op
+reads and writes. Times are CUDA events around each op on a GPU, and perf_counter
+around each op on a CPU (where ops run synchronously), taken over ``repeats`` steps
+after ``warmup`` steps; the median of each op is kept. Plain steps are also timed,
+so the framework's cost between ops (Python, autograd) is known: ``overhead_per_op_s``.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from itertools import chain
+from typing import Any, Callable
+
+import numpy as np
+import pandas as pd
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from udnn_lab.devices import device_name
+from udnn_lab.errors import TraceMismatch
+from udnn_lab.graph.step_graph import Graph
+from udnn_lab.analysis.recorder import StepRecorder, records_op
+from udnn_lab.analysis.recording import graph_from_recording, record_step
+from udnn_lab.analysis.step import ensure_optimizer_state, map_tensors, preserved, run_step, split_input
+from udnn_lab.units import format_seconds
+from udnn_lab.workload import Workload, as_workload
+
+
+@dataclass(frozen=True, repr=False)
+class Profile:
+    """Per-op cost of one training step on one device."""
+
+    model_name: str
+    device: str  # 'cpu' or 'cuda'
+    device_name: str
+    torch_version: str
+    measured_at: str  # ISO 8601, UTC
+    graph_fingerprint: str  # of the graph of the profiled step
+    ops: tuple[str, ...]
+    phases: tuple[str, ...]
+    modules: tuple[str, ...]
+    flops: tuple[int, ...]
+    bytes_read: tuple[int, ...]
+    bytes_written: tuple[int, ...]
+    time_s: tuple[float, ...]  # median over the timed steps
+    time_min_s: tuple[float, ...]
+    repeats: int
+    step_time_s: float  # median of plain (untimed) steps
+    threads: int  # torch CPU threads during the measurement
+
+    def __repr__(self) -> str:
+        return (f"Profile({self.model_name!r} on {self.device_name}, ops={len(self.ops)}, "
+                f"step={format_seconds(self.step_time_s)}, ops sum={format_seconds(self.op_time_s)})")
+
+    @property
+    def op_time_s(self) -> float:
+        """Sum of the ops' median times."""
+        return float(sum(self.time_s))
+
+    @property
+    def overhead_per_op_s(self) -> float:
+        """What a plain step spends outside the ops (Python, autograd), per op; never negative."""
+        return max(0.0, (self.step_time_s - self.op_time_s) / max(len(self.ops), 1))
+
+    def frame(self) -> pd.DataFrame:
+        """One row per op: FLOPs, bytes, time and achieved rates."""
+        frame = pd.DataFrame({
+            "index": np.arange(len(self.ops)), "phase": self.phases, "module": self.modules, "op": self.ops,
+            "flops": self.flops, "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
+            "time_s": self.time_s, "time_min_s": self.time_min_s,
+        })
+        seconds = frame["time_s"].clip(lower=1e-12)
+        frame["flops_per_s"] = frame["flops"] / seconds
+        frame["bytes_per_s"] = (frame["bytes_read"] + frame["bytes_written"]) / seconds
+        return frame
+
+    def layers(self) -> pd.DataFrame:
+        """Per module and phase: ops, FLOPs, bytes and time."""
+        frame = self.frame()
+        grouped = frame.groupby(["module", "phase"], sort=False).agg(
+            ops=("op", "size"), flops=("flops", "sum"), bytes_read=("bytes_read", "sum"),
+            bytes_written=("bytes_written", "sum"), time_s=("time_s", "sum"), first_op=("index", "min"))
+        return grouped.reset_index().sort_values("first_op", kind="stable").reset_index(drop=True)
+
+    def check_matches(self, graph: Graph) -> None:
+        """Raise TraceMismatch unless this profile was taken of ``graph``'s step."""
+        if tuple(op.name for op in graph.ops) != self.ops:
+            raise TraceMismatch(f"this profile of {self.model_name!r} ({len(self.ops)} ops) was not taken of the "
+                                f"step of graph {graph.model_name!r} ({len(graph.ops)} ops): profile the same "
+                                "model, input shapes, loss and optimizer")
+
+
+class _OpTimer(TorchDispatchMode):
+    """Times every op the recorder records (see records_op), in order."""
+
+    def __init__(self, cuda: bool) -> None:
+        super().__init__()
+        self.cuda = cuda
+        self.names: list[str] = []
+        self.times: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not records_op(func):
+            return func(*args, **kwargs)
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = func(*args, **kwargs)
+            end.record()
+            self.times.append((start, end))
+        else:
+            begin = time.perf_counter()
+            out = func(*args, **kwargs)
+            self.times.append(time.perf_counter() - begin)
+        self.names.append(str(func))
+        return out
+
+    def seconds(self) -> list[float]:
+        if not self.cuda:
+            return list(self.times)
+        torch.cuda.synchronize()
+        return [start.elapsed_time(end) / 1e3 for start, end in self.times]
+
+
+def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_fn: Callable | None = None,
+            optimizer: torch.optim.Optimizer | None = None, *, target: Any = None, device: str | None = None,
+            repeats: int = 5, warmup: int = 1, name: str | None = None) -> Profile:
+    """Profile one training step op by op on ``device`` (default: where the model is).
+
+    With a ``device`` other than the model's, a copy of the model is profiled there; the
+    model itself, and its optimizer, are always left as they were.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    work = _on_device(as_workload(model, example_input, loss_fn=loss_fn, optimizer=optimizer, target=target,
+                                  name=name), device)
+    where = _device_of(work.model)
+    args, kwargs = split_input(map_tensors(lambda t: t.to(where), work.example_input))
+    target = map_tensors(lambda t: t.to(where), work.target)
+    step = dict(loss_fn=work.loss_fn, target=target, optimizer=work.optimizer)
+    with preserved(work.model, work.optimizer):
+        for _ in range(warmup):
+            run_step(work.model, args, kwargs, **step)
+        ensure_optimizer_state(work.optimizer)
+        recorder = StepRecorder()
+        record_step(recorder, work.model, args, kwargs, target, work.loss_fn, work.optimizer, track_saved=False)
+        graph = graph_from_recording(recorder, work.name, where.type, fake=False)
+        per_op = [_timed_step(work.model, args, kwargs, step, where, graph) for _ in range(repeats)]
+        plain = [_plain_step(work.model, args, kwargs, step, where) for _ in range(repeats)]
+    times = np.array(per_op)
+    return Profile(
+        model_name=work.name, device=where.type, device_name=device_name(where), torch_version=torch.__version__,
+        measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), graph_fingerprint=graph.fingerprint,
+        ops=tuple(op.name for op in graph.ops), phases=tuple(op.phase for op in graph.ops),
+        modules=tuple(op.module for op in graph.ops), flops=tuple(op.flops for op in graph.ops),
+        bytes_read=tuple(op.bytes_read for op in graph.ops), bytes_written=tuple(op.bytes_written for op in graph.ops),
+        time_s=tuple(float(v) for v in np.median(times, axis=0)), time_min_s=tuple(float(v) for v in times.min(axis=0)),
+        repeats=repeats, step_time_s=statistics.median(plain), threads=torch.get_num_threads(),
+    )
+
+
+def _timed_step(model, args, kwargs, step: dict, where: torch.device, graph: Graph) -> list[float]:
+    timer = _OpTimer(cuda=where.type == "cuda")
+    with timer:
+        run_step(model, args, kwargs, **step)
+    if timer.names != [op.name for op in graph.ops]:
+        raise TraceMismatch(f"the timed step ran {len(timer.names)} ops, the recorded one {len(graph.ops)}: the "
+                            "model does not run the same ops every step (data-dependent control flow?)")
+    return timer.seconds()
+
+
+def _plain_step(model, args, kwargs, step: dict, where: torch.device) -> float:
+    if where.type == "cuda":
+        torch.cuda.synchronize(where)
+    begin = time.perf_counter()
+    run_step(model, args, kwargs, **step)
+    if where.type == "cuda":
+        torch.cuda.synchronize(where)
+    return time.perf_counter() - begin
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    first = next(chain(model.parameters(), model.buffers()), None)
+    if first is not None and first.device.type == "meta":
+        raise ValueError("the model has meta parameters (no data), so it cannot run: build it on a device, "
+                         "e.g. ul.zoo.get(name, batch=..., device='cpu')")
+    return first.device if first is not None else torch.device("cpu")
+
+
+def _on_device(work: Workload, device: str | None) -> Workload:
+    """The workload itself, or a copy of model and optimizer on ``device``."""
+    if device is None or torch.device(device).type == _device_of(work.model).type:
+        return work
+    model = copy.deepcopy(work.model).to(device)
+    optimizer = None
+    if work.optimizer is not None:
+        twin = dict(zip(map(id, work.model.parameters()), model.parameters()))
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [twin[id(p)] for p in g["params"]]}
+                  for g in work.optimizer.param_groups]
+        optimizer = type(work.optimizer)(groups, **work.optimizer.defaults)
+    return Workload(model, work.example_input, work.target, work.loss_fn, optimizer, work.name, work.batch_size)

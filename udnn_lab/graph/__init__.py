@@ -1,0 +1,9 @@
+"""The data every later stage reads: the traced step's Graph, its liveness, and the Plan IR.
+
+May import: the vocabulary, units and errors only.
+"""
+
+from udnn_lab.graph.plan_ir import Offload, Plan, PlanError, Recompute, TensorSite
+from udnn_lab.graph.step_graph import Graph, ModuleCall, OpInfo, TensorInfo
+
+__all__ = ["Graph", "ModuleCall", "Offload", "OpInfo", "Plan", "PlanError", "Recompute", "TensorInfo", "TensorSite"]

@@ -1,0 +1,204 @@
+"""A Plan: for each tensor saved for backward, keep it on the device, offload it, or recompute it.
+
+Plain data. A Plan names tensors and ops by their index in the Graph it was made for, and
+carries that graph's fingerprint so it cannot be applied to another. ``Plan.validate``
+checks every rule and names the one that is broken.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+
+from udnn_lab.errors import PlanError, UdnnLabError
+from udnn_lab.graph.step_graph import Graph
+from udnn_lab.units import format_bytes
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Copy a saved tensor to host memory after forward is done with it, and back before backward needs it."""
+
+    tensor: int  # Graph tensor id
+    after_op: int  # the device-to-host copy starts when this op ends (at or after the last forward use)
+    prefetch_at: int  # the host-to-device copy is issued when this op starts (before the first backward use)
+    pinned: bool = True  # into the pinned host pool (else pageable memory, staged by the driver)
+    wait_before: int | None = None  # this op does not start before the copy completes (vDNN's per-layer sync)
+    # the device memory is let go just before this op, which waits for the copy (NOTE [offload runtime] 3);
+    # None: at wait_before if set, else before the op after after_op. ul.plan fills it from the simulation.
+    release_before: int | None = None
+
+    @property
+    def release_op(self) -> int:
+        """The op before which the device copy is let go (NOTE [offload runtime] 3)."""
+        if self.release_before is not None:
+            return self.release_before
+        return self.wait_before if self.wait_before is not None else self.after_op + 1
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Drop saved tensors after their last forward use and rebuild them by re-running forward ops."""
+
+    tensors: tuple[int, ...]  # Graph tensor ids it restores
+    ops: tuple[int, ...]  # forward ops re-run, in order; each restored tensor is produced by one of them
+    at_op: int  # they run just before this backward op
+
+
+@dataclass(frozen=True)
+class TensorSite:
+    """Where the runtime meets a planned tensor: the ``position``-th new storage of op ``producer``."""
+
+    tensor: int
+    producer: int
+    position: int
+    nbytes: int
+
+
+@dataclass(frozen=True, repr=False)
+class Plan:
+    """What to do with each saved tensor; every tensor not named is kept on the device."""
+
+    policy: str
+    graph_fingerprint: str
+    budget_bytes: int | None = None
+    offloads: tuple[Offload, ...] = ()
+    recomputes: tuple[Recompute, ...] = ()
+    pinned_pool_bytes: int = 0  # host pinned memory the runtime allocates once for this plan
+    size_floor_bytes: int = 0  # saved tensors smaller than this are always kept
+    notes: tuple[str, ...] = field(default=())
+    sites: tuple[TensorSite, ...] = ()  # filled by located(): what the runtime needs without the graph
+    op_count: int = 0  # ops of the step it was located in
+
+    def __repr__(self) -> str:
+        sized = {site.tensor: site.nbytes for site in self.sites}
+        offloaded = f" ({format_bytes(sum(sized.get(o.tensor, 0) for o in self.offloads))})" if sized else ""
+        restored = sum(len(r.tensors) for r in self.recomputes)
+        rerun = sum(len(r.ops) for r in self.recomputes)
+        budget = format_bytes(self.budget_bytes) if self.budget_bytes is not None else "none"
+        return (f"Plan({self.policy!r}, budget {budget}: {_count(len(self.offloads), 'tensor')} offloaded{offloaded}, "
+                f"{restored} recomputed by re-running {_count(rerun, 'op')}, "
+                f"pinned pool {format_bytes(self.pinned_pool_bytes)})")
+
+    @classmethod
+    def keep_all(cls, graph: Graph, budget_bytes: int | None = None) -> Plan:
+        """The baseline: every saved tensor stays on the device."""
+        return cls(policy="keep-all", graph_fingerprint=graph.fingerprint, budget_bytes=budget_bytes)
+
+    def located(self, graph: Graph) -> Plan:
+        """This plan with the sites of its tensors in ``graph``'s step, so a runtime can act on it alone."""
+        self.check_belongs(graph)
+        tensors = sorted(self._actions)
+        sites = tuple(TensorSite(t, graph.tensors[t].producer, graph.ops[graph.tensors[t].producer].allocated.index(t),
+                                 graph.tensors[t].nbytes) for t in tensors)
+        return replace(self, sites=sites, op_count=len(graph.ops))
+
+    def with_releases(self, released_before: dict[int, int]) -> Plan:
+        """This plan with each offload's release point set where a simulation let its memory go.
+
+        An offload the simulation never freed (its prefetch came first) gets its prefetch op:
+        the tensor stays on the device, as simulated."""
+        offloads = tuple(o if o.release_before is not None
+                         else replace(o, release_before=released_before.get(o.tensor, o.prefetch_at))
+                         for o in self.offloads)
+        return replace(self, offloads=offloads)
+
+    def action(self, tensor: int) -> Offload | Recompute | None:
+        """The plan's action for a tensor id (None: keep it)."""
+        return self._actions.get(tensor)
+
+    @cached_property
+    def _actions(self) -> dict[int, Offload | Recompute]:
+        actions: dict[int, Offload | Recompute] = {o.tensor: o for o in self.offloads}
+        actions.update({t: r for r in self.recomputes for t in r.tensors})
+        return actions
+
+    def check_belongs(self, graph: Graph) -> None:
+        if self.graph_fingerprint != graph.fingerprint:
+            raise PlanError(f"this {self.policy!r} plan was made for another graph (fingerprint "
+                            f"{self.graph_fingerprint[:12]}, this graph's is {graph.fingerprint[:12]}); "
+                            f"plan again for {graph.model_name!r}: ul.plan(graph, ...)")
+
+    def validate(self, graph: Graph) -> None:
+        """Raise PlanError naming the first broken rule."""
+        self.check_belongs(graph)
+        seen: set[int] = set()
+        for tensor in [o.tensor for o in self.offloads] + [t for r in self.recomputes for t in r.tensors]:
+            if tensor in seen:
+                raise PlanError(f"tensor {graph.tensors[tensor].name} has more than one action")
+            seen.add(tensor)
+            _check_tensor(graph, tensor)
+        for offload in self.offloads:
+            _check_offload(graph, offload)
+        for recompute in self.recomputes:
+            check_recompute(graph, recompute, seen)
+        if self.pinned_pool_bytes < 0 or self.size_floor_bytes < 0:
+            raise PlanError("pinned_pool_bytes and size_floor_bytes cannot be negative")
+
+
+def _check_tensor(graph: Graph, tensor_id: int) -> None:
+    if not 0 <= tensor_id < len(graph.tensors):
+        raise PlanError(f"tensor id {tensor_id} is not in this graph (it has {len(graph.tensors)} tensors)")
+    tensor = graph.tensors[tensor_id]
+    if tensor.category in ("parameter", "buffer"):
+        raise PlanError(f"{tensor.name} is a {tensor.category}: parameters and buffers are never offloaded "
+                        "or recomputed")
+    if not tensor.saved or tensor.first_backward_use is None:
+        raise PlanError(f"{tensor.name} is not saved for backward, so there is nothing to offload or recompute")
+
+
+def _check_offload(graph: Graph, offload: Offload) -> None:
+    tensor = graph.tensors[offload.tensor]
+    last_forward = tensor.last_forward_use if tensor.last_forward_use is not None else tensor.alloc_step
+    if offload.after_op < last_forward:
+        raise PlanError(f"{tensor.name} is offloaded after op {offload.after_op}, before its last forward use "
+                        f"(op {last_forward}, {graph.ops[last_forward].module or 'the model'}): a later layer "
+                        "still reads it")
+    if offload.prefetch_at >= tensor.first_backward_use:
+        raise PlanError(f"{tensor.name} is prefetched at op {offload.prefetch_at}, not before its first backward "
+                        f"use (op {tensor.first_backward_use})")
+    if offload.release_before is not None and offload.release_before <= offload.after_op:
+        raise PlanError(f"{tensor.name} is released before op {offload.release_before}, before its copy to the host "
+                        f"starts (after op {offload.after_op})")
+    if offload.prefetch_at <= offload.after_op:
+        raise PlanError(f"{tensor.name} is prefetched (op {offload.prefetch_at}) before it is offloaded "
+                        f"(after op {offload.after_op})")
+
+
+def check_recompute(graph: Graph, recompute: Recompute, dropped: set[int]) -> None:
+    names = ", ".join(graph.tensors[t].name for t in recompute.tensors)
+    if not recompute.tensors or not recompute.ops:
+        raise PlanError("a recomputation needs the tensors it restores and the ops that rebuild them")
+    for tensor_id in recompute.tensors:
+        tensor = graph.tensors[tensor_id]
+        if tensor.producer not in recompute.ops:
+            raise PlanError(f"recomputing {tensor.name} must re-run its producer, op {tensor.producer}")
+        if recompute.at_op > tensor.first_backward_use:
+            raise PlanError(f"{tensor.name} is recomputed at op {recompute.at_op}, after its first backward use "
+                            f"(op {tensor.first_backward_use})")
+    if list(recompute.ops) != sorted(recompute.ops):
+        raise PlanError(f"recomputing {names}: ops must be re-run in their forward order")
+    made: set[int] = set()
+    for index in recompute.ops:
+        op = graph.ops[index]
+        if op.phase != "forward":
+            raise PlanError(f"recomputing {names} re-runs op {index}, which is not a forward op")
+        for source in op.inputs:
+            _check_source(graph, names, source, made, dropped, recompute.at_op)
+        made.update(op.outputs)
+
+
+def _check_source(graph: Graph, names: str, source: int, made: set[int], dropped: set[int], at_op: int) -> None:
+    tensor = graph.tensors[source]
+    if source in made or tensor.category in ("parameter", "buffer", "input"):
+        return
+    if source in dropped:
+        raise PlanError(f"recomputing {names} needs {tensor.name}, which the plan also drops: recompute sources "
+                        "must stay available")
+    if tensor.free_step is not None and tensor.free_step < at_op:
+        raise PlanError(f"recomputing {names} needs {tensor.name}, which is released after op {tensor.free_step}, "
+                        f"before the recomputation at op {at_op}")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -1,0 +1,198 @@
+"""The Graph of one training step: aten ops in execution order and the storages they touch.
+
+A Graph is plain data produced by :func:`udnn_lab.analysis.tracing`; nothing here runs torch.
+Tensors are keyed by *storage*: views and in-place results share their base's
+storage and add no bytes.
+
+Step indices: op ``i`` is the i-th aten op of the step. A tensor with
+``alloc_step == i`` is live from op ``i`` on; one with ``free_step == i`` is
+released right after op ``i`` (so it still counts at op ``i``). ``alloc_step == -1``
+means it existed before the step (parameters, inputs, optimizer state);
+``free_step is None`` means it is still alive when the step ends.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import pandas as pd
+
+from udnn_lab.graph import liveness
+from udnn_lab.vocabulary import PHASES
+from udnn_lab.units import cuda_block_bytes, format_bytes
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One storage and its life during the step."""
+
+    id: int
+    name: str  # parameter/buffer name, 'input', 'grad:<param>', '<param>.<state>', else 't<k>'
+    nbytes: int  # exact bytes of the storage
+    dtype: str
+    shape: tuple[int, ...]  # shape of the first tensor seen on this storage
+    device: str  # 'cpu' or 'cuda'
+    category: str  # one of CATEGORIES
+    producer: int | None  # op that allocated it; None if it existed before the step
+    consumers: tuple[int, ...]  # ops that read it, in execution order
+    saved: bool  # autograd saved it (or a view of it) for backward
+    saved_by: tuple[int, ...]  # forward ops whose autograd node saved it
+    alloc_step: int  # first step at which it is live; -1 before the step
+    free_step: int | None  # released right after this op; None if alive at the end
+    module: str  # module path of the producer op ('' is the model itself)
+    last_forward_use: int | None = None  # last forward op that produced or read it
+    first_backward_use: int | None = None  # first backward op that read it
+
+    @property
+    def cuda_nbytes(self) -> int:
+        """Bytes the CUDA caching allocator would reserve for it (512-byte blocks)."""
+        return cuda_block_bytes(self.nbytes)
+
+    @property
+    def first_use(self) -> int | None:
+        if self.producer is not None:
+            return self.producer
+        return self.consumers[0] if self.consumers else None
+
+    @property
+    def last_use(self) -> int | None:
+        """Last op that produced or read it: its true last use, whatever held it afterwards."""
+        uses = list(self.consumers)
+        if self.producer is not None:
+            uses.append(self.producer)
+        return max(uses) if uses else None
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """One aten op of the step."""
+
+    index: int
+    phase: str  # 'forward', 'backward' or 'optimizer'
+    module: str  # innermost module path; backward ops get their forward op's module
+    name: str  # e.g. 'aten.convolution.default'
+    inputs: tuple[int, ...]  # tensor ids read
+    outputs: tuple[int, ...]  # tensor ids returned (new or aliased)
+    allocated: tuple[int, ...]  # tensor ids whose storage this op created
+    released: tuple[int, ...]  # tensor ids released right after this op
+    forward_op: int | None  # forward op whose autograd node ran this backward op
+    output_shapes: tuple[tuple[int, ...], ...] = ()
+    flops: int = 0  # by torch.utils.flop_counter's formulas; 0 for ops it does not count
+    bytes_read: int = 0  # bytes of the input tensors as the op sees them; 0 for views
+    bytes_written: int = 0  # bytes of its outputs; 0 for views
+
+
+@dataclass(frozen=True)
+class ModuleCall:
+    """One call of a module's forward."""
+
+    path: str  # '' is the model itself
+    type: str  # class name
+    first_op: int  # first op index inside the call (== last_op + 1 if it ran none)
+    last_op: int
+    outputs: tuple[int, ...]  # tensor ids of the call's returned tensors
+
+
+@dataclass(frozen=True, repr=False, eq=False)
+class Graph:
+    """Ops, tensors and module calls of one traced training step (compared and hashed by identity)."""
+
+    model_name: str
+    device: str  # 'cpu' or 'cuda': the memory curve counts tensors on this device
+    ops: tuple[OpInfo, ...]
+    tensors: tuple[TensorInfo, ...]
+    module_calls: tuple[ModuleCall, ...]
+    fake: bool  # traced under FakeTensorMode (no real memory)
+    torch_version: str
+    notes: tuple[str, ...] = field(default=())
+
+    def __repr__(self) -> str:
+        counts = {phase: sum(op.phase == phase for op in self.ops) for phase in PHASES}
+        return (
+            f"Graph({self.model_name!r}, device={self.device!r}, ops={len(self.ops)} "
+            f"(forward {counts['forward']}, backward {counts['backward']}, optimizer {counts['optimizer']}), "
+            f"tensors={len(self.tensors)}, peak={format_bytes(self.peak_bytes)})"
+        )
+
+    # -- memory over the step ------------------------------------------------------------
+    @cached_property
+    def _live(self):
+        return liveness.live_bytes(self)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Most bytes live at once during the step (exact storage sizes)."""
+        return self._live.peak_bytes
+
+    @property
+    def cuda_peak_bytes(self) -> int:
+        """Peak as the CUDA caching allocator would count it (``memory_allocated``)."""
+        return self._live.cuda_peak_bytes
+
+    @property
+    def peak_step(self) -> int:
+        """Op index at which the peak is first reached (-1: before the first op)."""
+        return self._live.peak_step
+
+    @property
+    def baseline_bytes(self) -> int:
+        """Bytes live before the first op: parameters, buffers, inputs, optimizer state."""
+        return self._live.baseline_bytes
+
+    @property
+    def cuda_baseline_bytes(self) -> int:
+        """Baseline in 512-byte CUDA blocks."""
+        return self._live.baseline_cuda
+
+    def memory_curve(self) -> pd.DataFrame:
+        """One row per op: live bytes in total and per category right after the op."""
+        return liveness.memory_curve(self, self._live)
+
+    def breakdown(self) -> pd.DataFrame:
+        """Bytes per category at the peak, with each category's own maximum over the step."""
+        return liveness.breakdown(self, self._live)
+
+    def layers(self) -> pd.DataFrame:
+        """One row per module: execution order, calls, output bytes, saved bytes, parameters."""
+        return liveness.layers(self)
+
+    def schedule(self, level: str = "layer", include_parameters: bool = False) -> pd.DataFrame:
+        """Document 000's table: per step, tensors read, allocated and released.
+
+        ``level='layer'`` groups consecutive ops of one module into one step (forward
+        then backward); ``level='op'`` gives one step per aten op.
+        """
+        return liveness.schedule(self, level=level, include_parameters=include_parameters)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """A digest of the ops and tensor sizes: plans and profiles made for this graph carry it."""
+        digest = hashlib.sha1(self.model_name.encode())
+        for op in self.ops:
+            digest.update(f"{op.phase}:{op.name};".encode())
+        digest.update(",".join(str(t.nbytes) for t in self.tensors).encode())
+        return digest.hexdigest()
+
+    # -- look-ups ------------------------------------------------------------------------
+    @cached_property
+    def _by_name(self) -> dict[str, TensorInfo]:
+        return {t.name: t for t in self.tensors}
+
+    def tensor(self, name_or_id: str | int) -> TensorInfo:
+        """A tensor by its name (``'layer1.0.conv1.weight'``, ``'t12'``) or id."""
+        if isinstance(name_or_id, int):
+            return self.tensors[name_or_id]
+        try:
+            return self._by_name[name_or_id]
+        except KeyError:
+            raise KeyError(f"no tensor named {name_or_id!r} in this graph; names look like "
+                           f"{[t.name for t in self.tensors[:3]]} (see graph.tensors)") from None
+
+    def on_device(self, tensor: TensorInfo) -> bool:
+        """Whether ``tensor`` counts toward this graph's device memory."""
+        return tensor.device == self.device
+
+    def tensors_frame(self) -> pd.DataFrame:
+        """Every tensor as one row (ids, bytes, category, producer, uses, life)."""
+        return liveness.tensors_frame(self)

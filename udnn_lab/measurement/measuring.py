@@ -1,0 +1,239 @@
+"""Run one training step for real and record live bytes per op, aligned to the traced Graph.
+
+On CPU the live bytes are the real storages that exist after each op (see NOTE
+[storage lifetimes] in recorder.py). On CUDA they are also read from the caching
+allocator (``memory_allocated``, ``max_memory_allocated``, ``memory_reserved``) after
+each op, and NVML reports the device as the driver sees it (or why it cannot).
+The step runs as plain eager PyTorch; the model and optimizer are restored afterwards.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from itertools import chain
+from typing import Any, Callable
+
+import numpy as np
+import pandas as pd
+import torch
+
+from udnn_lab.measurement import nvml
+from udnn_lab.devices import device_name
+from udnn_lab.errors import TraceMismatch
+from udnn_lab.graph.step_graph import Graph
+from udnn_lab.analysis.recorder import StepRecorder
+from udnn_lab.analysis.recording import graph_from_recording, record_step
+from udnn_lab.analysis.step import ensure_optimizer_state, map_tensors, preserved, run_step, split_input
+from udnn_lab.units import format_bytes
+from udnn_lab.workload import Workload, as_workload
+from udnn_lab.runtime.offload import OffloadRuntime
+
+
+@dataclass(frozen=True)
+class CudaCounters:
+    """Caching-allocator counters read after each op (bytes)."""
+
+    allocated: tuple[int, ...]  # memory_allocated() right after the op
+    max_allocated: tuple[int, ...]  # max_memory_allocated() since the previous op (workspaces included)
+    reserved: tuple[int, ...]  # memory_reserved() right after the op
+    baseline_allocated: int  # memory_allocated() before the first op
+    baseline_reserved: int
+
+
+@dataclass(frozen=True, repr=False)
+class Measurement:
+    """A real training step: live bytes per op, step time, allocator and NVML readings."""
+
+    model_name: str
+    device: str  # 'cpu' or 'cuda'
+    device_name: str
+    torch_version: str
+    measured_at: str  # ISO 8601, UTC
+    ops: tuple[str, ...]  # op names, in the Graph's order
+    phases: tuple[str, ...]
+    live_bytes: tuple[int, ...]  # tracked storages live right after each op
+    baseline_bytes: int  # tracked storages live before the first op
+    step_time_s: float | None  # median of plain (unrecorded) steps
+    step_times_s: tuple[float, ...] = ()
+    cuda: CudaCounters | None = None
+    nvml_before: nvml.NvmlReading | None = None
+    nvml_after: nvml.NvmlReading | None = None
+    recorded: Graph | None = field(default=None, compare=False)  # the real run as a Graph (categories approximate)
+
+    def __repr__(self) -> str:
+        time_text = f"{self.step_time_s * 1e3:.1f} ms" if self.step_time_s is not None else "untimed"
+        return (f"Measurement({self.model_name!r} on {self.device_name}, ops={len(self.ops)}, "
+                f"peak={format_bytes(self.peak_bytes)}, step={time_text})")
+
+    @property
+    def peak_bytes(self) -> int:
+        """Peak of tracked live bytes (exact storage sizes)."""
+        return int(max(self.baseline_bytes, max(self.live_bytes, default=0)))
+
+    @property
+    def cuda_peak_allocated(self) -> int | None:
+        """``max_memory_allocated`` over the step, workspaces included."""
+        if self.cuda is None:
+            return None
+        return max(self.cuda.baseline_allocated, max(self.cuda.max_allocated, default=0))
+
+    def curve(self) -> pd.DataFrame:
+        """One row per op: measured live bytes (and CUDA counters when on CUDA)."""
+        frame = pd.DataFrame({"index": np.arange(len(self.ops)), "phase": self.phases, "op": self.ops,
+                              "live_bytes": self.live_bytes})
+        if self.cuda is not None:
+            frame["allocated_bytes"] = self.cuda.allocated
+            frame["max_allocated_bytes"] = self.cuda.max_allocated
+            frame["reserved_bytes"] = self.cuda.reserved
+        frame.attrs["baseline_bytes"] = self.baseline_bytes
+        return frame
+
+    def compare(self, predicted) -> pd.DataFrame:
+        """Predicted (a Graph, or a Simulation of a plan) against measured, one row per op.
+
+        On CPU, predicted live bytes against tracked storages. On CUDA, the prediction in
+        512-byte blocks against ``memory_allocated``, less what was on the device before
+        the step that the step does not account for (reported in ``attrs['offset_bytes']``).
+        """
+        graph = predicted if isinstance(predicted, Graph) else None
+        curve = predicted.memory_curve()
+        _check_ops(tuple(curve["op"]), self.ops)
+        frame = curve[["index", "phase", "module", "op"]].copy()
+        if self.cuda is None:
+            frame["predicted_bytes"] = curve["live_bytes"].to_numpy()
+            frame["measured_bytes"] = np.asarray(self.live_bytes)
+            offset = 0
+        else:
+            base = graph.cuda_baseline_bytes if graph is not None else int(curve.attrs.get("cuda_baseline_bytes", 0))
+            offset = self.cuda.baseline_allocated - base
+            frame["predicted_bytes"] = curve["cuda_live_bytes"].to_numpy()
+            frame["measured_bytes"] = np.asarray(self.cuda.allocated) - offset
+        frame["error_bytes"] = frame["predicted_bytes"] - frame["measured_bytes"]
+        frame["relative_error"] = frame["error_bytes"].abs() / frame["measured_bytes"].clip(lower=1)
+        frame.attrs["offset_bytes"] = offset
+        return frame
+
+    def summary(self, predicted) -> dict[str, Any]:
+        """Peak predicted (by a Graph or a Simulation) against measured, and the worst step of the curve."""
+        frame = self.compare(predicted)
+        predicted_peak = int(frame["predicted_bytes"].max()) if len(frame) else 0
+        if isinstance(predicted, Graph):
+            predicted_peak = predicted.peak_bytes if self.cuda is None else predicted.cuda_peak_bytes
+        measured_peak = int(frame["measured_bytes"].max()) if len(frame) else 0
+        measured_peak = max(measured_peak, self.baseline_bytes if self.cuda is None
+                            else self.cuda.baseline_allocated - frame.attrs["offset_bytes"])
+        worst = int(frame["relative_error"].idxmax()) if len(frame) else -1
+        return {
+            "model": self.model_name, "device": self.device_name, "ops": len(self.ops),
+            "predicted_peak_bytes": int(predicted_peak), "measured_peak_bytes": int(measured_peak),
+            "peak_relative_error": abs(predicted_peak - measured_peak) / max(measured_peak, 1),
+            "max_step_relative_error": float(frame["relative_error"].max()) if len(frame) else 0.0,
+            "worst_step": worst, "offset_bytes": int(frame.attrs["offset_bytes"]),
+        }
+
+
+def _check_ops(predicted: tuple[str, ...], measured: tuple[str, ...]) -> None:
+    """Raise TraceMismatch naming the first op where the two runs differ."""
+    if predicted == measured:
+        return
+    for i, (a, b) in enumerate(zip(predicted, measured)):
+        if a != b:
+            raise TraceMismatch(f"the traced graph and the measured run differ at op {i}: traced {a}, measured {b}. "
+                                "Trace and measure the same model, input shapes, loss and optimizer.")
+    raise TraceMismatch(f"the traced graph has {len(predicted)} ops, the measured run {len(measured)}; "
+                        f"trace and measure the same model, input shapes, loss and optimizer")
+
+
+def measure(model: torch.nn.Module | Workload, example_input: Any = None, loss_fn: Callable | None = None,
+            optimizer: torch.optim.Optimizer | None = None, *, target: Any = None, plan=None, warmup: int = 1,
+            repeats: int = 3, name: str | None = None) -> Measurement:
+    """Run real training steps where the model lives and record the last one op by op.
+
+    ``warmup`` steps run first (they create optimizer state and warm caches), then
+    ``repeats`` timed plain steps, then one recorded step; with a ``plan`` every step runs
+    under an OffloadRuntime carrying it out. Parameters, buffers, gradients and optimizer
+    state are restored afterwards.
+    """
+    work = as_workload(model, example_input, loss_fn=loss_fn, optimizer=optimizer, target=target, name=name)
+    device = _model_device(work.model)
+    args, kwargs = split_input(map_tensors(lambda t: t.to(device), work.example_input))
+    target = map_tensors(lambda t: t.to(device), work.target)
+    step = dict(loss_fn=work.loss_fn, target=target, optimizer=work.optimizer)
+    runtime = OffloadRuntime(plan)
+
+    def one_step() -> None:
+        with runtime:
+            run_step(work.model, args, kwargs, **step)
+
+    with preserved(work.model, work.optimizer):
+        for _ in range(warmup):
+            one_step()
+        ensure_optimizer_state(work.optimizer)
+        times = [_timed(one_step, device) for _ in range(repeats)]
+        work.model.zero_grad(set_to_none=True)  # the recorded step starts without gradients (allocator baseline)
+        before = nvml.read(_index(device)) if device.type == "cuda" else None
+        counters = _CudaSampler() if device.type == "cuda" else None
+        recorder = StepRecorder(after_op=counters.sample if counters else None)
+        if counters:
+            counters.start()
+        record_step(recorder, work.model, args, kwargs, target, work.loss_fn, work.optimizer, track_saved=False,
+                    runtime=runtime if runtime.enabled else None)
+        real = graph_from_recording(recorder, work.name, device.type, fake=False)
+        after = nvml.read(_index(device)) if device.type == "cuda" else None
+    return Measurement(
+        model_name=work.name, device=device.type, device_name=device_name(device),
+        torch_version=torch.__version__, measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        ops=tuple(op.name for op in real.ops), phases=tuple(op.phase for op in real.ops),
+        live_bytes=tuple(int(v) for v in real.memory_curve()["live_bytes"]), baseline_bytes=real.baseline_bytes,
+        step_time_s=statistics.median(times) if times else None, step_times_s=tuple(times),
+        cuda=counters.freeze() if counters else None, nvml_before=before, nvml_after=after, recorded=real,
+    )
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    first = next(chain(model.parameters(), model.buffers()), None)
+    if first is None:
+        return torch.device("cpu")
+    if first.device.type == "meta":
+        raise ValueError("the model has meta parameters (no data), so it cannot run for real: build it on a "
+                         "device, e.g. ul.zoo.get(name, batch=..., device='cpu')")
+    return first.device
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+class _CudaSampler:
+    def __init__(self) -> None:
+        self.allocated: list[int] = []
+        self.max_allocated: list[int] = []
+        self.reserved: list[int] = []
+        self.baseline = (0, 0)
+
+    def start(self) -> None:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self.baseline = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
+
+    def sample(self) -> None:
+        self.allocated.append(torch.cuda.memory_allocated())
+        self.max_allocated.append(torch.cuda.max_memory_allocated())
+        self.reserved.append(torch.cuda.memory_reserved())
+        torch.cuda.reset_peak_memory_stats()
+
+    def freeze(self) -> CudaCounters:
+        return CudaCounters(tuple(self.allocated), tuple(self.max_allocated), tuple(self.reserved), *self.baseline)
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()

@@ -1,0 +1,120 @@
+"""Planning under a budget: plan(), the smallest budget a policy meets, and budget sweeps."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Iterable
+
+import pandas as pd
+
+from udnn_lab.cost.model import CostModel, RateCurve
+from udnn_lab.errors import PlanInfeasible, UdnnLabError
+from udnn_lab.graph.step_graph import Graph
+from udnn_lab.hardware.profiles import Hardware
+from udnn_lab.planning.candidates import candidates
+from udnn_lab.planning.estimate import CurveEstimate
+from udnn_lab.graph.plan_ir import Plan
+from udnn_lab.planning.registry import POLICIES
+from udnn_lab.cost.profiling import Profile
+from udnn_lab.simulation.simulator import cost_model, simulate_with
+from udnn_lab.units import format_bytes, parse_bytes
+
+_RESOLUTION = 1 / 512  # min_budget searches to this fraction of the keep-all peak
+_BUDGET_FREE = ("keep-all", "vdnn-all", "vdnn-conv")  # policies whose plan is the same under any budget
+
+
+def plan(graph: Graph, budget: int | str | None = None, policy: str = "auto", hardware: Hardware | str | None = None,
+         profile: Profile | None = None, rates: RateCurve | bool | None = None) -> Plan:
+    """A plan of ``policy`` for ``graph`` whose simulated peak fits ``budget`` ("6 GiB", bytes, or None).
+
+    Raises PlanInfeasible, with the policy's smallest budget and a policy that would fit,
+    when it cannot.
+    """
+    cost = cost_model(graph, hardware, profile, rates)
+    budget_bytes = None if budget is None else parse_bytes(budget)
+    result = _policy(policy)(graph, cost, budget_bytes)
+    simulation = simulate_with(graph, result, cost)
+    if budget_bytes is not None and not simulation.fits:
+        minimum = min_budget(graph, policy, cost=cost)
+        other = _fitting_policy(graph, cost, budget_bytes)
+        hint = f"; {other!r} fits {format_bytes(budget_bytes)}" if other else \
+            "; no policy fits it: raise the budget, or lower the batch size"
+        raise PlanInfeasible(f"policy {policy!r} cannot fit {graph.model_name} into {format_bytes(budget_bytes)}: "
+                             f"the smallest budget it meets is {format_bytes(minimum)}{hint}", minimum, other)
+    return result.with_releases(simulation.released_before).located(graph)
+
+
+def min_budget(graph: Graph, policy: str = "auto", hardware: Hardware | str | None = None,
+               profile: Profile | None = None, rates: RateCurve | bool | None = None,
+               cost: CostModel | None = None) -> int:
+    """The smallest budget (bytes) whose plan of ``policy`` simulates within it.
+
+    A plan that does not depend on the budget is simulated once with compute waiting for
+    every copy in flight (its floor); other policies are bisected between a floor no plan
+    can go under (what each op needs while every saved tensor it does not touch is away)
+    and the keep-all peak.
+    """
+    cost = cost or cost_model(graph, hardware, profile, rates)
+    choose = _policy(policy)
+    high = simulate_with(graph, Plan.keep_all(graph), cost).peak_bytes
+    if policy in _BUDGET_FREE:
+        fixed = choose(graph, cost, None)
+        floor = simulate_with(graph, replace(fixed, budget_bytes=0), cost).peak_bytes
+        return int(floor) if simulate_with(graph, replace(fixed, budget_bytes=floor), cost).fits else int(high)
+    if not _fits(graph, cost, choose, high):
+        return int(simulate_with(graph, choose(graph, cost, None), cost).peak_bytes)
+    low, step = max(0, _floor(graph) - 1), max(1, int(high * _RESOLUTION))
+    while high - low > step:
+        middle = (low + high) // 2
+        if _fits(graph, cost, choose, middle):
+            high = middle
+        else:
+            low = middle
+    return int(high)
+
+
+def sweep(graph: Graph, budgets: Iterable[int | str], policies: Iterable[str] = tuple(POLICIES),
+          hardware: Hardware | str | None = None, profile: Profile | None = None,
+          rates: RateCurve | bool | None = None) -> pd.DataFrame:
+    """Budget x policy -> fits, predicted step time, peak, bytes moved, pinned bytes, stall time."""
+    cost = cost_model(graph, hardware, profile, rates)
+    rows = []
+    for budget in budgets:
+        budget_bytes = parse_bytes(budget)
+        for name in policies:
+            chosen = _policy(name)(graph, cost, budget_bytes)
+            sim = simulate_with(graph, chosen, cost)
+            rows.append({"budget_bytes": budget_bytes, "policy": name, "fits": sim.fits,
+                         "step_time_s": sim.step_time_s if sim.fits else float("nan"),
+                         "peak_bytes": sim.peak_bytes, "d2h_bytes": sim.d2h_bytes, "h2d_bytes": sim.h2d_bytes,
+                         "pinned_bytes": chosen.pinned_pool_bytes, "stall_time_s": sim.stall_time_s,
+                         "compute_time_s": sim.compute_time_s, "offloads": len(chosen.offloads),
+                         "recomputes": len(chosen.recomputes)})
+    return pd.DataFrame(rows)
+
+
+def _policy(name: str):
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; the policies are: {', '.join(POLICIES)}") from None
+
+
+def _fits(graph: Graph, cost: CostModel, choose, budget: int) -> bool:
+    return simulate_with(graph, choose(graph, cost, budget), cost).fits
+
+
+def _fitting_policy(graph: Graph, cost: CostModel, budget: int) -> str | None:
+    """The policy auto picks for this budget (auto tries them all), or None if none fits."""
+    chosen = POLICIES["auto"](graph, cost, budget)
+    if not simulate_with(graph, chosen, cost).fits:
+        return None
+    return next((note.removeprefix("chose ") for note in chosen.notes if note.startswith("chose ")), "auto")
+
+
+def _floor(graph: Graph) -> int:
+    """No plan goes under this: the peak with every saved tensor away wherever no op touches it."""
+    estimate = CurveEstimate(graph)
+    for c in candidates(graph):
+        estimate.drop(c, (c.last_forward + 1, c.first_backward))
+    return int(estimate.peak()[0])

@@ -1,0 +1,86 @@
+"""What every policy looks at: the saved tensors a plan may act on, and where layers start.
+
+A candidate is a feature map on the graph's device: produced in forward, saved by autograd,
+read again in backward. Parameters, buffers and the input batch are never candidates
+(the input is held by the training loop, so moving it frees nothing).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from functools import lru_cache
+
+from udnn_lab.graph.step_graph import Graph
+
+
+@dataclass(frozen=True)
+class Candidate:
+    tensor: int
+    nbytes: int
+    producer: int
+    last_forward: int  # last forward op that reads it (or its producer)
+    first_backward: int  # first backward op that reads it
+    conv_input: bool  # a convolution reads it in forward (vDNN's conv layers)
+
+
+def candidates(graph: Graph, size_floor: int = 0) -> list[Candidate]:
+    """Saved feature maps of at least ``size_floor`` bytes, in the order forward produces them."""
+    return [c for c in _all_candidates(graph) if c.nbytes >= size_floor]
+
+
+@lru_cache(maxsize=16)
+def _all_candidates(graph: Graph) -> tuple[Candidate, ...]:
+    found = []
+    for t in graph.tensors:
+        if t.category != "feature_map" or not graph.on_device(t) or t.producer is None \
+                or t.first_backward_use is None:
+            continue
+        conv = any(graph.ops[i].name == "aten.convolution.default" for i in t.consumers
+                   if graph.ops[i].phase == "forward")
+        last = t.last_forward_use if t.last_forward_use is not None else t.producer
+        found.append(Candidate(t.id, t.nbytes, t.producer, last, t.first_backward_use, conv))
+    return tuple(sorted(found, key=lambda c: (c.producer, c.tensor)))
+
+
+@lru_cache(maxsize=16)
+def backward_layer_starts(graph: Graph) -> tuple[int, ...]:
+    """First op of each backward layer: a run of consecutive backward ops of one module."""
+    starts = []
+    previous = None
+    for op in graph.ops:
+        if op.phase != "backward":
+            continue
+        if previous is None or op.module != previous.module or op.index != previous.index + 1:
+            starts.append(op.index)
+        previous = op
+    return tuple(starts)
+
+
+def prefetch_point(graph: Graph, first_backward: int, layers_ahead: int) -> int:
+    """The op that issues a prefetch ``layers_ahead`` backward layers before the layer of ``first_backward``."""
+    starts = backward_layer_starts(graph)
+    layer = bisect.bisect_right(starts, first_backward) - 1
+    point = starts[max(layer - layers_ahead, 0)] if starts else first_backward - 1
+    return min(point, first_backward - 1)
+
+
+def writers(graph: Graph, tensor: int) -> tuple[int, ...]:
+    """Its producer and the forward ops that return its storage again: in-place writes (ReLU(inplace), +=)
+    and views. Rebuilding the tensor means re-running them all."""
+    t = graph.tensors[tensor]
+    later = [i for i in t.consumers if graph.ops[i].phase == "forward" and tensor in graph.ops[i].outputs]
+    return (t.producer, *sorted(i for i in later if i > t.producer))
+
+
+def next_forward_op(graph: Graph, op: int) -> int | None:
+    """The forward op after ``op`` (vDNN makes it wait for the offload of ``op``'s layer)."""
+    following = op + 1
+    if following < len(graph.ops) and graph.ops[following].phase == "forward":
+        return following
+    return None
+
+
+@lru_cache(maxsize=16)
+def first_backward_op(graph: Graph) -> int:
+    return next((op.index for op in graph.ops if op.phase == "backward"), len(graph.ops))

@@ -1,0 +1,55 @@
+"""A quick memory estimate for planners: the keep-all curve with dropped tensors' windows taken out.
+
+It ignores copy times (a dropped tensor counts as gone from the op after its drop point
+until its restore point), so it is optimistic; planners choose with it and check with the
+simulator, asking for a margin when the simulator disagrees.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import numpy as np
+
+from udnn_lab.graph.step_graph import Graph
+from udnn_lab.planning.candidates import Candidate
+
+Window = Callable[[Candidate], tuple[int, int]]  # ops [first, last) a candidate is away from the device
+
+
+class CurveEstimate:
+    def __init__(self, graph: Graph) -> None:
+        curve = graph.memory_curve()
+        self.cuda = graph.device == "cuda"
+        self.live = curve["cuda_live_bytes" if self.cuda else "live_bytes"].to_numpy(dtype=np.float64).copy()
+
+    def size(self, candidate: Candidate) -> int:
+        return ((candidate.nbytes + 511) // 512) * 512 if self.cuda else candidate.nbytes
+
+    def drop(self, candidate: Candidate, window: tuple[int, int]) -> None:
+        first, last = window
+        if last > first:
+            self.live[first:last] -= self.size(candidate)
+
+    def peak(self) -> tuple[float, int]:
+        op = int(self.live.argmax()) if len(self.live) else 0
+        return (float(self.live[op]) if len(self.live) else 0.0), op
+
+
+def choose_until_fits(graph: Graph, pool: Iterable[Candidate], target: float, window: Window,
+                      score: Callable[[Candidate], float]) -> list[Candidate]:
+    """Greedy: while the estimated peak is over ``target``, drop the best-scoring candidate away at the peak op."""
+    estimate = CurveEstimate(graph)
+    remaining = sorted(pool, key=lambda c: (-score(c), c.tensor))
+    windows = {c.tensor: window(c) for c in remaining}
+    chosen: list[Candidate] = []
+    peak, op = estimate.peak()
+    while peak > target and remaining:
+        found = next((i for i, c in enumerate(remaining) if windows[c.tensor][0] <= op < windows[c.tensor][1]), None)
+        if found is None:
+            break  # nothing left that is away at the peak: this target cannot be met this way
+        pick = remaining.pop(found)
+        chosen.append(pick)
+        estimate.drop(pick, windows[pick.tensor])
+        peak, op = estimate.peak()
+    return chosen

@@ -1,0 +1,198 @@
+"""Managed training: the step loop with the offload runtime, a measurement per step, progress, stop.
+
+``ul.train(model, batches, optimizer, plan=..., steps=...)`` runs steps until ``steps`` or
+the batches run out, or until stopped (``stop.set()`` from another thread, or a callback
+returning False), and returns a Run: one row per step (loss, time, peak, bytes moved,
+stalls). With ``fuse_optimizer=True`` each parameter is updated as soon as its gradient is
+ready and the gradient is freed at once (document 001's delayed, overlapped weight
+update, in PyTorch's form: ``register_post_accumulate_grad_hook``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Callable, Iterable
+
+import pandas as pd
+import torch
+
+from udnn_lab.devices import device_name
+from udnn_lab.graph.plan_ir import Plan
+from udnn_lab.runtime.live_bytes import LiveBytes
+from udnn_lab.runtime.offload import OffloadRuntime
+from udnn_lab.analysis.step import compute_loss, map_tensors, split_input
+from udnn_lab.units import format_bytes, format_seconds
+from tqdm.auto import tqdm
+
+Callback = Callable[[dict], "bool | None"]
+STEP_COLUMNS = ["step", "loss", "time_s", "peak_bytes", "d2h_bytes", "h2d_bytes", "wait_s", "recomputed", "on_demand"]
+
+
+@dataclass(frozen=True, repr=False)
+class Run:
+    """What a managed training run did, step by step."""
+
+    model_name: str
+    device: str
+    device_name: str
+    policy: str
+    fused_optimizer: bool
+    started_at: str
+    steps: pd.DataFrame  # STEP_COLUMNS
+    stopped: str  # 'steps', 'batches', 'stop requested', 'callback'
+    pinned_bytes: int
+    notes: tuple[str, ...] = field(default=())
+
+    def __repr__(self) -> str:
+        if len(self.steps):
+            return (f"Run({self.model_name!r}, {len(self.steps)} steps, policy={self.policy}, median step "
+                    f"{format_seconds(self.steps['time_s'].median())}, peak {format_bytes(self.steps['peak_bytes'].max())},"
+                    f" stopped: {self.stopped})")
+        return f"Run({self.model_name!r}, no steps, stopped: {self.stopped})"
+
+
+def train(model: torch.nn.Module, batches: Iterable, optimizer: torch.optim.Optimizer | None, *,
+          loss_fn: Callable | None = None, plan: Plan | None = None, steps: int | None = None,
+          callbacks: Iterable[Callback] = (), stop: threading.Event | None = None, fuse_optimizer: bool = False,
+          progress: bool = True, track_memory: bool | None = None, name: str | None = None) -> Run:
+    """Train ``model`` on ``batches`` (each an ``(input, target)`` pair, or an input alone).
+
+    ``plan`` runs every step under an OffloadRuntime. ``callbacks`` get each step's row as a
+    dict and may return False to stop. ``track_memory``: count live storages each step on
+    a CPU (CUDA always reads the allocator's peak); by default on for CPU.
+    """
+    device = _device_of(model)
+    runtime = OffloadRuntime(plan)
+    track = device.type == "cpu" if track_memory is None else track_memory
+    fused = _FusedOptimizer(optimizer) if fuse_optimizer and optimizer is not None else None
+    rows, stopped = [], "batches"
+    bar = _progress(steps, progress, name or type(model).__name__)
+    try:
+        for index, batch in enumerate(batches):
+            if steps is not None and index >= steps:
+                stopped = "steps"
+                break
+            if stop is not None and stop.is_set():
+                stopped = "stop requested"
+                break
+            row = _one_step(index, model, batch, device, loss_fn, optimizer, fused, runtime, track)
+            rows.append(row)
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['loss']:.4g}", peak=format_bytes(row["peak_bytes"]))
+            if any(callback(row) is False for callback in callbacks):
+                stopped = "callback"
+                break
+        else:
+            stopped = "steps" if steps is not None and len(rows) >= steps else "batches"
+    finally:
+        bar.close()
+        if fused is not None:
+            fused.remove()
+        pinned_bytes = runtime.pool.capacity_bytes if runtime.pool is not None else 0
+        runtime.release()
+    return Run(model_name=name or type(model).__name__, device=device.type, device_name=device_name(device),
+               policy=plan.policy if plan is not None else "none", fused_optimizer=fused is not None,
+               started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+               steps=pd.DataFrame(rows, columns=STEP_COLUMNS), stopped=stopped,
+               pinned_bytes=pinned_bytes)
+
+
+def _one_step(index: int, model, batch, device, loss_fn, optimizer, fused, runtime: OffloadRuntime,
+              track: bool) -> dict:
+    inputs, target = batch if isinstance(batch, (tuple, list)) and len(batch) == 2 else (batch, None)
+    args, kwargs = split_input(map_tensors(lambda t: t.to(device, non_blocking=True), inputs))
+    target = map_tensors(lambda t: t.to(device, non_blocking=True), target)
+    if optimizer is not None and fused is None:
+        optimizer.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    counter = LiveBytes(_resident(model, optimizer, args, kwargs, target)) if track else None
+    runtime.observer = counter
+    start = time.perf_counter()
+    with counter if counter is not None else nullcontext(), runtime:
+        loss = compute_loss(model(*args, **kwargs), loss_fn, target)
+        loss.backward()
+        if optimizer is not None and fused is None:
+            optimizer.step()
+    runtime.observer = None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - start
+    stats = runtime.last_step
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else (counter.peak if counter else 0)
+    return {"step": index, "loss": float(loss.detach()), "time_s": elapsed, "peak_bytes": int(peak),
+            "d2h_bytes": stats.d2h_bytes if stats else 0, "h2d_bytes": stats.h2d_bytes if stats else 0,
+            "wait_s": stats.wait_s if stats else 0.0, "recomputed": stats.recomputed if stats else 0,
+            "on_demand": stats.on_demand if stats else 0}
+
+
+class _FusedOptimizer:
+    """Steps each parameter inside backward, when its gradient is complete, then frees the gradient.
+
+    One single-parameter optimizer of the same class per parameter, sharing the user's
+    optimizer's hyperparameters and its state dict entries, so the user's optimizer sees
+    the state it would have had.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.handles = []
+        for group in optimizer.param_groups:
+            settings = {k: v for k, v in group.items() if k != "params"}
+            settings["foreach"] = False
+            for param in group["params"]:
+                if not param.requires_grad:
+                    continue
+                single = type(optimizer)([{"params": [param], **settings}])
+                single.state[param] = optimizer.state[param]  # the same dict: updates land in both
+                self.handles.append(param.register_post_accumulate_grad_hook(_stepper(single)))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+def _stepper(single: torch.optim.Optimizer):
+    def step(param: torch.Tensor) -> None:
+        single.step()
+        param.grad = None
+    return step
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    first = next(iter(model.parameters()), None)
+    if first is None or first.device.type == "meta":
+        raise ValueError("train() needs a model with real parameters on a device")
+    return first.device
+
+
+def _progress(total: int | None, enabled: bool, name: str):
+    if enabled:
+        return tqdm(total=total, desc=f"training {name}", unit="step")
+    return _NoBar()
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def set_postfix(self, **values: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _resident(model, optimizer, args, kwargs, target):
+    """What the step starts with: parameters, buffers, optimizer state, the batch."""
+    yield from model.parameters()
+    yield from model.buffers()
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+    yield from (t for t in (*args, *kwargs.values(), target) if isinstance(t, torch.Tensor))

@@ -1,0 +1,430 @@
+"""Graph + Plan + costs -> Simulation: one training step on three streams, under a memory budget.
+
+NOTE [simulated streams]
+  1. Compute runs the graph's ops in order. Before op i it waits, if its allocations would
+     exceed the budget (document 000: M_used + M_alloc <= M), for offload copies in flight
+     to complete and free memory; waits for copies the plan synchronizes on (vDNN); runs
+     the plan's recomputations for op i; and waits for the prefetches op i reads. Those
+     waits are stalls. A recomputation holds the tensors it restores (its scratch outputs
+     are not counted).
+  2. Device-to-host copies run in order on their own stream; an offloaded tensor's copy
+     starts when both the stream and its ``after_op`` are done, and its device memory is
+     freed when the copy completes, not before. An offload with a release point
+     (NOTE [offload runtime] 3) is freed just before that op instead, which waits for the
+     copy (a sync stall); a prefetch at or before that op is cancelled. The simulation
+     reports where each offload was freed (``released_before``): ``ul.plan`` writes those
+     points into the plan, so the runtime lets go of memory where the simulation did.
+  3. Host-to-device copies run in order on a third stream; a prefetch is issued when
+     compute reaches ``prefetch_at``, allocates its device memory then, and starts once
+     the stream is free. If the tensor's offload copy has not completed by then, its
+     device memory was never released: the prefetch is cancelled and the tensor stays.
+  4. A tensor is counted at op i if its device memory is held at any moment of op i, so
+     with no actions the curve is the analyzer's, exactly.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Mapping
+from functools import lru_cache
+import numpy as np
+import pandas as pd
+
+from udnn_lab.vocabulary import CATEGORIES
+from udnn_lab.cost.model import CostModel, RateCurve
+from udnn_lab.graph.step_graph import Graph
+from udnn_lab.hardware.profiles import Hardware
+from udnn_lab.graph.plan_ir import Offload, Plan, Recompute
+from udnn_lab.cost.profiling import Profile
+from udnn_lab.units import cuda_block_bytes, format_bytes, format_seconds
+import torch
+
+from udnn_lab.devices import device_name
+
+_KEPT_SIMULATIONS = 48  # per cost model: enough for one plan() or one budget of a sweep
+TIMELINE_COLUMNS = ["stream", "kind", "start_s", "end_s", "op", "name", "module", "tensor", "nbytes"]
+
+
+@dataclass(frozen=True, repr=False)
+class Simulation:
+    """The predicted step: timeline, memory curve, time, stalls and traffic."""
+
+    model_name: str
+    policy: str
+    device: str
+    budget_bytes: int | None
+    step_time_s: float
+    compute_time_s: float  # ops and recomputations
+    stall_time_s: float  # compute waiting for memory or for prefetches
+    d2h_bytes: int
+    h2d_bytes: int
+    lower_bound_s: float  # max(compute time, D2H bytes / bandwidth, H2D bytes / bandwidth)
+    peak_bytes: int  # as the budget counts them: 512-byte blocks on CUDA, exact on CPU
+    timeline: pd.DataFrame  # one row per op, copy and stall (TIMELINE_COLUMNS)
+    curve: pd.DataFrame  # Graph.memory_curve()'s columns, plus start_s and end_s
+    released_before: Mapping[int, int] = field(default_factory=dict)  # offloaded tensor -> op it was freed before
+
+    def __repr__(self) -> str:
+        budget = format_bytes(self.budget_bytes) if self.budget_bytes is not None else "none"
+        return (f"Simulation({self.model_name!r}, {self.policy}, step={format_seconds(self.step_time_s)}, "
+                f"stall={format_seconds(self.stall_time_s)}, peak={format_bytes(self.peak_bytes)}, budget={budget})")
+
+    @property
+    def fits(self) -> bool:
+        return self.budget_bytes is None or self.peak_bytes <= self.budget_bytes
+
+    def memory_curve(self) -> pd.DataFrame:
+        return self.curve.copy()
+
+
+def simulate(graph: Graph, plan: Plan | None = None, hardware: Hardware | str | None = None,
+             profile: Profile | None = None, rates: RateCurve | bool | None = None) -> Simulation:
+    """Simulate one step of ``graph`` under ``plan`` (default: keep everything) on ``hardware``.
+
+    Op times come from ``profile`` when given (it must be of this graph's step), else from
+    a roofline with ``rates``: by default the curve kept for the hardware (if one was
+    fitted); ``rates=False`` uses the hardware profile's figures alone.
+    """
+    plan = plan if plan is not None else Plan.keep_all(graph)
+    plan.validate(graph)
+    return simulate_with(graph, plan, cost_model(graph, hardware, profile, rates))
+
+
+def cost_model(graph: Graph, hardware: Hardware | str | None = None, profile: Profile | None = None,
+               rates: RateCurve | bool | None = None) -> CostModel:
+    """The CostModel ``simulate`` would use for these arguments."""
+    hw = resolve_hardware(hardware, graph.device)
+    if rates is None and profile is None:
+        rates = RateCurve.for_hardware(hw)
+    return CostModel(hw, profile, rates if isinstance(rates, RateCurve) else None)
+
+
+def simulate_with(graph: Graph, plan: Plan, cost: CostModel) -> Simulation:
+    """Simulate with a ready CostModel (planners call this in their loops; the plan is not re-validated).
+
+    The result is kept in the cost model's memo: planners ask about the same plan again.
+    """
+    key = ("simulation", id(graph), plan)
+    if key not in cost.memo:
+        kept = [k for k in cost.memo if k[0] == "simulation"]
+        for old in kept[:max(0, len(kept) - _KEPT_SIMULATIONS + 1)]:
+            del cost.memo[old]
+        cost.memo[key] = _Run(graph, plan, cost).simulate()
+    return cost.memo[key]
+
+
+def resolve_hardware(hardware: Hardware | str | None, device: str) -> Hardware:
+    """A Hardware profile from a name, or the profile that matches this machine's ``device``."""
+    if isinstance(hardware, Hardware):
+        return hardware
+    if isinstance(hardware, str):
+        return Hardware.load(hardware)
+    if hardware is not None:
+        raise TypeError(f"hardware must be a Hardware, a profile name or None, got {type(hardware).__name__}")
+    if device == "cpu" or device == "cuda" and _cuda_here():
+        here = device_name(device)
+        for name in Hardware.names():
+            candidate = Hardware.load(name)
+            if candidate.device_type == device and here in candidate.device_names:
+                return candidate
+    raise ValueError(f"no hardware profile matches this machine's {device}: pass hardware= one of "
+                     f"{Hardware.names()}, or measure it with ul.Hardware.measure() and pass the result")
+
+
+def _cuda_here() -> bool:
+    return torch.cuda.is_available()
+
+
+@dataclass(frozen=True)
+class _Static:
+    """What a simulation needs of a graph, precomputed once per graph."""
+
+    on_device: tuple[bool, ...]
+    exact: tuple[int, ...]  # bytes per tensor
+    block: tuple[int, ...]  # 512-byte-rounded bytes per tensor
+    category: tuple[int, ...]  # index into CATEGORIES per tensor
+    alloc_rows: np.ndarray  # [ops, categories]: bytes each op allocates on the device
+    release_rows: np.ndarray  # [ops, categories]: bytes released right after each op
+    alloc_exact: tuple[int, ...]  # totals of alloc_rows / release_rows
+    release_exact: tuple[int, ...]
+    alloc_block: tuple[int, ...]
+    release_block: tuple[int, ...]
+    baseline: np.ndarray  # [categories]
+    baseline_block: int
+
+
+@lru_cache(maxsize=16)
+def _static(graph: Graph) -> _Static:
+    index = {c: i for i, c in enumerate(CATEGORIES)}
+    on_device = tuple(graph.on_device(t) for t in graph.tensors)
+    exact = tuple(t.nbytes for t in graph.tensors)
+    block = tuple(cuda_block_bytes(n) for n in exact)
+    category = tuple(index[t.category] for t in graph.tensors)
+    n = len(graph.ops)
+    alloc, release = np.zeros((n, len(CATEGORIES)), np.int64), np.zeros((n, len(CATEGORIES)), np.int64)
+    alloc_block, release_block = [0] * n, [0] * n
+    baseline, baseline_block = np.zeros(len(CATEGORIES), np.int64), 0
+    for t in graph.tensors:
+        if not on_device[t.id]:
+            continue
+        if t.alloc_step < 0:
+            baseline[category[t.id]] += t.nbytes
+            baseline_block += block[t.id]
+        else:
+            alloc[t.alloc_step, category[t.id]] += t.nbytes
+            alloc_block[t.alloc_step] += block[t.id]
+        if t.free_step == -1:
+            baseline[category[t.id]] -= t.nbytes
+            baseline_block -= block[t.id]
+        elif t.free_step is not None:
+            release[t.free_step, category[t.id]] += t.nbytes
+            release_block[t.free_step] += block[t.id]
+    return _Static(on_device, exact, block, category, alloc, release, tuple(alloc.sum(axis=1).tolist()),
+                   tuple(release.sum(axis=1).tolist()), tuple(alloc_block), tuple(release_block), baseline,
+                   baseline_block)
+
+
+class _Run:
+    """One simulation's mutable state (NOTE [simulated streams]).
+
+    The loop keeps only running totals (in the budget's unit: 512-byte blocks on CUDA) and
+    notes when an action takes a tensor off the device or brings it back; the curves are
+    the analyzer's with those changes folded in afterwards.
+    """
+
+    def __init__(self, graph: Graph, plan: Plan, cost: CostModel) -> None:
+        self.graph, self.plan, self.cost = graph, plan, cost
+        self.static = _static(graph)
+        self.cuda = graph.device == "cuda"
+        self.times = cost.op_times_s(graph).tolist()
+        self.budget = plan.budget_bytes
+        self.own = self.static.alloc_block if self.cuda else self.static.alloc_exact
+        self.gone = self.static.release_block if self.cuda else self.static.release_exact
+        self.counted = self.static.baseline_block if self.cuda else int(self.static.baseline.sum())
+        self.op_index = 0
+        self.changes: list[tuple[int, int, int]] = []  # (first op it holds for, +1 or -1, tensor)
+        self.pending: list[tuple[float, int]] = []  # (copy end, tensor): device memory freed then
+        self.cancelled: set[int] = set()  # offloads whose prefetch came before their copy completed
+        self.timeline: list[tuple] = []
+        self.d2h_free = self.h2d_free = 0.0
+        self.h2d_end: dict[int, float] = {}
+        self.d2h_end: dict[int, float] = {}
+        self.stall = 0.0
+        self.violations = 0
+        self.released: dict[int, int] = {}  # offloaded tensor -> the op its device memory was freed before
+        self._index_actions()
+
+    def _index_actions(self) -> None:
+        on_device = self.static.on_device
+        self.offload_after: dict[int, list[Offload]] = {}
+        self.prefetch_at: dict[int, list[Offload]] = {}
+        self.sync_before: dict[int, list[int]] = {}
+        self.release_at: dict[int, list[int]] = {}  # offloads with a release point
+        self.release_op: dict[int, int] = {}
+        self.recompute_at: dict[int, list[Recompute]] = {}
+        self.drop_after: dict[int, list[int]] = {}
+        moved = set()
+        for offload in self.plan.offloads:
+            if on_device[offload.tensor]:
+                moved.add(offload.tensor)
+                self.offload_after.setdefault(offload.after_op, []).append(offload)
+                self.prefetch_at.setdefault(offload.prefetch_at, []).append(offload)
+                if offload.wait_before is not None:
+                    self.sync_before.setdefault(offload.wait_before, []).append(offload.tensor)
+                if offload.release_before is not None:
+                    self.release_at.setdefault(offload.release_before, []).append(offload.tensor)
+                    self.release_op[offload.tensor] = offload.release_before
+        for recompute in self.plan.recomputes:
+            self.recompute_at.setdefault(recompute.at_op, []).append(recompute)
+            for tensor in recompute.tensors:
+                if on_device[tensor]:
+                    last = self.graph.tensors[tensor].last_forward_use
+                    self.drop_after.setdefault(last, []).append(tensor)
+        readers = {i for t in moved for i in self.graph.tensors[t].consumers}
+        self.action_ops = set(self.offload_after) | set(self.prefetch_at) | set(self.sync_before) | set(self.release_at) \
+            | set(self.recompute_at) | set(self.drop_after) | readers
+
+    # -- memory -----------------------------------------------------------------------------
+    def _size(self, tensor: int) -> int:
+        return self.static.block[tensor] if self.cuda else self.static.exact[tensor]
+
+    def _change(self, tensor: int, sign: int, from_op: int) -> None:
+        self.counted += sign * self._size(tensor)
+        self.changes.append((from_op, sign, tensor))
+
+    def _free_completed(self, until: float) -> None:
+        while self.pending and self.pending[0][0] <= until:
+            tensor = heapq.heappop(self.pending)[1]
+            if tensor not in self.cancelled:
+                self._release(tensor)
+
+    def _wait_for_memory(self, start: float, need: int) -> float:
+        """Start time once ``need`` more bytes fit the budget, freeing completed copies."""
+        self._free_completed(start)
+        while self.budget is not None and self.counted + need > self.budget and self.pending:
+            done, tensor = heapq.heappop(self.pending)
+            if tensor in self.cancelled:
+                continue
+            start = max(start, done)
+            self._release(tensor)
+        if self.budget is not None and self.counted + need > self.budget:
+            self.violations += 1
+        return start
+
+    def _release(self, tensor: int) -> None:
+        self._change(tensor, -1, self.op_index)
+        self.released[tensor] = self.op_index
+
+    def _release_points(self, i: int, clock: float) -> float:
+        """Free the offloads released before op i, once their copies complete; the wait is a sync stall."""
+        start = clock
+        for tensor in self.release_at.get(i, []):
+            if tensor in self.d2h_end and tensor not in self.cancelled:
+                start = max(start, self.d2h_end[tensor])
+                self._release(tensor)
+        self._stall(clock, start, i, "stall_sync")
+        return start
+
+    # -- the step -------------------------------------------------------------------------
+    def simulate(self) -> Simulation:
+        clock, spans = 0.0, []
+        for op in self.graph.ops:
+            self.op_index = op.index
+            start, clock = self._step(op, clock)
+            spans.append((start, clock))
+        return self._result(spans, clock)
+
+    def _step(self, op, clock: float) -> tuple[float, float]:
+        i = op.index
+        if i not in self.action_ops:
+            start = self._wait_for_memory(clock, self.own[i]) if self.pending or self.budget is not None else clock
+            self._stall(clock, start, i, "stall_memory")
+            return start, self._run_op(op, start)
+        prefetches = self.prefetch_at.get(i, [])
+        for offload in prefetches:  # at or before its release point the tensor never left: nothing to fetch
+            if self.release_op.get(offload.tensor, -1) >= i:
+                self.cancelled.add(offload.tensor)
+        clock = self._release_points(i, clock)
+        recomputes = self.recompute_at.get(i, [])
+        need = self.own[i] + sum(self._size(t) for r in recomputes for t in self._restored(r)) \
+            + sum(self._size(o.tensor) for o in prefetches
+                  if o.tensor not in self.cancelled and self.d2h_end.get(o.tensor, 0.0) <= clock)
+        start = self._wait_for_memory(clock, need)
+        self._stall(clock, start, i, "stall_memory")
+        synced = max([start] + [self.d2h_end[t] for t in self.sync_before.get(i, []) if t in self.d2h_end])
+        self._stall(start, synced, i, "stall_sync")
+        start = synced
+        for offload in prefetches:
+            self._prefetch(offload, start, i)
+        for recompute in recomputes:
+            start = self._recompute(recompute, start, i)
+        ready = max([start] + [self.h2d_end[t] for t in op.inputs if t in self.h2d_end])
+        self._stall(start, ready, i, "stall_prefetch")
+        end = self._run_op(op, ready)
+        for tensor in self.drop_after.get(i, []):
+            self._change(tensor, -1, i + 1)
+        for offload in self.offload_after.get(i, []):
+            self._offload(offload, end, i)
+        return ready, end
+
+    def _run_op(self, op, start: float) -> float:
+        i = op.index
+        end = start + self.times[i]
+        self.timeline.append(("compute", "op", start, end, i, op.name, op.module, "", 0))
+        self.counted += self.own[i] - self.gone[i]
+        return end
+
+    def _restored(self, recompute: Recompute) -> list[int]:
+        return [t for t in recompute.tensors if self.static.on_device[t]]
+
+    def _stall(self, start: float, end: float, op: int, kind: str) -> None:
+        if end > start:
+            self.stall += end - start
+            self.timeline.append(("compute", kind, start, end, op, kind.removeprefix("stall_"),
+                                  self.graph.ops[op].module, "", 0))
+
+    def _offload(self, offload: Offload, after: float, op: int) -> None:
+        t = self.graph.tensors[offload.tensor]
+        start = max(self.d2h_free, after)
+        end = start + self.cost.transfer_time_s(t.nbytes, "d2h", offload.pinned)
+        self.d2h_free = self.d2h_end[t.id] = end
+        if t.id not in self.release_op:  # else freed at its release point
+            heapq.heappush(self.pending, (end, t.id))
+        self.timeline.append(("d2h", "offload", start, end, op, t.name, t.module, t.name, t.nbytes))
+
+    def _prefetch(self, offload: Offload, issued: float, op: int) -> None:
+        t = self.graph.tensors[offload.tensor]
+        if t.id in self.cancelled or (t.id not in self.release_op and self.d2h_end.get(t.id, 0.0) > issued):
+            # its copy is still in flight (or its release point is to come): it never left the device
+            self.cancelled.add(t.id)
+            self.h2d_end[t.id] = issued
+            self.timeline.append(("h2d", "prefetch_cancelled", issued, issued, op, t.name, t.module, t.name, 0))
+            return
+        self._change(t.id, +1, op)
+        start = max(self.h2d_free, issued)
+        end = start + self.cost.transfer_time_s(t.nbytes, "h2d", offload.pinned)
+        self.h2d_free = self.h2d_end[t.id] = end
+        self.timeline.append(("h2d", "prefetch", start, end, op, t.name, t.module, t.name, t.nbytes))
+
+    def _recompute(self, recompute: Recompute, start: float, op: int) -> float:
+        restored = self._restored(recompute)
+        for tensor in restored:
+            self._change(tensor, +1, op)
+        end = start + float(sum(self.times[j] for j in recompute.ops))
+        names = ", ".join(self.graph.tensors[t].name for t in recompute.tensors)
+        nbytes = sum(self.graph.tensors[t].nbytes for t in restored)
+        module = self.graph.ops[recompute.ops[-1]].module
+        self.timeline.append(("compute", "recompute", start, end, op, names, module, names, nbytes))
+        return end
+
+    def _result(self, spans: list[tuple[float, float]], clock: float) -> Simulation:
+        graph = self.graph
+        curve = self._curve(spans)
+        timeline = pd.DataFrame(self.timeline, columns=TIMELINE_COLUMNS).sort_values(["start_s", "stream"],
+                                                                                       kind="stable")
+        counted = curve["cuda_live_bytes"] if self.cuda else curve["live_bytes"]
+        base = graph.cuda_baseline_bytes if self.cuda else graph.baseline_bytes
+        d2h = int(timeline.loc[timeline.stream == "d2h", "nbytes"].sum())
+        h2d = int(timeline.loc[timeline.stream == "h2d", "nbytes"].sum())
+        work = timeline[(timeline.stream == "compute") & timeline.kind.isin(["op", "recompute"])]
+        compute = float((work["end_s"] - work["start_s"]).sum())
+        step = max(clock, self.d2h_free, self.h2d_free)
+        hw = self.cost.hardware
+        bound = max(compute, d2h / hw.bandwidth_bytes_per_s("d2h", True) if d2h else 0.0,
+                    h2d / hw.bandwidth_bytes_per_s("h2d", True) if h2d else 0.0)
+        return Simulation(
+            model_name=graph.model_name, policy=self.plan.policy, device=graph.device,
+            budget_bytes=self.budget, step_time_s=step, compute_time_s=compute, stall_time_s=self.stall,
+            d2h_bytes=d2h, h2d_bytes=h2d, lower_bound_s=bound,
+            peak_bytes=int(max(base, counted.max() if len(counted) else 0)),
+            timeline=timeline.reset_index(drop=True), curve=curve, released_before=dict(self.released),
+        )
+
+    def _curve(self, spans: list[tuple[float, float]]) -> pd.DataFrame:
+        """The analyzer's curve with each action's changes from the op it takes effect at."""
+        curve = self.graph.memory_curve()
+        n = len(curve)
+        per_category = np.zeros((n + 1, len(CATEGORIES)), dtype=np.int64)
+        blocks = np.zeros(n + 1, dtype=np.int64)
+        allocated = np.zeros(n + 1, dtype=np.int64)
+        released = np.zeros(n + 1, dtype=np.int64)
+        static = self.static
+        for first, sign, tensor in self.changes:
+            per_category[first, static.category[tensor]] += sign * static.exact[tensor]
+            blocks[first] += sign * static.block[tensor]
+            if sign > 0:
+                allocated[first] += static.exact[tensor]
+            elif first > 0:
+                released[first - 1] += static.exact[tensor]  # gone before op ``first``: released after the one before
+        per_category = np.cumsum(per_category[:n], axis=0)
+        for j, category in enumerate(CATEGORIES):
+            curve[category] = curve[category].to_numpy() + per_category[:, j]
+        curve["live_bytes"] = curve[list(CATEGORIES)].sum(axis=1)
+        curve["cuda_live_bytes"] = curve["cuda_live_bytes"].to_numpy() + np.cumsum(blocks[:n])
+        curve["allocated_bytes"] = curve["allocated_bytes"].to_numpy() + allocated[:n]
+        curve["released_bytes"] = curve["released_bytes"].to_numpy() + released[:n]
+        curve["start_s"] = [start for start, _ in spans]
+        curve["end_s"] = [end for _, end in spans]
+        return curve
+

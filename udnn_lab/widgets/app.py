@@ -1,0 +1,273 @@
+"""MemoryLab: one widget app over the library: pick a step, a policy and a budget; see memory and streams.
+
+A thin shell: the controls are ipywidgets, the work is LabSession's calls into the library
+(widgets_state.py), the pictures are udnn_lab.charts.memory in two alt.JupyterChart widgets whose
+chart is replaced in place (never new output widgets). Changes are debounced; errors are
+shown in the app, never raised into the kernel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+from contextlib import contextmanager
+from typing import Callable
+
+import altair as alt
+import ipywidgets as widgets
+import pandas as pd
+from torch import nn
+
+from udnn_lab import charts, frames, zoo
+from udnn_lab.charts.base import enable_offline
+from udnn_lab.hardware.profiles import Hardware
+from udnn_lab.planning.budget import PlanInfeasible
+from udnn_lab.planning.registry import POLICIES
+from udnn_lab.simulation.simulator import Simulation
+from udnn_lab.units import format_bytes, format_seconds
+from udnn_lab.widgets.state import LabSession, Setting
+from udnn_lab.widgets.training import TrainingPanel
+
+_MiB = 2**20
+_GRAPH, _POLICY, _BUDGET = 2, 1, 0  # how much a change invalidates
+
+
+class _Debounce:
+    """Call ``action`` once, ``wait_s`` after the last request (at once when wait_s is 0 or no event loop runs)."""
+
+    def __init__(self, wait_s: float, action: Callable[[], None]) -> None:
+        self.wait_s, self.action, self.pending = wait_s, action, None
+
+    def __call__(self) -> None:
+        if self.pending is not None:
+            self.pending.cancel()
+            self.pending = None
+        try:
+            loop = asyncio.get_running_loop() if self.wait_s > 0 else None
+        except RuntimeError:
+            loop = None
+        if loop is None:
+            self.action()
+        else:
+            self.pending = loop.call_later(self.wait_s, self._fire)
+
+    def _fire(self) -> None:
+        self.pending = None
+        self.action()
+
+
+class MemoryLab(widgets.AppLayout):
+    """Predicted memory and streams of one training step, under a policy and a budget, updated as you go.
+
+    ``model``: a zoo name (``ul.zoo.names()``) or your own ``nn.Module`` (then give
+    ``input_shape``, one example's shape). ``hardware``: a profile name or a Hardware (e.g.
+    from ``ul.Hardware.measure()``). The step is traced with fake tensors for the profile's
+    device; "Measure" runs it for real on this machine and overlays what it measured.
+    """
+
+    def __init__(self, model: str | nn.Module = "resnet50", *, input_shape: tuple[int, ...] | None = None,
+                 batch: int = 32, dtype: str = "float32", optimizer: str = "sgd",
+                 hardware: str | Hardware = "h100-sxm", policy: str = "auto", image_size: int | None = None,
+                 debounce_s: float = 0.3, points: int = frames.DEFAULT_POINTS) -> None:
+        extra = {hardware.name: hardware} if isinstance(hardware, Hardware) else {}
+        custom = model if isinstance(model, nn.Module) else None
+        self.session = LabSession(custom, input_shape, image_size, extra)
+        self.points = points
+        self._dirty, self._quiet, self._measured, self._events = -1, False, None, None
+        self._minimum: int | None = None  # the policy's smallest budget, once known
+        self._debounce = _Debounce(debounce_s, self._update)
+        enable_offline()
+        self._build_controls(self.session.custom_name or str(model), batch, dtype, optimizer,
+                             hardware.name if isinstance(hardware, Hardware) else hardware, policy)
+        self.memory_chart = alt.JupyterChart(None, layout=widgets.Layout(min_height="340px"))
+        self.timeline_chart = alt.JupyterChart(None, layout=widgets.Layout(min_height="140px"))
+        self.summary = widgets.HTML()
+        self.status = widgets.HTML()
+        super().__init__(
+            header=widgets.HTML("<b>udnn_lab · MemoryLab</b>: predicted memory of one training step"),
+            left_sidebar=widgets.VBox([self.network, self.batch, self.dtype, self.optimizer, self.hardware,
+                                       self.policy, self.budget, self.budget_text, self.minimum_text, self.actions]),
+            center=widgets.VBox([self.memory_chart, self.timeline_chart, self.training.chart]),
+            footer=widgets.VBox([self.summary, self.status]),
+            pane_widths=["300px", 1, 0], pane_heights=["30px", 1, "80px"], height="auto")
+        self._request(_GRAPH, now=True)
+
+    # -- controls ----------------------------------------------------------------------------
+    def _build_controls(self, network: str, batch: int, dtype: str, optimizer: str, hardware: str,
+                        policy: str) -> None:
+        names = ([self.session.custom_name] if self.session.custom_name else []) + \
+            [name for name in zoo.names() if "<" not in name]  # families like resnet<depth> are typed in
+        wide = widgets.Layout(width="290px")
+        self.network = widgets.Combobox(value=network, options=names, description="network", ensure_option=False,
+                                        continuous_update=False, layout=wide)
+        self.batch = widgets.BoundedIntText(value=batch, min=1, max=1 << 20, description="batch", layout=wide)
+        self.dtype = widgets.Dropdown(options=list(zoo.DTYPES), value=dtype, description="dtype", layout=wide)
+        self.optimizer = widgets.Dropdown(options=list(zoo.OPTIMIZERS), value=optimizer, description="optimizer",
+                                          layout=wide)
+        self.hardware = widgets.Dropdown(options=self.session.hardware_names(), value=hardware,
+                                         description="hardware", layout=wide)
+        self.policy = widgets.Dropdown(options=list(POLICIES), value=policy, description="policy", layout=wide)
+        self.budget = widgets.FloatSlider(value=1.0, min=0.0, max=1.0, step=1.0, description="budget (MiB)",
+                                          readout=False, continuous_update=True, layout=wide)
+        self.budget_text = widgets.HTML()
+        self.minimum_text = widgets.HTML()
+        self.measure_button = widgets.Button(description="Measure", icon="play",
+                                             tooltip="run one real training step on this machine and overlay it")
+        self.training = TrainingPanel(self._show_status)
+        self.training.train_button.on_click(lambda _: self.train())
+        self.actions = widgets.VBox([widgets.HBox([self.measure_button, self.training.train_button,
+                                                   self.training.stop_button]),
+                                     self.training.steps, self.training.progress])
+        for control in (self.network, self.batch, self.dtype, self.optimizer, self.hardware):
+            control.observe(lambda _: self._request(_GRAPH), names="value")
+        self.policy.observe(lambda _: self._request(_POLICY), names="value")
+        self.budget.observe(self._on_budget, names="value")
+        self.measure_button.on_click(lambda _: self.measure())
+
+    def _on_budget(self, change) -> None:
+        self.budget_text.value = f"budget: <b>{format_bytes(change.new * _MiB)}</b>"
+        if not self._quiet:
+            self._request(_BUDGET)
+
+    def _request(self, level: int, now: bool = False) -> None:
+        if self._quiet:
+            return
+        self._dirty = max(self._dirty, level)
+        self._update() if now else self._debounce()
+
+    @property
+    def setting(self) -> Setting:
+        device = self.session.hardware(self.hardware.value).device_type
+        return Setting(str(self.network.value).strip(), int(self.batch.value), self.dtype.value,
+                       self.optimizer.value, device)
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(round(self.budget.value * _MiB))
+
+    # -- updates -----------------------------------------------------------------------------
+    def _update(self) -> None:
+        level, self._dirty = self._dirty, -1
+        try:
+            if level >= _GRAPH:
+                self._show_status("tracing the step …")
+                self._load_graph()
+            if level >= _POLICY:
+                self._show_status(f"finding the smallest budget {self.policy.value} meets …")
+                self._load_minimum()
+            self._show_status("")
+            self._show_plan()
+        except Exception as error:  # the app shows every error; the kernel never sees one
+            self._dirty = max(self._dirty, level if level >= _POLICY else -1)  # retried on the next change
+            self._show_status(error)
+
+    def _load_graph(self) -> None:
+        graph = self.session.graph(self.setting)
+        peak = graph.cuda_peak_bytes if graph.device == "cuda" else graph.peak_bytes
+        capacity = self.session.hardware(self.hardware.value).memory_bytes
+        high = peak * 1.1 / _MiB
+        with self._quietly():
+            self.budget.max = max(self.budget.max, high)
+            self.budget.min = 0.0
+            self.budget.max = high
+            self.budget.step = max(high / 1000, 0.01)
+            self.budget.value = min(peak, capacity) / _MiB
+        self.budget_text.value = f"budget: <b>{format_bytes(self.budget_bytes)}</b>"
+        if self._measured is not None and self._measured[0] != self.setting:
+            self._measured = None
+
+    def _load_minimum(self) -> None:
+        self._minimum = self.session.min_budget(self.setting, self.policy.value, self.hardware.value)
+        self.minimum_text.value = (f"minimum feasible ({html.escape(self.policy.value)}): "
+                                   f"<b>{format_bytes(self._minimum)}</b>")
+
+    def _show_plan(self) -> None:
+        setting, budget, hardware = self.setting, self.budget_bytes, self.hardware.value
+        feasible = self._minimum is None or budget >= self._minimum
+        self.budget.style.handle_color = "#2ca02c" if feasible else "#d62728"
+        try:
+            self.plan, sim = self.session.planned(setting, self.policy.value, budget, hardware)
+        except PlanInfeasible as error:
+            self.plan, sim = self.session.baseline(setting, budget, hardware)
+            self._show_status(error, note=" The chart shows every tensor kept.")
+        self.simulation = sim
+        graph = self.session.graph(setting)
+        measured, measured_graph = self._measured[1:] if self._measured else (None, None)
+        curve = frames.memory_curve(graph, sim, measured, measured_graph, points=self.points)
+        self.memory_chart.chart = charts.memory_curve(curve, budget, self._minimum, width=640, height=260,
+                                                      title=f"{graph.model_name}, batch {setting.batch}: {sim.policy}")
+        self._show_timeline()
+        self.summary.value = _summary(sim)
+
+    def _show_timeline(self) -> None:
+        parts = [frames.timeline(self.simulation)]
+        if self._events is not None:
+            parts.append(frames.timeline(self._events, source="measured"))
+        self.timeline_chart.chart = charts.timeline(pd.concat(parts, ignore_index=True), width=640)
+
+    def _show_status(self, message: str | Exception, note: str = "") -> None:
+        if isinstance(message, Exception):
+            text = (f"<span style='color:#d62728'><b>{type(message).__name__}</b>: "
+                    f"{html.escape(str(message) + note)}</span>")
+        else:
+            text = f"<i>{html.escape(message)}</i>" if message else ""
+        self.status.value = text
+
+    @contextmanager
+    def _quietly(self):
+        self._quiet, before = True, self._quiet
+        try:
+            yield
+        finally:
+            self._quiet = before
+
+    # -- actions -----------------------------------------------------------------------------
+    def measure(self, repeats: int = 1) -> None:
+        """Run one real step of the current setting on this machine and overlay it on the prediction."""
+        try:
+            self._show_status("measuring a real step on this machine …")
+            measured, graph = self.session.measure(self.setting, repeats=repeats)
+            self._measured = (self.setting, measured, graph)
+            self._show_status("")
+            self._show_plan()
+            self._show_status(f"measured on {measured.device_name}: peak {format_bytes(measured.peak_bytes)}, "
+                              f"step {format_seconds(measured.step_time_s or 0.0)}")
+        except Exception as error:
+            self._show_status(error)
+
+    def show_timeline(self, events: pd.DataFrame | None) -> None:
+        """Overlay measured stream events (frames.timeline's input: stream, kind, start_s, end_s, ...) on the
+        Gantt chart, beside the simulated lanes; None removes them."""
+        try:
+            if events is not None:
+                frames.timeline(events, source="measured")  # check it before keeping it
+            self._events = events
+            self._show_timeline()
+        except Exception as error:
+            self._show_status(error)
+
+    def train(self, steps: int | None = None, wait: bool = False) -> None:
+        """Train the current setting on this machine under the current policy and budget, in the background.
+
+        The model trained is kept in ``self.session.trainable(self.setting)`` (your own module
+        itself, when you passed one); Stop (or ``self.training.stop()``) ends the run after the
+        step in flight and leaves it usable. ``wait=True`` returns when the run ends.
+        """
+        try:
+            work = self.session.trainable(self.setting)
+            self._show_status("planning for this machine and starting …")
+            thread = self.training.start(work, self.policy.value, self.budget_bytes, steps or self.training.steps.value,
+                                         self.session.hardware(self.hardware.value))
+            if wait:
+                thread.join()
+        except Exception as error:
+            self._show_status(error)
+
+
+def _summary(sim: Simulation) -> str:
+    budget = format_bytes(sim.budget_bytes) if sim.budget_bytes is not None else "none"
+    fits = "<span style='color:#2ca02c'>fits</span>" if sim.fits else "<span style='color:#d62728'>does not fit</span>"
+    return (f"peak <b>{format_bytes(sim.peak_bytes)}</b> of budget {budget} ({fits}) · step "
+            f"<b>{format_seconds(sim.step_time_s)}</b>, stalled {format_seconds(sim.stall_time_s)} · copied "
+            f"{format_bytes(sim.d2h_bytes)} out, {format_bytes(sim.h2d_bytes)} back · "
+            f"policy {html.escape(sim.policy)}")

@@ -1,0 +1,128 @@
+"""What MemoryLab asks of the library, with the caches that keep its slider snappy.
+
+Tracing is cached per network setting, the minimum budget per graph, policy and hardware,
+and simulations per budget, all in the instance (no module-level state). Nothing here
+decides anything: it calls zoo, trace, plan, min_budget, simulate and measure.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from udnn_lab import zoo
+from udnn_lab.graph.step_graph import Graph
+from udnn_lab.hardware.profiles import Hardware
+from udnn_lab.measurement.measuring import Measurement, measure
+from udnn_lab.planning.budget import min_budget, plan
+from udnn_lab.graph.plan_ir import Plan
+from udnn_lab.simulation.simulator import Simulation, simulate
+from udnn_lab.analysis.tracing import trace
+from udnn_lab.workload import Workload
+from udnn_lab.zoo import DTYPES
+
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One training step as the app's controls describe it."""
+
+    network: str  # a zoo name, or the label of the module passed in
+    batch: int
+    dtype: str  # a key of DTYPES
+    optimizer: str  # one of OPTIMIZERS
+    device: str  # 'cuda' or 'cpu': the device whose memory is predicted (the hardware profile's)
+
+
+class _Cache(OrderedDict):
+    """A small least-recently-used map."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+
+    def get_or_make(self, key: Any, make: Callable[[], Any]) -> Any:
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        value = self[key] = make()
+        while len(self) > self.size:
+            self.popitem(last=False)
+        return value
+
+
+class LabSession:
+    """Graphs, minimum budgets and simulations for MemoryLab, computed once and kept."""
+
+    def __init__(self, model: nn.Module | None = None, input_shape: tuple[int, ...] | None = None,
+                 image_size: int | None = None, hardware: dict[str, Hardware] | None = None) -> None:
+        if model is not None and input_shape is None:
+            raise ValueError("for your own module, give input_shape: the shape of one example, e.g. (3, 224, 224)")
+        self.model, self.input_shape, self.image_size = model, input_shape, image_size
+        self.custom_name = f"{type(model).__name__} (yours)" if model is not None else None
+        self._hardware = dict(hardware or {})
+        self._graphs = _Cache(6)
+        self._trainable = _Cache(2)
+        self._minimums = _Cache(64)
+        self._simulations = _Cache(64)
+
+    def hardware_names(self) -> list[str]:
+        return list(self._hardware) + [n for n in Hardware.names() if n not in self._hardware]
+
+    def hardware(self, name: str) -> Hardware:
+        if name not in self._hardware:
+            self._hardware[name] = Hardware.load(name)
+        return self._hardware[name]
+
+    def workload(self, setting: Setting, device: str) -> Workload:
+        """The step on ``device`` ('meta' to trace without weights, 'cpu' to run it)."""
+        dtype = DTYPES[setting.dtype]
+        optimizer = None if setting.optimizer == "none" else setting.optimizer
+        if setting.network == self.custom_name:
+            if dtype != torch.float32:
+                raise ValueError(f"your module is traced as it is; convert it with .to({dtype}) yourself and pass "
+                                 "it again, or pick float32")
+            return zoo.get(self.model, batch=setting.batch, input_shape=self.input_shape, optimizer=optimizer)
+        return zoo.get(setting.network, batch=setting.batch, image_size=self.image_size, device=device,
+                       dtype=None if dtype == torch.float32 else dtype, optimizer=optimizer)
+
+    def graph(self, setting: Setting) -> Graph:
+        return self._graphs.get_or_make(setting, lambda: trace(self.workload(setting, "meta"), device=setting.device))
+
+    def min_budget(self, setting: Setting, policy: str, hardware: str) -> int:
+        key = (setting, policy, hardware)
+        return self._minimums.get_or_make(
+            key, lambda: min_budget(self.graph(setting), policy, hardware=self.hardware(hardware)))
+
+    def planned(self, setting: Setting, policy: str, budget_bytes: int | None,
+                hardware: str) -> tuple[Plan, Simulation]:
+        """The plan of ``policy`` under the budget and its simulation; raises PlanInfeasible when it cannot fit."""
+        def make() -> tuple[Plan, Simulation]:
+            graph, hw = self.graph(setting), self.hardware(hardware)
+            chosen = plan(graph, budget_bytes, policy, hardware=hw)
+            return chosen, simulate(graph, chosen, hardware=hw)
+        return self._simulations.get_or_make((setting, policy, budget_bytes, hardware), make)
+
+    def baseline(self, setting: Setting, budget_bytes: int | None, hardware: str) -> tuple[Plan, Simulation]:
+        """Every tensor kept, under the budget (it may not fit): what the app shows when no plan fits."""
+        def make() -> tuple[Plan, Simulation]:
+            graph, hw = self.graph(setting), self.hardware(hardware)
+            kept = Plan.keep_all(graph, budget_bytes)
+            return kept, simulate(graph, kept, hardware=hw)
+        return self._simulations.get_or_make((setting, "keep-all*", budget_bytes, hardware), make)
+
+    def trainable(self, setting: Setting) -> Workload:
+        """The model the app trains for this setting, on this machine (kept, so Train carries on from where it
+        stopped); your own module itself when you passed one."""
+        device = "cuda" if setting.device == "cuda" and torch.cuda.is_available() else "cpu"
+        return self._trainable.get_or_make((setting, device), lambda: self.workload(setting, device))
+
+    def measure(self, setting: Setting, repeats: int = 1) -> tuple[Measurement, Graph]:
+        """A real step on this machine's CPU (or where your module lives), and the traced graph of that step."""
+        work = self.workload(setting, "cpu")
+        measured = measure(work, repeats=repeats)
+        return measured, trace(work)
