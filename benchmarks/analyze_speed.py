@@ -148,8 +148,8 @@ def _machine() -> dict:
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"device": "cpu", "cpu": cpu, "cores": os.cpu_count(), "threads_used": 2, "python": platform.python_version(),
-            "torch": torch.__version__, "platform": platform.platform()}
+    return {"device": "cpu", "cpu": cpu, "cores": os.cpu_count(), "threads_used": 2,
+            "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()}
 
 
 def main() -> None:

@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import udnn_lab as ul  # noqa: E402
 from udnn_lab.analysis.step import compute_loss, split_input  # noqa: E402
+from udnn_lab.units import cuda_block_bytes  # noqa: E402
 
 CASES = (("resnet50", 64), ("transformer", 16))
 
@@ -84,7 +85,7 @@ def _resident_bytes(model, optimizer, work) -> int:
     state = [v for per_param in optimizer.state.values() for v in per_param.values() if isinstance(v, torch.Tensor)]
     tensors = [*model.parameters(), *model.buffers(), *state, work.example_input, work.target]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.is_cuda}
-    return sum(-(-n // 512) * 512 for n in storages.values())
+    return sum(cuda_block_bytes(n) for n in storages.values())
 
 
 def main() -> None:

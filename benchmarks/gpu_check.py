@@ -81,7 +81,8 @@ def _run(command: list[str], limit_s: int) -> dict:
 
 def _tests(out: Path) -> dict:
     report = out / "pytest-gpu.xml"
-    result = _run([sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-q", "-rfEs", "--continue-on-collection-errors",
+    result = _run([sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-q", "-rfEs",
+                   "--continue-on-collection-errors",
                    f"--junitxml={report}"], LIMIT_S["tests"])
     if report.exists():
         result["tests"] = [_case(case) for case in ET.parse(report).getroot().iter("testcase")]

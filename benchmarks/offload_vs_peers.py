@@ -31,12 +31,13 @@ import torch
 from torch import nn
 
 import udnn_lab as ul
+from udnn_lab.analysis.step import compute_loss, split_input
 from udnn_lab.devices import device_name
 from udnn_lab.planning import PlanInfeasible
 from udnn_lab.runtime import HostMemoryError
-from udnn_lab.runtime.pinned_pool import empty_pinned_cache
 from udnn_lab.runtime.live_bytes import LiveBytes
-from udnn_lab.analysis.step import compute_loss, split_input
+from udnn_lab.runtime.pinned_pool import empty_pinned_cache
+from udnn_lab.units import cuda_block_bytes
 
 GPU_CASES = [("resnet50", 256, {}), ("vgg16", 128, {}), ("densenet201", 128, {}), ("transformer", 64, {})]
 CPU_CASES = [("resnet18", 16, {"image_size": 64}), ("vgg11", 8, {"image_size": 64}), ("mlp5", 256, {}),
@@ -93,7 +94,7 @@ class Bench:
             return 0
         tensors = [*model.parameters(), *model.buffers(), *_state(optimizer), self.work.example_input, self.work.target]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.is_cuda}
-        return torch.cuda.memory_allocated(self.device) - sum(-(-n // 512) * 512 for n in storages.values())
+        return torch.cuda.memory_allocated(self.device) - sum(cuda_block_bytes(n) for n in storages.values())
 
     def _sync(self, reset: bool = False) -> None:
         if self.cuda:
@@ -361,10 +362,12 @@ def main() -> None:
     torch.set_num_threads(2)
     document = {"benchmark": "offload_vs_peers", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "machine": {"device": device.type, "device_name": device_name(device), "torch": torch.__version__,
-                            "python": platform.python_version()}, "quick": args.quick, **run(device, args.quick, args.models)}
+                            "python": platform.python_version()}, "quick": args.quick,
+                **run(device, args.quick, args.models)}
     _print(document)
     _print_batches(document["largest_batch"])
-    out = args.out or Path(__file__).resolve().parent.parent / "data" / "benchmarks" / f"offload_vs_peers-{device.type}.json"
+    out = args.out or Path(__file__).resolve().parent.parent / "data" / "benchmarks" \
+        / f"offload_vs_peers-{device.type}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(document, indent=1, default=str))
     print(f"wrote {out}")

@@ -92,13 +92,15 @@ def _print(rows: list[dict], pinning: list[dict], timing: dict) -> None:
         for fraction in FRACTIONS:
             cells = []
             for policy in POLICIES:
-                row = next(r for r in rows if r["model"] == name and r["fraction"] == fraction and r["policy"] == policy)
+                row = next(r for r in rows
+                           if r["model"] == name and r["fraction"] == fraction and r["policy"] == policy)
                 cells.append(f"{row['relative_step_time']:9.2f}x" if row["fits"] else f"{'-':>10s}")
             print(f"{name:12s} {fraction:6.0%} " + " ".join(cells))
     print("(step time relative to keep-all without a budget; '-': does not fit)")
     print(f"\n{'model':12s} {'budget':>6s} {'dp kept':>10s} {'greedy':>10s} {'dp more':>8s}")
     for p in pinning:
-        print(f"{p['model']:12s} {p['fraction']:6.0%} {p['dp_kept_bytes'] / 2**20:9.0f}M {p['greedy_kept_bytes'] / 2**20:9.0f}M "
+        print(f"{p['model']:12s} {p['fraction']:6.0%} {p['dp_kept_bytes'] / 2**20:9.0f}M "
+              f"{p['greedy_kept_bytes'] / 2**20:9.0f}M "
               f"{p['dp_keeps_more']:+8.1%}")
     print(f"\nauto on resnet1001 ({timing['ops']} ops): " + ", ".join(f"{k}: {v:.2f}s" for k, v in
                                                              timing["auto_plan_seconds"].items()) + " (target < 2 s)")

@@ -10,8 +10,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_offload_vs_peers_runs_on_cpu(tmp_path):
     out = tmp_path / "offload_vs_peers.json"
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offload_vs_peers.py"), "--quick", "--device", "cpu",
-                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offload_vs_peers.py"), "--quick",
+                           "--device", "cpu", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     document = json.loads(out.read_text())
     methods = {row["method"] for row in document["rows"]}

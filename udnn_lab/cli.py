@@ -12,12 +12,12 @@ from pathlib import Path
 import torch
 
 from udnn_lab import zoo
-from udnn_lab.errors import UdnnLabError
-from udnn_lab.units import format_bytes
 from udnn_lab.analysis.tracing import trace
+from udnn_lab.errors import UdnnLabError
 from udnn_lab.measurement.measuring import measure
 from udnn_lab.report.writing import ReportRequest, write_report
-
+from udnn_lab.units import format_bytes
+from udnn_lab.vocabulary import PHASES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,7 +131,7 @@ def _import_factory(spec: str) -> torch.nn.Module:
 
 
 def _print_summary(graph, elapsed: float) -> None:
-    counts = {phase: sum(op.phase == phase for op in graph.ops) for phase in ("forward", "backward", "optimizer")}
+    counts = {phase: sum(op.phase == phase for op in graph.ops) for phase in PHASES}
     print(f"{graph.model_name}: {len(graph.ops)} ops (forward {counts['forward']}, backward {counts['backward']}, "
           f"optimizer {counts['optimizer']}), {len(graph.tensors)} tensors, traced in {elapsed:.2f} s")
     for note in graph.notes:

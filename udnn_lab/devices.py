@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+from itertools import chain
 
 import torch
 
@@ -32,3 +33,17 @@ def device_name(device: str | torch.device | None = None) -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device a model runs on: its first parameter's or buffer's (CPU for a model with neither).
+
+    Raises ValueError for a model on the meta device: it has no data to run with.
+    """
+    first = next(chain(model.parameters(), model.buffers()), None)
+    if first is None:
+        return torch.device("cpu")
+    if first.device.type == "meta":
+        raise ValueError("the model has meta parameters (no data), so it cannot run for real: build it on a "
+                         "device, e.g. ul.zoo.get(name, batch=..., device='cpu')")
+    return first.device

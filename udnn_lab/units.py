@@ -91,12 +91,15 @@ def format_seconds(seconds: float, digits: int = 3) -> str:
     raise AssertionError("unreachable")
 
 
+CUDA_BLOCK_BYTES = 512  # the caching allocator's kMinBlockSize: every request is a multiple of it
+
+
 def cuda_block_bytes(nbytes: int) -> int:
     """Bytes the CUDA caching allocator hands out for a request of ``nbytes``.
 
     Requests are rounded up to a multiple of 512 bytes (the smallest block is
-    512); an empty request takes no block at all.
+    512); an empty request takes no block at all. The one place this rounding lives.
     """
     if nbytes <= 0:
         return 0
-    return ((nbytes + 511) // 512) * 512
+    return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES

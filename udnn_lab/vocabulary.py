@@ -1,7 +1,16 @@
-"""The words every stage shares: phases of a step, memory categories, pseudo-module scopes."""
+"""The words every stage shares, each fixed set in one place: a Literal type and the tuple of its values.
 
-PHASES = ("forward", "backward", "optimizer")
-CATEGORIES = (
+Annotate with the Literal (``phase: Phase``) and iterate or check with the tuple (``PHASES``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+Phase = Literal["forward", "backward", "optimizer"]
+PHASES: tuple[Phase, ...] = get_args(Phase)
+
+Category = Literal[
     "parameter",
     "buffer",
     "input",
@@ -10,11 +19,32 @@ CATEGORIES = (
     "parameter_gradient",
     "optimizer_state",
     "temporary",  # everything else: forward scratch, the loss, optimizer scratch
-)
+]
+CATEGORIES: tuple[Category, ...] = get_args(Category)
+
+# pseudo-module scopes of ops that belong to no module of the model
 LOSS_SCOPE = "<loss>"
 OPTIMIZER_SCOPE = "<optimizer>"
 AUTOGRAD_SCOPE = "<autograd>"
-DIRECTIONS = ("h2d", "d2h")  # host-to-device and device-to-host copies
+
+Action = Literal["keep", "offload", "recompute"]  # what a plan does with a saved tensor
+ACTIONS: tuple[Action, ...] = get_args(Action)
+
+Policy = Literal["keep-all", "vdnn-all", "vdnn-conv", "vdnn-dyn", "vdnn++", "pin-greedy", "pin-dp", "recompute",
+                 "auto"]
+POLICY_NAMES: tuple[Policy, ...] = get_args(Policy)
+
+Stream = Literal["compute", "d2h", "h2d"]  # the simulated streams, and the lanes of the stream chart
+STREAMS: tuple[Stream, ...] = get_args(Stream)
+
+Stall = Literal["stall_memory", "stall_prefetch", "stall_sync"]  # compute waiting: for memory, a prefetch, a copy
+STALLS: tuple[Stall, ...] = get_args(Stall)
+TimelineKind = Literal["op", "recompute", "offload", "prefetch", "prefetch_cancelled", "stall_memory",
+                       "stall_prefetch", "stall_sync"]
+TIMELINE_KINDS: tuple[TimelineKind, ...] = get_args(TimelineKind)
+
+Direction = Literal["h2d", "d2h"]  # host-to-device and device-to-host copies
+DIRECTIONS: tuple[Direction, ...] = get_args(Direction)
 
 
 def memory_kind(pinned: bool) -> str:

@@ -9,8 +9,9 @@ Build on ``device='meta'`` to analyze without allocating the weights.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

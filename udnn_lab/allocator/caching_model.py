@@ -34,10 +34,10 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from dataclasses import dataclass
 
-from udnn_lab.errors import AllocatorModelError, AllocatorOutOfMemory, UdnnLabError
-from udnn_lab.units import format_bytes
+from udnn_lab.errors import AllocatorModelError, AllocatorOutOfMemory
+from udnn_lab.units import CUDA_BLOCK_BYTES, cuda_block_bytes, format_bytes
 
-MIN_BLOCK_BYTES = 512  # kMinBlockSize
+MIN_BLOCK_BYTES = CUDA_BLOCK_BYTES  # kMinBlockSize
 SMALL_REQUEST_BYTES = 1 << 20  # kSmallSize: the largest small-pool request
 SMALL_SEGMENT_BYTES = 2 << 20  # kSmallBuffer
 LARGE_SEGMENT_BYTES = 20 << 20  # kLargeBuffer
@@ -48,9 +48,7 @@ FITS = ("best", "first", "worst")
 
 def round_request(nbytes: int) -> int:
     """Block bytes for a request: a multiple of 512, at least 512 (0 for an empty request)."""
-    if nbytes <= 0:
-        return 0
-    return max(MIN_BLOCK_BYTES, -(-nbytes // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES)
+    return cuda_block_bytes(nbytes)
 
 
 def pool_kind(block_bytes: int) -> str:

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Iterable
 
-from udnn_lab.graph.step_graph import Graph
 from udnn_lab.graph.plan_ir import Plan
+from udnn_lab.graph.step_graph import Graph
 
 LIFETIMES = ("persistent", "forward-to-backward", "temporary")
 

@@ -18,19 +18,35 @@ What the numbers mean (bytes):
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 import numpy as np
 import pandas as pd
 
-from udnn_lab.allocator.events import (LIFETIMES, AllocEvent, address_name, classify_lifetimes,
-                                       events_from_graph, events_from_memory_trace, events_from_simulation)
-from udnn_lab.allocator.caching_model import (FITS, LARGE_ROUNDING_BYTES, AllocatorModelError, AllocatorOutOfMemory,
-                                      CachingAllocatorModel, Placement, pool_kind, round_request, segment_bytes)
+from udnn_lab.allocator.caching_model import (
+    FITS,
+    LARGE_ROUNDING_BYTES,
+    AllocatorModelError,
+    AllocatorOutOfMemory,
+    CachingAllocatorModel,
+    Placement,
+    pool_kind,
+    round_request,
+    segment_bytes,
+)
+from udnn_lab.allocator.events import (
+    LIFETIMES,
+    AllocEvent,
+    address_name,
+    classify_lifetimes,
+    events_from_graph,
+    events_from_memory_trace,
+    events_from_simulation,
+)
 from udnn_lab.allocator.offline import ARENA_ORDERS, ArenaLayout, lay_out
-from udnn_lab.units import format_bytes
 from udnn_lab.simulation.simulator import simulate
+from udnn_lab.units import format_bytes
 
 __all__ = [
     "ARENA_ORDERS", "CURVE_COLUMNS", "FITS", "HEURISTICS", "LIFETIMES", "AllocEvent", "AllocatorModelError",

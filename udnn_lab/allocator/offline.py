@@ -11,13 +11,13 @@ is one cudaMalloc, rounded up to 2 MiB like a large segment.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
-from udnn_lab.allocator.events import AllocEvent
 from udnn_lab.allocator.caching_model import LARGE_ROUNDING_BYTES, AllocatorModelError, round_request
+from udnn_lab.allocator.events import AllocEvent
 
 ARENA_ORDERS = ("step", "long-lived-first", "largest-first")
 

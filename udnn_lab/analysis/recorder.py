@@ -17,10 +17,10 @@ NOTE [storage lifetimes]
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import lru_cache, partial
-from typing import Callable
+from functools import cache, partial
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -39,7 +39,7 @@ _SKIPPED_OPS = ("aten.detach.default",)
 _SKIP, _RECORD = "skip", "record"
 
 
-@lru_cache(maxsize=None)
+@cache
 def records_op(func) -> bool:
     """Whether ops of this kind are recorded: every tool that aligns to a Graph skips the same ones."""
     return func.namespace not in _SKIPPED_NAMESPACES and str(func) not in _SKIPPED_OPS

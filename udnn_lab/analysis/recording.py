@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from udnn_lab.vocabulary import LOSS_SCOPE
-from udnn_lab.errors import ModelInputError
 from udnn_lab.analysis.fake.tensors import FAKE_LIMITS
-from udnn_lab.graph.step_graph import Graph, ModuleCall, OpInfo, TensorInfo
 from udnn_lab.analysis.recorder import StepRecorder, StorageRecord
 from udnn_lab.analysis.step import input_tensors, run_step
+from udnn_lab.errors import ModelInputError
+from udnn_lab.graph.step_graph import Graph, ModuleCall, OpInfo, TensorInfo
+from udnn_lab.vocabulary import LOSS_SCOPE
 
 
 def record_step(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwargs: dict, target: Any,
@@ -139,7 +140,8 @@ def _freeze(recorder: StepRecorder, model_name: str, device: str, fake: bool, no
             forward_uses.append(record.producer)
         tensors.append(TensorInfo(
             id=record.sid, name=name, nbytes=record.nbytes, dtype=record.dtype, shape=record.shape,
-            device=device if cpu_stands_for_device and record.fake else record.device, category=_category(record, phases),
+            device=device if cpu_stands_for_device and record.fake else record.device,
+            category=_category(record, phases),
             producer=record.producer, consumers=tuple(record.consumers), saved=bool(record.saved_nodes),
             saved_by=tuple(saved_by), alloc_step=record.alloc_step, free_step=record.free_step,
             module=ops[record.producer].module if record.producer is not None else "",

@@ -6,8 +6,9 @@ called at each boundary so a recorder can label the ops that follow.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map

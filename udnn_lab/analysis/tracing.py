@@ -10,20 +10,21 @@ ops need real values), restoring the model and optimizer afterwards.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import contextmanager
 from itertools import chain
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
-from udnn_lab.errors import FakeTensorUnsupported
 from udnn_lab.analysis.fake.tensors import FAKE_LIMITS, fake_inputs, fake_optimizer, fake_state
-from udnn_lab.graph.step_graph import Graph
 from udnn_lab.analysis.recorder import StepRecorder
 from udnn_lab.analysis.recording import graph_from_recording, record_step
 from udnn_lab.analysis.step import ensure_optimizer_state, input_tensors, map_tensors, preserved, split_input
+from udnn_lab.errors import FakeTensorUnsupported
+from udnn_lab.graph.step_graph import Graph
 from udnn_lab.workload import Workload, as_workload
 
 CPU_FOR_CUDA_NOTE = ("no CUDA device here: traced with CPU kernels; sizes are those of the CUDA step, "

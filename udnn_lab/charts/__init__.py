@@ -3,8 +3,19 @@
 May import: frames' column names and the vocabulary; never a Graph, Plan or Simulation."""
 
 from udnn_lab.charts.memory import (  # noqa: F401
-    bandwidth, batch_sweep, budget_sweep, enable_offline, layer_bars, memory_by_category, memory_curve,
-    policy_savings, predicted_vs_measured, save, step_times, timeline, training,
+    bandwidth,
+    batch_sweep,
+    budget_sweep,
+    enable_offline,
+    layer_bars,
+    memory_by_category,
+    memory_curve,
+    policy_savings,
+    predicted_vs_measured,
+    save,
+    step_times,
+    timeline,
+    training,
 )
 
 __all__ = [

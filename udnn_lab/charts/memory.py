@@ -10,10 +10,10 @@ from __future__ import annotations
 import altair as alt
 import pandas as pd
 
-from udnn_lab.vocabulary import CATEGORIES, PHASES
 from udnn_lab.charts.base import PHASE_COLORS, byte_unit, category_scale, check_columns, enable_offline, rules, save
 from udnn_lab.charts.streams import timeline, training
 from udnn_lab.charts.sweeps import bandwidth, batch_sweep, budget_sweep, layer_bars, policy_savings, step_times
+from udnn_lab.vocabulary import CATEGORIES, PHASES
 
 __all__ = [
     "bandwidth", "batch_sweep", "budget_sweep", "enable_offline", "layer_bars", "memory_by_category", "memory_curve",

@@ -14,15 +14,15 @@ import math
 import statistics
 import warnings
 from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping
 
 import numpy as np
 
+from udnn_lab.cost.profiling import Profile
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware.profiles import DATA_DIR, Hardware, HardwareMismatchWarning
-from udnn_lab.cost.profiling import Profile
 
 RATES_DIR = DATA_DIR / "rates"
 CUDA_LAUNCH_S = 5e-6  # an eager kernel launch: what a tiny op costs on a GPU when nothing is measured

@@ -12,22 +12,22 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from itertools import chain
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from udnn_lab.devices import device_name
-from udnn_lab.errors import TraceMismatch
-from udnn_lab.graph.step_graph import Graph
 from udnn_lab.analysis.recorder import StepRecorder, records_op
 from udnn_lab.analysis.recording import graph_from_recording, record_step
 from udnn_lab.analysis.step import ensure_optimizer_state, map_tensors, preserved, run_step, split_input
+from udnn_lab.devices import device_name, model_device
+from udnn_lab.errors import TraceMismatch
+from udnn_lab.graph.step_graph import Graph
 from udnn_lab.units import format_seconds
 from udnn_lab.workload import Workload, as_workload
 
@@ -141,7 +141,7 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     work = _on_device(as_workload(model, example_input, loss_fn=loss_fn, optimizer=optimizer, target=target,
                                   name=name), device)
-    where = _device_of(work.model)
+    where = model_device(work.model)
     args, kwargs = split_input(map_tensors(lambda t: t.to(where), work.example_input))
     target = map_tensors(lambda t: t.to(where), work.target)
     step = dict(loss_fn=work.loss_fn, target=target, optimizer=work.optimizer)
@@ -186,17 +186,10 @@ def _plain_step(model, args, kwargs, step: dict, where: torch.device) -> float:
     return time.perf_counter() - begin
 
 
-def _device_of(model: torch.nn.Module) -> torch.device:
-    first = next(chain(model.parameters(), model.buffers()), None)
-    if first is not None and first.device.type == "meta":
-        raise ValueError("the model has meta parameters (no data), so it cannot run: build it on a device, "
-                         "e.g. ul.zoo.get(name, batch=..., device='cpu')")
-    return first.device if first is not None else torch.device("cpu")
-
 
 def _on_device(work: Workload, device: str | None) -> Workload:
     """The workload itself, or a copy of model and optimizer on ``device``."""
-    if device is None or torch.device(device).type == _device_of(work.model).type:
+    if device is None or torch.device(device).type == model_device(work.model).type:
         return work
     model = copy.deepcopy(work.model).to(device)
     optimizer = None

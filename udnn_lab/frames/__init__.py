@@ -3,9 +3,22 @@
 May import: the stages' result types (Graph, Simulation, Measurement, Profile, Hardware)."""
 
 from udnn_lab.frames.memory import (  # noqa: F401
-    DEFAULT_POINTS, LANES, STALL_KINDS, TIMELINE_FRAME_COLUMNS, TRAINING_COLUMNS, bandwidth, budget_sweep,
-    downsample, layers, memory_by_category, memory_curve, predicted_vs_measured, savings, simulations,
-    timeline, training,
+    DEFAULT_POINTS,
+    LANES,
+    STALL_KINDS,
+    TIMELINE_FRAME_COLUMNS,
+    TRAINING_COLUMNS,
+    bandwidth,
+    budget_sweep,
+    downsample,
+    layers,
+    memory_by_category,
+    memory_curve,
+    predicted_vs_measured,
+    savings,
+    simulations,
+    timeline,
+    training,
 )
 
 __all__ = [

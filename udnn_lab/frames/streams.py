@@ -14,9 +14,10 @@ import numpy as np
 import pandas as pd
 
 from udnn_lab.simulation.simulator import Simulation
+from udnn_lab.vocabulary import STALLS, STREAMS
 
-LANES = ("compute", "d2h", "h2d")
-STALL_KINDS = ("stall_memory", "stall_prefetch", "stall_sync")
+LANES = STREAMS
+STALL_KINDS = STALLS
 TIMELINE_FRAME_COLUMNS = ["source", "lane", "kind", "stall", "start_s", "end_s", "op", "last_op", "count", "name",
                           "module", "tensor", "nbytes"]
 DEFAULT_MAX_ROWS = 3000

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import pandas as pd
@@ -10,6 +10,7 @@ import pandas as pd
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware.profiles import Hardware
 from udnn_lab.simulation.simulator import Simulation
+from udnn_lab.vocabulary import DIRECTIONS
 
 MODEL_SIZES = tuple(4096 << i for i in range(19))  # 4 KiB .. 1 GiB, as Hardware.measure sweeps a GPU
 _LINK_OF = {"h2d": "h2d", "d2h": "d2h", "memcpy": "h2d"}  # the profile figure each copy follows (CPU: memcpy)
@@ -76,7 +77,7 @@ def bandwidth(sweep: pd.DataFrame | None = None,
 def _modelled(hw: Hardware, sweep: pd.DataFrame | None) -> pd.DataFrame:
     """The profile's copy time at the sweep's sizes: memcpy for a CPU, each link and memory kind for a GPU."""
     sizes = sorted(set(sweep["nbytes"])) if sweep is not None and len(sweep) else list(MODEL_SIZES)
-    links = [("memcpy", False)] if hw.device_type == "cpu" else [(d, p) for d in ("h2d", "d2h") for p in (True, False)]
+    links = [("memcpy", False)] if hw.device_type == "cpu" else [(d, p) for d in DIRECTIONS for p in (True, False)]
     cases = pd.DataFrame([(d, p, int(n)) for d, p in links for n in sizes], columns=["direction", "pinned", "nbytes"])
     seconds = [hw.transfer_time_s(n, _LINK_OF[d], p) for d, p, n in cases.itertuples(index=False)]
     return cases.assign(seconds=seconds, source=hw.name)

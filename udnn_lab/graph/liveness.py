@@ -9,14 +9,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from udnn_lab.vocabulary import CATEGORIES as CATEGORY_ORDER
+from udnn_lab.graph.memo import per_graph
 from udnn_lab.units import cuda_block_bytes
+from udnn_lab.vocabulary import CATEGORIES as CATEGORY_ORDER
 
 if TYPE_CHECKING:
     from udnn_lab.graph.step_graph import Graph
 
 @dataclass(frozen=True)
-class LiveBytes:
+class LiveCurve:
     """Live bytes per op and category (rows: ops, columns: CATEGORY_ORDER)."""
 
     per_category: np.ndarray  # int64 [n_ops, n_categories], exact bytes
@@ -50,37 +51,73 @@ class LiveBytes:
         return int(total.argmax())
 
 
-def live_bytes(graph: Graph) -> LiveBytes:
+@dataclass(frozen=True)
+class OpTable:
+    """Per op, the device bytes it allocates and releases: the one table the analyzer's curve and the
+    simulator share. Exact bytes per category, and 512-byte CUDA blocks in total."""
+
+    on_device: tuple[bool, ...]  # per tensor: counts toward the graph's device memory
+    exact: tuple[int, ...]  # per tensor: bytes
+    block: tuple[int, ...]  # per tensor: bytes in CUDA blocks
+    category: tuple[int, ...]  # per tensor: index into CATEGORY_ORDER
+    alloc: np.ndarray  # int64 [ops, categories]: bytes each op allocates
+    release: np.ndarray  # int64 [ops, categories]: bytes released right after each op
+    alloc_block: np.ndarray  # int64 [ops]
+    release_block: np.ndarray  # int64 [ops]
+    baseline: np.ndarray  # int64 [categories]: live before the first op
+    baseline_block: int
+    gone_at_start: np.ndarray  # int64 [categories]: of the baseline, released before the first op runs
+    gone_at_start_block: int
+
+
+@per_graph
+def op_table(graph: Graph) -> OpTable:
     n_ops, n_cat = len(graph.ops), len(CATEGORY_ORDER)
     column = {c: i for i, c in enumerate(CATEGORY_ORDER)}
-    delta = np.zeros((n_ops + 1, n_cat), dtype=np.int64)
-    cuda_delta = np.zeros(n_ops + 1, dtype=np.int64)
-    base = np.zeros(n_cat, dtype=np.int64)
-    base_cuda = 0
-    allocated = np.zeros(n_ops + 1, dtype=np.int64)
-    released = np.zeros(n_ops + 1, dtype=np.int64)
+    on_device = tuple(graph.on_device(t) for t in graph.tensors)
+    exact = tuple(t.nbytes for t in graph.tensors)
+    block = tuple(cuda_block_bytes(n) for n in exact)
+    category = tuple(column[t.category] for t in graph.tensors)
+    alloc, release = np.zeros((n_ops, n_cat), np.int64), np.zeros((n_ops, n_cat), np.int64)
+    alloc_block, release_block = np.zeros(n_ops, np.int64), np.zeros(n_ops, np.int64)
+    baseline, gone_at_start = np.zeros(n_cat, np.int64), np.zeros(n_cat, np.int64)
+    baseline_block = gone_at_start_block = 0
     for t in graph.tensors:
-        if not graph.on_device(t):
+        if not on_device[t.id]:
             continue
-        c, block = column[t.category], cuda_block_bytes(t.nbytes)
+        c = category[t.id]
         if t.alloc_step < 0:
-            base[c] += t.nbytes
-            base_cuda += block
+            baseline[c] += t.nbytes
+            baseline_block += block[t.id]
         else:
-            delta[t.alloc_step, c] += t.nbytes
-            cuda_delta[t.alloc_step] += block
-            allocated[t.alloc_step] += t.nbytes
-        if t.free_step is not None:
-            delta[t.free_step + 1, c] -= t.nbytes
-            cuda_delta[t.free_step + 1] -= block
-            if t.free_step >= 0:
-                released[t.free_step] += t.nbytes
-    per_category = base + np.cumsum(delta[:n_ops], axis=0)
-    cuda_total = base_cuda + np.cumsum(cuda_delta[:n_ops])
-    return LiveBytes(per_category, cuda_total, allocated[:n_ops], released[:n_ops], base, base_cuda)
+            alloc[t.alloc_step, c] += t.nbytes
+            alloc_block[t.alloc_step] += block[t.id]
+        if t.free_step == -1:
+            gone_at_start[c] += t.nbytes
+            gone_at_start_block += block[t.id]
+        elif t.free_step is not None:
+            release[t.free_step, c] += t.nbytes
+            release_block[t.free_step] += block[t.id]
+    return OpTable(on_device, exact, block, category, alloc, release, alloc_block, release_block, baseline,
+                   baseline_block, gone_at_start, gone_at_start_block)
 
 
-def memory_curve(graph: Graph, live: LiveBytes) -> pd.DataFrame:
+def live_bytes(graph: Graph) -> LiveCurve:
+    table = op_table(graph)
+    delta = table.alloc.copy()
+    cuda_delta = table.alloc_block.copy()
+    if len(delta):
+        delta[0] -= table.gone_at_start
+        delta[1:] -= table.release[:-1]
+        cuda_delta[0] -= table.gone_at_start_block
+        cuda_delta[1:] -= table.release_block[:-1]
+    per_category = table.baseline + np.cumsum(delta, axis=0)
+    cuda_total = table.baseline_block + np.cumsum(cuda_delta)
+    return LiveCurve(per_category, cuda_total, table.alloc.sum(axis=1), table.release.sum(axis=1), table.baseline,
+                     table.baseline_block)
+
+
+def memory_curve(graph: Graph, live: LiveCurve) -> pd.DataFrame:
     frame = pd.DataFrame(
         {
             "index": np.arange(len(graph.ops)),
@@ -101,7 +138,7 @@ def memory_curve(graph: Graph, live: LiveBytes) -> pd.DataFrame:
     return frame
 
 
-def breakdown(graph: Graph, live: LiveBytes) -> pd.DataFrame:
+def breakdown(graph: Graph, live: LiveCurve) -> pd.DataFrame:
     step = live.peak_step
     at_peak = live.baseline_per_category if step < 0 else live.per_category[step]
     most = np.maximum(live.per_category.max(axis=0, initial=0), live.baseline_per_category)

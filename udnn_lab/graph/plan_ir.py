@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
-from udnn_lab.errors import PlanError, UdnnLabError
+from udnn_lab.errors import PlanError
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.units import format_bytes
 

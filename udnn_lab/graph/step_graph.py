@@ -20,8 +20,9 @@ from functools import cached_property
 import pandas as pd
 
 from udnn_lab.graph import liveness
-from udnn_lab.vocabulary import PHASES
 from udnn_lab.units import cuda_block_bytes, format_bytes
+from udnn_lab.vocabulary import PHASES, Category, Phase
+
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -33,7 +34,7 @@ class TensorInfo:
     dtype: str
     shape: tuple[int, ...]  # shape of the first tensor seen on this storage
     device: str  # 'cpu' or 'cuda'
-    category: str  # one of CATEGORIES
+    category: Category
     producer: int | None  # op that allocated it; None if it existed before the step
     consumers: tuple[int, ...]  # ops that read it, in execution order
     saved: bool  # autograd saved it (or a view of it) for backward
@@ -69,7 +70,7 @@ class OpInfo:
     """One aten op of the step."""
 
     index: int
-    phase: str  # 'forward', 'backward' or 'optimizer'
+    phase: Phase
     module: str  # innermost module path; backward ops get their forward op's module
     name: str  # e.g. 'aten.convolution.default'
     inputs: tuple[int, ...]  # tensor ids read

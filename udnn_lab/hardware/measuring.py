@@ -12,17 +12,18 @@ import platform
 import re
 import statistics
 import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import pandas as pd
 import torch
+from tqdm.auto import tqdm
 
 from udnn_lab.devices import as_device, device_name
 from udnn_lab.errors import HardwareProfileError
-from udnn_lab.vocabulary import DIRECTIONS, memory_kind
 from udnn_lab.units import format_bytes, parse_bytes
-from tqdm.auto import tqdm
+from udnn_lab.vocabulary import DIRECTIONS, memory_kind
 
 SWEEP_COLUMNS = ("device", "direction", "pinned", "nbytes", "seconds", "seconds_min", "repeats", "bytes_per_s")
 CUDA_SWEEP_SIZES = tuple(4096 << i for i in range(19))  # 4 KiB .. 1 GiB

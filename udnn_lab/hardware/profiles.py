@@ -20,16 +20,17 @@ import math
 import os
 import re
 import warnings
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import pandas as pd
 import torch
 
-from udnn_lab.errors import HardwareMismatchWarning, HardwareProfileError, UdnnLabError, UnknownHardwareError
 from udnn_lab.devices import as_device, device_name
+from udnn_lab.errors import HardwareMismatchWarning, HardwareProfileError, UnknownHardwareError
 from udnn_lab.hardware.measuring import measure_hardware
 from udnn_lab.units import parse_bytes
 from udnn_lab.vocabulary import DIRECTIONS, memory_kind

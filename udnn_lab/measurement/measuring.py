@@ -11,25 +11,25 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from itertools import chain
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
 
-from udnn_lab.measurement import nvml
-from udnn_lab.devices import device_name
-from udnn_lab.errors import TraceMismatch
-from udnn_lab.graph.step_graph import Graph
 from udnn_lab.analysis.recorder import StepRecorder
 from udnn_lab.analysis.recording import graph_from_recording, record_step
 from udnn_lab.analysis.step import ensure_optimizer_state, map_tensors, preserved, run_step, split_input
+from udnn_lab.devices import device_name, model_device
+from udnn_lab.errors import TraceMismatch
+from udnn_lab.graph.step_graph import Graph
+from udnn_lab.measurement import nvml
+from udnn_lab.runtime.offload import OffloadRuntime
 from udnn_lab.units import format_bytes
 from udnn_lab.workload import Workload, as_workload
-from udnn_lab.runtime.offload import OffloadRuntime
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ def measure(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
     state are restored afterwards.
     """
     work = as_workload(model, example_input, loss_fn=loss_fn, optimizer=optimizer, target=target, name=name)
-    device = _model_device(work.model)
+    device = model_device(work.model)
     args, kwargs = split_input(map_tensors(lambda t: t.to(device), work.example_input))
     target = map_tensors(lambda t: t.to(device), work.target)
     step = dict(loss_fn=work.loss_fn, target=target, optimizer=work.optimizer)
@@ -192,15 +192,6 @@ def measure(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         cuda=counters.freeze() if counters else None, nvml_before=before, nvml_after=after, recorded=real,
     )
 
-
-def _model_device(model: torch.nn.Module) -> torch.device:
-    first = next(chain(model.parameters(), model.buffers()), None)
-    if first is None:
-        return torch.device("cpu")
-    if first.device.type == "meta":
-        raise ValueError("the model has meta parameters (no data), so it cannot run for real: build it on a "
-                         "device, e.g. ul.zoo.get(name, batch=..., device='cpu')")
-    return first.device
 
 
 def _timed(fn: Callable[[], Any], device: torch.device) -> float:

@@ -15,12 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from udnn_lab.cost.model import CostModel
+from udnn_lab.graph.plan_ir import Offload, Plan, Recompute
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.planning.candidates import Candidate, candidates, first_backward_op, prefetch_point, writers
 from udnn_lab.planning.estimate import CurveEstimate
-from udnn_lab.graph.plan_ir import Offload, Plan, Recompute
-from udnn_lab.planning.vdnn import MARGINS, SIZE_FLOOR, pinned_pool_bytes
 from udnn_lab.planning.registry import POLICIES, policy
+from udnn_lab.planning.vdnn import MARGINS, SIZE_FLOOR, pinned_pool_bytes
 from udnn_lab.simulation.simulator import simulate_with
 
 LOOKAHEAD = 2
@@ -112,7 +112,8 @@ def _choose(graph: Graph, options: list[_Option], target: float, hideable: tuple
     estimate = CurveEstimate(graph)
     recomputes = sorted((o for o in options if o.action == "recompute"),
                         key=lambda o: (o.cost_s / estimate.size(o.candidate), o.candidate.tensor))
-    offloads = sorted((o for o in options if o.action == "offload"), key=lambda o: (-o.candidate.nbytes, o.candidate.tensor))
+    offloads = sorted((o for o in options if o.action == "offload"),
+                      key=lambda o: (-o.candidate.nbytes, o.candidate.tensor))
     chosen: dict[int, _Option] = {}
     pinned: set[int] = set()  # sources of chosen recomputes: they must stay
     d2h_left, h2d_left = hideable

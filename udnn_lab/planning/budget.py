@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
-from typing import Iterable
 
 import pandas as pd
 
 from udnn_lab.cost.model import CostModel, RateCurve
-from udnn_lab.errors import PlanInfeasible, UdnnLabError
+from udnn_lab.cost.profiling import Profile
+from udnn_lab.errors import PlanInfeasible
+from udnn_lab.graph.plan_ir import Plan
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware.profiles import Hardware
 from udnn_lab.planning.candidates import candidates
 from udnn_lab.planning.estimate import CurveEstimate
-from udnn_lab.graph.plan_ir import Plan
 from udnn_lab.planning.registry import POLICIES
-from udnn_lab.cost.profiling import Profile
 from udnn_lab.simulation.simulator import cost_model, simulate_with
 from udnn_lab.units import format_bytes, parse_bytes
 

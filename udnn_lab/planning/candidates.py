@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from functools import lru_cache
 
+from udnn_lab.graph.memo import per_graph
 from udnn_lab.graph.step_graph import Graph
 
 
@@ -29,7 +29,7 @@ def candidates(graph: Graph, size_floor: int = 0) -> list[Candidate]:
     return [c for c in _all_candidates(graph) if c.nbytes >= size_floor]
 
 
-@lru_cache(maxsize=16)
+@per_graph
 def _all_candidates(graph: Graph) -> tuple[Candidate, ...]:
     found = []
     for t in graph.tensors:
@@ -43,7 +43,7 @@ def _all_candidates(graph: Graph) -> tuple[Candidate, ...]:
     return tuple(sorted(found, key=lambda c: (c.producer, c.tensor)))
 
 
-@lru_cache(maxsize=16)
+@per_graph
 def backward_layer_starts(graph: Graph) -> tuple[int, ...]:
     """First op of each backward layer: a run of consecutive backward ops of one module."""
     starts = []
@@ -81,6 +81,6 @@ def next_forward_op(graph: Graph, op: int) -> int | None:
     return None
 
 
-@lru_cache(maxsize=16)
+@per_graph
 def first_backward_op(graph: Graph) -> int:
     return next((op.index for op in graph.ops if op.phase == "backward"), len(graph.ops))

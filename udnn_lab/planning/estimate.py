@@ -7,12 +7,13 @@ simulator, asking for a margin when the simulator disagrees.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.planning.candidates import Candidate
+from udnn_lab.units import cuda_block_bytes
 
 Window = Callable[[Candidate], tuple[int, int]]  # ops [first, last) a candidate is away from the device
 
@@ -24,7 +25,7 @@ class CurveEstimate:
         self.live = curve["cuda_live_bytes" if self.cuda else "live_bytes"].to_numpy(dtype=np.float64).copy()
 
     def size(self, candidate: Candidate) -> int:
-        return ((candidate.nbytes + 511) // 512) * 512 if self.cuda else candidate.nbytes
+        return cuda_block_bytes(candidate.nbytes) if self.cuda else candidate.nbytes
 
     def drop(self, candidate: Candidate, window: tuple[int, int]) -> None:
         first, last = window

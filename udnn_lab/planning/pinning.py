@@ -18,12 +18,12 @@ from __future__ import annotations
 import numpy as np
 
 from udnn_lab.cost.model import CostModel
+from udnn_lab.graph.plan_ir import Offload, Plan
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.planning.candidates import Candidate, candidates, first_backward_op, prefetch_point
 from udnn_lab.planning.estimate import CurveEstimate
-from udnn_lab.graph.plan_ir import Offload, Plan
-from udnn_lab.planning.vdnn import MARGINS, SIZE_FLOOR, pinned_pool_bytes
 from udnn_lab.planning.registry import policy
+from udnn_lab.planning.vdnn import MARGINS, SIZE_FLOOR, pinned_pool_bytes
 from udnn_lab.simulation.simulator import simulate_with
 
 MAX_UNITS = 4096
@@ -135,5 +135,6 @@ def _plan(graph: Graph, budget: int | None, policy: str, pool: list[Candidate], 
     offloads = tuple(Offload(c.tensor, c.last_forward, _window(graph, c)[1], pinned=True)
                      for c in pool if c.tensor not in resident)
     kept = sum(c.nbytes for c in pinned)
-    return Plan(policy, graph.fingerprint, budget, offloads=offloads, pinned_pool_bytes=pinned_pool_bytes(graph, offloads),
-                size_floor_bytes=SIZE_FLOOR, notes=(f"pinned (kept resident) {kept} bytes of {len(pinned)} tensors",))
+    return Plan(policy, graph.fingerprint, budget, offloads=offloads,
+                pinned_pool_bytes=pinned_pool_bytes(graph, offloads), size_floor_bytes=SIZE_FLOOR,
+                notes=(f"pinned (kept resident) {kept} bytes of {len(pinned)} tensors",))

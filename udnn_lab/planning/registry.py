@@ -6,7 +6,7 @@ the order they were registered (the order of the imports in ``udnn_lab.planning`
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from udnn_lab.cost.model import CostModel
 from udnn_lab.graph.plan_ir import Plan

@@ -13,12 +13,12 @@ import re
 import shlex
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 from udnn_lab import zoo
-from udnn_lab.errors import ReportError, UdnnLabError
+from udnn_lab.errors import ReportError
 from udnn_lab.hardware.profiles import Hardware
 from udnn_lab.planning.registry import POLICIES
 from udnn_lab.units import format_bytes, parse_bytes

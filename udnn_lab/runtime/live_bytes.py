@@ -7,8 +7,8 @@ op records, only the bytes alive now and the most seen at once.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from functools import partial
-from typing import Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -48,19 +48,20 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from udnn_lab.errors import PlanMismatch, UdnnLabError
 from udnn_lab.analysis.fake.memo import flat_tensors
-from udnn_lab.graph.plan_ir import Offload, Plan, Recompute
 from udnn_lab.analysis.recorder import records_op
+from udnn_lab.errors import PlanMismatch
+from udnn_lab.graph.plan_ir import Offload, Plan, Recompute
 from udnn_lab.runtime.copies import Copies
 from udnn_lab.runtime.pinned_pool import HostPool
 from udnn_lab.runtime.replay import Replay, rng_state
+from udnn_lab.units import cuda_block_bytes
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ class OffloadRuntime:
 
 def _pool_bytes(plan: Plan) -> int:
     sizes = {site.tensor: site.nbytes for site in plan.sites}
-    offloaded = sum(-(-sizes[o.tensor] // 512) * 512 for o in plan.offloads)
+    offloaded = sum(cuda_block_bytes(sizes[o.tensor]) for o in plan.offloads)
     return max(plan.pinned_pool_bytes, offloaded)
 
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from udnn_lab.errors import HostMemoryError, UdnnLabError
-from udnn_lab.units import format_bytes
+from udnn_lab.errors import HostMemoryError
+from udnn_lab.units import CUDA_BLOCK_BYTES, format_bytes
 
 DEFAULT_CAP_FRACTION = 0.5
-_ALIGN = 512  # every slice starts on a 512-byte boundary, as CUDA copies like
+_ALIGN = CUDA_BLOCK_BYTES  # every slice starts on a 512-byte boundary, as CUDA copies like
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,9 @@ class HostPool:
         if nbytes > self.cap_bytes:
             raise HostMemoryError(
                 f"offloading needs {format_bytes(nbytes)} of host memory, more than the pool may take "
-                f"({format_bytes(self.cap_bytes)}: {DEFAULT_CAP_FRACTION:.0%} of the {format_bytes(available_host_bytes())} "
-                "available now). Raise the budget (offload less), lower the batch size, or pass a larger host_cap_bytes "
-                "if the machine really has the memory")
+                f"({format_bytes(self.cap_bytes)}: {DEFAULT_CAP_FRACTION:.0%} of the "
+                f"{format_bytes(available_host_bytes())} available now). Raise the budget (offload less), lower the "
+                "batch size, or pass a larger host_cap_bytes if the machine really has the memory")
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
 
     @property

@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from udnn_lab.errors import ReplayError, UdnnLabError
+from udnn_lab.errors import ReplayError
 from udnn_lab.graph.plan_ir import Recompute
-
 
 # Ops that update running statistics in training although their schema does not say so.
 _UNDECLARED_WRITES = {"aten.native_batch_norm.default": (3, 4), "aten.cudnn_batch_norm.default": (3, 4),
@@ -52,7 +51,8 @@ class Replay:
         """``written``: positions of arguments whose version counter the op bumped (some ops, like
         native_batch_norm's running statistics, write arguments their schema does not mark)."""
         index = len(self.calls)
-        declared = {i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
+        declared = {i for i, a in enumerate(func._schema.arguments)
+                    if a.alias_info is not None and a.alias_info.is_write}
         statistics = set(_UNDECLARED_WRITES.get(str(func), ()))
         mutated = tuple(sorted(set(written) | declared | statistics))
         if any(i < len(args) and isinstance(args[i], torch.Tensor) and i not in statistics and not self._makes(args[i])

@@ -12,21 +12,22 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import pandas as pd
 import torch
+from tqdm.auto import tqdm
 
-from udnn_lab.devices import device_name
+from udnn_lab.analysis.step import compute_loss, map_tensors, split_input
+from udnn_lab.devices import device_name, model_device
 from udnn_lab.graph.plan_ir import Plan
 from udnn_lab.runtime.live_bytes import LiveBytes
 from udnn_lab.runtime.offload import OffloadRuntime
-from udnn_lab.analysis.step import compute_loss, map_tensors, split_input
 from udnn_lab.units import format_bytes, format_seconds
-from tqdm.auto import tqdm
 
 Callback = Callable[[dict], "bool | None"]
 STEP_COLUMNS = ["step", "loss", "time_s", "peak_bytes", "d2h_bytes", "h2d_bytes", "wait_s", "recomputed", "on_demand"]
@@ -50,7 +51,8 @@ class Run:
     def __repr__(self) -> str:
         if len(self.steps):
             return (f"Run({self.model_name!r}, {len(self.steps)} steps, policy={self.policy}, median step "
-                    f"{format_seconds(self.steps['time_s'].median())}, peak {format_bytes(self.steps['peak_bytes'].max())},"
+                    f"{format_seconds(self.steps['time_s'].median())}, "
+                    f"peak {format_bytes(self.steps['peak_bytes'].max())},"
                     f" stopped: {self.stopped})")
         return f"Run({self.model_name!r}, no steps, stopped: {self.stopped})"
 
@@ -65,7 +67,7 @@ def train(model: torch.nn.Module, batches: Iterable, optimizer: torch.optim.Opti
     dict and may return False to stop. ``track_memory``: count live storages each step on
     a CPU (CUDA always reads the allocator's peak); by default on for CPU.
     """
-    device = _device_of(model)
+    device = model_device(model)
     runtime = OffloadRuntime(plan)
     track = device.type == "cpu" if track_memory is None else track_memory
     fused = _FusedOptimizer(optimizer) if fuse_optimizer and optimizer is not None else None
@@ -163,12 +165,6 @@ def _stepper(single: torch.optim.Optimizer):
         param.grad = None
     return step
 
-
-def _device_of(model: torch.nn.Module) -> torch.device:
-    first = next(iter(model.parameters()), None)
-    if first is None or first.device.type == "meta":
-        raise ValueError("train() needs a model with real parameters on a device")
-    return first.device
 
 
 def _progress(total: int | None, enabled: bool, name: str):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from udnn_lab.errors import CapBelowMinimum
 from udnn_lab.sharing.worker import JobAnalysis

@@ -24,29 +24,39 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Sequence
 from datetime import datetime, timezone
-from typing import Sequence
 
+import altair
+import numpy
 import pandas as pd
 import torch
 
-from udnn_lab.sharing.charts import (degradation_heatmap, jaccard_heatmap, op_mix_chart, q1_chart, repeat_chart,
-                                     signals_chart)
-from udnn_lab.sharing.jobs import (DOCUMENT_004_MODELS, SIZES, JobSpec, document_004_job, document_004_jobs,
-                                   resolve_factory)
-from udnn_lab.sharing.results import (StudyResult, compare_runs, cut_samples, load, signal_descriptions,
-                                      weighted_jaccard)
-from udnn_lab.sharing.signals import ks_2samp
+import udnn_lab
 from udnn_lab.errors import CapBelowMinimum
+from udnn_lab.measurement import nvml
 from udnn_lab.sharing.caps import CPU_CAPS, CUDA_CAPS, resolve_caps
+from udnn_lab.sharing.charts import (
+    degradation_heatmap,
+    jaccard_heatmap,
+    op_mix_chart,
+    q1_chart,
+    repeat_chart,
+    signals_chart,
+)
+from udnn_lab.sharing.jobs import (
+    DOCUMENT_004_MODELS,
+    SIZES,
+    JobSpec,
+    document_004_job,
+    document_004_jobs,
+    resolve_factory,
+)
 from udnn_lab.sharing.records import QUESTIONS, Record, StudyConfig
+from udnn_lab.sharing.results import StudyResult, compare_runs, cut_samples, load, signal_descriptions, weighted_jaccard
+from udnn_lab.sharing.signals import ks_2samp
 from udnn_lab.sharing.study import quiet, run_jobs, stderr_log
 from udnn_lab.sharing.worker import JobAnalysis, analyze_job
-import altair
-import numpy
-
-import udnn_lab
-from udnn_lab.measurement import nvml
 
 __all__ = [
     "DOCUMENT_004_MODELS", "QUESTIONS", "SIZES", "CapBelowMinimum", "JobAnalysis", "JobSpec", "StudyConfig",

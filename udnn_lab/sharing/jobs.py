@@ -13,8 +13,9 @@ smaller sizes shrink widths, images and batches so the same study runs on a CPU.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import nn

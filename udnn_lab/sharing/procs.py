@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import multiprocessing
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
+from udnn_lab.errors import JobFailed
 from udnn_lab.sharing.jobs import JobSpec
 from udnn_lab.sharing.worker import JobAnalysis, RunOrder, worker_main
-from udnn_lab.errors import JobFailed
-
 
 _START_HINT = (" before it was ready; its traceback is on stderr. Run from a script, the study must be started "
                "under `if __name__ == '__main__':` (jobs run in 'spawn' processes, which import the main module)")

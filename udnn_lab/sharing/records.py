@@ -4,8 +4,8 @@ how disturbed a measurement was, and how a failed job is recorded."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 from udnn_lab.errors import JobFailed
 from udnn_lab.sharing.worker import JobAnalysis

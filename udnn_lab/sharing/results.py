@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from udnn_lab.sharing.principles import check_principles
 from udnn_lab.sharing.signals import CPU_SIGNALS, GPU_SIGNALS, ks_2samp
 from udnn_lab.units import format_bytes
-from udnn_lab.sharing.principles import check_principles
 
 TABLES = ("jobs", "q1_runs", "q1", "q2", "pairs", "op_mix", "samples", "errors")
 _JOB_SIGNALS = ("cpu_busy_percent", "runqueue_wait_percent")  # per process; the others are the device's

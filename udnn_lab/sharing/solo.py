@@ -8,6 +8,7 @@ from udnn_lab.errors import JobFailed
 from udnn_lab.sharing.procs import RunState, Workers
 from udnn_lab.sharing.records import Record, StudyConfig, disturbed, failed_job, interference
 
+
 # -- Q1: each job alone under each cap ----------------------------------------------------------------
 def q1(workers: Workers, caps: dict, config: StudyConfig, record: Record, sampler, log) -> None:
     for job, job_caps in caps.items():

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from udnn_lab.sharing.caps import resolve_caps
 from udnn_lab.sharing.jobs import JobSpec

@@ -25,22 +25,22 @@ NOTE [simulated streams]
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
-from functools import lru_cache
+
 import numpy as np
 import pandas as pd
-
-from udnn_lab.vocabulary import CATEGORIES
-from udnn_lab.cost.model import CostModel, RateCurve
-from udnn_lab.graph.step_graph import Graph
-from udnn_lab.hardware.profiles import Hardware
-from udnn_lab.graph.plan_ir import Offload, Plan, Recompute
-from udnn_lab.cost.profiling import Profile
-from udnn_lab.units import cuda_block_bytes, format_bytes, format_seconds
 import torch
 
+from udnn_lab.cost.model import CostModel, RateCurve
+from udnn_lab.cost.profiling import Profile
 from udnn_lab.devices import device_name
+from udnn_lab.graph.liveness import op_table
+from udnn_lab.graph.plan_ir import Offload, Plan, Recompute
+from udnn_lab.graph.step_graph import Graph
+from udnn_lab.hardware.profiles import Hardware
+from udnn_lab.units import format_bytes, format_seconds
+from udnn_lab.vocabulary import CATEGORIES
 
 _KEPT_SIMULATIONS = 48  # per cost model: enough for one plan() or one budget of a sweep
 TIMELINE_COLUMNS = ["stream", "kind", "start_s", "end_s", "op", "name", "module", "tensor", "nbytes"]
@@ -136,55 +136,6 @@ def _cuda_here() -> bool:
     return torch.cuda.is_available()
 
 
-@dataclass(frozen=True)
-class _Static:
-    """What a simulation needs of a graph, precomputed once per graph."""
-
-    on_device: tuple[bool, ...]
-    exact: tuple[int, ...]  # bytes per tensor
-    block: tuple[int, ...]  # 512-byte-rounded bytes per tensor
-    category: tuple[int, ...]  # index into CATEGORIES per tensor
-    alloc_rows: np.ndarray  # [ops, categories]: bytes each op allocates on the device
-    release_rows: np.ndarray  # [ops, categories]: bytes released right after each op
-    alloc_exact: tuple[int, ...]  # totals of alloc_rows / release_rows
-    release_exact: tuple[int, ...]
-    alloc_block: tuple[int, ...]
-    release_block: tuple[int, ...]
-    baseline: np.ndarray  # [categories]
-    baseline_block: int
-
-
-@lru_cache(maxsize=16)
-def _static(graph: Graph) -> _Static:
-    index = {c: i for i, c in enumerate(CATEGORIES)}
-    on_device = tuple(graph.on_device(t) for t in graph.tensors)
-    exact = tuple(t.nbytes for t in graph.tensors)
-    block = tuple(cuda_block_bytes(n) for n in exact)
-    category = tuple(index[t.category] for t in graph.tensors)
-    n = len(graph.ops)
-    alloc, release = np.zeros((n, len(CATEGORIES)), np.int64), np.zeros((n, len(CATEGORIES)), np.int64)
-    alloc_block, release_block = [0] * n, [0] * n
-    baseline, baseline_block = np.zeros(len(CATEGORIES), np.int64), 0
-    for t in graph.tensors:
-        if not on_device[t.id]:
-            continue
-        if t.alloc_step < 0:
-            baseline[category[t.id]] += t.nbytes
-            baseline_block += block[t.id]
-        else:
-            alloc[t.alloc_step, category[t.id]] += t.nbytes
-            alloc_block[t.alloc_step] += block[t.id]
-        if t.free_step == -1:
-            baseline[category[t.id]] -= t.nbytes
-            baseline_block -= block[t.id]
-        elif t.free_step is not None:
-            release[t.free_step, category[t.id]] += t.nbytes
-            release_block[t.free_step] += block[t.id]
-    return _Static(on_device, exact, block, category, alloc, release, tuple(alloc.sum(axis=1).tolist()),
-                   tuple(release.sum(axis=1).tolist()), tuple(alloc_block), tuple(release_block), baseline,
-                   baseline_block)
-
-
 class _Run:
     """One simulation's mutable state (NOTE [simulated streams]).
 
@@ -195,13 +146,15 @@ class _Run:
 
     def __init__(self, graph: Graph, plan: Plan, cost: CostModel) -> None:
         self.graph, self.plan, self.cost = graph, plan, cost
-        self.static = _static(graph)
+        self.static = op_table(graph)
         self.cuda = graph.device == "cuda"
         self.times = cost.op_times_s(graph).tolist()
         self.budget = plan.budget_bytes
-        self.own = self.static.alloc_block if self.cuda else self.static.alloc_exact
-        self.gone = self.static.release_block if self.cuda else self.static.release_exact
-        self.counted = self.static.baseline_block if self.cuda else int(self.static.baseline.sum())
+        table = self.static
+        self.own = (table.alloc_block if self.cuda else table.alloc.sum(axis=1)).tolist()
+        self.gone = (table.release_block if self.cuda else table.release.sum(axis=1)).tolist()
+        self.counted = table.baseline_block - table.gone_at_start_block if self.cuda \
+            else int((table.baseline - table.gone_at_start).sum())
         self.op_index = 0
         self.changes: list[tuple[int, int, int]] = []  # (first op it holds for, +1 or -1, tensor)
         self.pending: list[tuple[float, int]] = []  # (copy end, tensor): device memory freed then
@@ -242,8 +195,8 @@ class _Run:
                     last = self.graph.tensors[tensor].last_forward_use
                     self.drop_after.setdefault(last, []).append(tensor)
         readers = {i for t in moved for i in self.graph.tensors[t].consumers}
-        self.action_ops = set(self.offload_after) | set(self.prefetch_at) | set(self.sync_before) | set(self.release_at) \
-            | set(self.recompute_at) | set(self.drop_after) | readers
+        self.action_ops = set(self.offload_after) | set(self.prefetch_at) | set(self.sync_before) \
+            | set(self.release_at) | set(self.recompute_at) | set(self.drop_after) | readers
 
     # -- memory -----------------------------------------------------------------------------
     def _size(self, tensor: int) -> int:

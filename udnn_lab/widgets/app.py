@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import html
+from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Callable
 
 import altair as alt
 import ipywidgets as widgets

@@ -8,23 +8,23 @@ decides anything: it calls zoo, trace, plan, min_budget, simulate and measure.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from udnn_lab import zoo
+from udnn_lab.analysis.tracing import trace
+from udnn_lab.graph.plan_ir import Plan
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware.profiles import Hardware
 from udnn_lab.measurement.measuring import Measurement, measure
 from udnn_lab.planning.budget import min_budget, plan
-from udnn_lab.graph.plan_ir import Plan
 from udnn_lab.simulation.simulator import Simulation, simulate
-from udnn_lab.analysis.tracing import trace
 from udnn_lab.workload import Workload
 from udnn_lab.zoo import DTYPES
-
 
 
 @dataclass(frozen=True)

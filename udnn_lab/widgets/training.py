@@ -8,17 +8,18 @@ each finished step updates the progress bar and the live memory chart.
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import altair as alt
 import ipywidgets as widgets
 import torch
 
 from udnn_lab import charts, frames
+from udnn_lab.analysis.tracing import trace
+from udnn_lab.devices import model_device
 from udnn_lab.planning.budget import plan
 from udnn_lab.runtime.training import Run, train
 from udnn_lab.simulation.simulator import resolve_hardware, simulate
-from udnn_lab.analysis.tracing import trace
 from udnn_lab.units import format_bytes, format_seconds
 
 
@@ -49,7 +50,7 @@ class TrainingPanel:
         """Plan ``work``'s step on this machine and train it ``steps`` steps in a background thread."""
         if self.running:
             raise RuntimeError("a training run is already going: press Stop first")
-        device = next(work.model.parameters()).device
+        device = model_device(work.model)
         graph = trace(work)
         hardware = _local_hardware(device, fallback_hardware)
         chosen = plan(graph, budget_bytes, policy, hardware=hardware)

@@ -123,9 +123,10 @@ def flat_tensors(values):
 
 
 _aten = torch.ops.aten
-_ELEMENTWISE = {_aten.add.Tensor, _aten.sub.Tensor, _aten.mul.Tensor, _aten.div.Tensor, _aten.threshold_backward.default,
-                _aten.relu.default, _aten.sigmoid.default, _aten.tanh.default, _aten.gelu.default,
-                _aten.gelu_backward.default, _aten.sigmoid_backward.default, _aten.tanh_backward.default}
+_ELEMENTWISE = {_aten.add.Tensor, _aten.sub.Tensor, _aten.mul.Tensor, _aten.div.Tensor,
+                _aten.threshold_backward.default, _aten.relu.default, _aten.sigmoid.default, _aten.tanh.default,
+                _aten.gelu.default, _aten.gelu_backward.default, _aten.sigmoid_backward.default,
+                _aten.tanh_backward.default}
 
 
 def _shape_rule(func, args: tuple, kwargs: dict):

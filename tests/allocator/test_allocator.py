@@ -9,9 +9,21 @@ import torch
 
 import udnn_lab as ul
 from udnn_lab import zoo
-from udnn_lab.allocator.heuristics import (HEURISTICS, AllocEvent, AllocatorModelError, CachingAllocatorModel, compare,
-                                events_from_graph, events_from_memory_trace, events_from_simulation, heuristics,
-                                lay_out, model_from_snapshot, preallocate_long_lived, replay)
+from udnn_lab.allocator.heuristics import (
+    HEURISTICS,
+    AllocatorModelError,
+    AllocEvent,
+    CachingAllocatorModel,
+    compare,
+    events_from_graph,
+    events_from_memory_trace,
+    events_from_simulation,
+    heuristics,
+    lay_out,
+    model_from_snapshot,
+    preallocate_long_lived,
+    replay,
+)
 
 MiB = 1 << 20
 
@@ -235,7 +247,7 @@ def test_arena_layouts_never_overlap_blocks_that_live_at_once(resnet18):
                   for s, e, b in spans]
         placed.sort(key=lambda p: p[2])
         for i, (s1, e1, o1, n1) in enumerate(placed):
-            for s2, e2, o2, n2 in placed[i + 1:]:
+            for s2, e2, o2, _ in placed[i + 1:]:
                 if o2 >= o1 + n1:
                     break
                 assert not (s1 < e2 and s2 < e1), f"{order}: overlapping blocks at offsets {o1} and {o2}"

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from udnn_lab.devices import device_name
-from udnn_lab.hardware.profiles import Hardware, HardwareMismatchWarning, HardwareProfileError, UnknownHardwareError
 from udnn_lab.hardware.measuring import SWEEP_COLUMNS
+from udnn_lab.hardware.profiles import Hardware, HardwareMismatchWarning, HardwareProfileError, UnknownHardwareError
 
 
 @pytest.fixture(autouse=True, scope="module")

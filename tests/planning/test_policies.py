@@ -74,7 +74,8 @@ def test_vdnn_plus_plus_needs_less_pinned_memory_and_no_sync(graph):
     improved = plan(graph, budget, "vdnn++", hardware=H100)
     assert all(o.wait_before is None for o in improved.offloads)
     assert improved.pinned_pool_bytes <= 0.5 * everything.pinned_pool_bytes
-    assert simulate(graph, improved, hardware=H100).step_time_s <= simulate(graph, everything, hardware=H100).step_time_s
+    assert simulate(graph, improved, hardware=H100).step_time_s \
+        <= simulate(graph, everything, hardware=H100).step_time_s
 
 
 def test_dynamic_programming_pins_at_least_as_much_as_greedy(graph):
@@ -175,3 +176,13 @@ def test_random_dags_keep_planner_invariants(edges, width, batch, fraction):
     if best is not None:
         assert auto_plan is not None and auto_sim.step_time_s <= best * (1 + 1e-12)
     assert plan(graph, budget, "auto", hardware=H100) == auto_plan if auto_plan else True
+
+
+def test_the_shipped_policies_are_the_vocabulary_s_policy_names_and_a_name_is_taken_once():
+    from udnn_lab.planning.registry import POLICIES, policy
+    from udnn_lab.vocabulary import POLICY_NAMES
+
+    assert tuple(POLICIES) == POLICY_NAMES
+    with pytest.raises(ValueError, match="registered twice"):
+        policy("auto")(lambda graph, cost, budget: None)
+    assert tuple(POLICIES) == POLICY_NAMES

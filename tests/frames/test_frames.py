@@ -4,9 +4,9 @@ import pytest
 
 import udnn_lab as ul
 from udnn_lab import frames
-from udnn_lab.vocabulary import CATEGORIES
 from udnn_lab.frames.streams import TIMELINE_FRAME_COLUMNS
 from udnn_lab.frames.sweeps import MODEL_SIZES
+from udnn_lab.vocabulary import CATEGORIES
 
 HW = "titan-x-maxwell"
 

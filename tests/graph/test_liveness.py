@@ -4,8 +4,8 @@ import torch
 
 import udnn_lab as ul
 from udnn_lab import zoo
-from udnn_lab.vocabulary import CATEGORIES
 from udnn_lab.units import cuda_block_bytes
+from udnn_lab.vocabulary import CATEGORIES
 
 
 @pytest.fixture(scope="module")

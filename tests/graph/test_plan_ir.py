@@ -60,7 +60,7 @@ def test_two_actions_for_one_tensor_are_refused(graph):
 
 
 def test_recompute_rules(graph):
-    from tests.test_simulate import recomputable
+    from tests.simulation.test_simulator import recomputable
 
     t = recomputable(graph, min_bytes=0)
     Plan("p", graph.fingerprint, recomputes=(Recompute((t.id,), (t.producer,), t.first_backward_use),)).validate(graph)

@@ -8,6 +8,7 @@ import torch
 import udnn_lab as ul
 from udnn_lab import zoo
 from udnn_lab.analysis.step import compute_loss, split_input
+from udnn_lab.units import cuda_block_bytes
 
 
 @pytest.mark.gpu
@@ -27,7 +28,7 @@ def test_offloaded_memory_leaves_at_its_release_point_while_the_gpu_lags():
         work.model.to("cpu")
         resident = [*model.parameters(), *model.buffers(), work.example_input, work.target,
                     *(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))]
-        outside = torch.cuda.memory_allocated() - sum(-(-t.untyped_storage().nbytes() // 512) * 512 for t in resident)
+        outside = torch.cuda.memory_allocated() - sum(cuda_block_bytes(t.untyped_storage().nbytes()) for t in resident)
         torch.cuda.reset_peak_memory_stats()
         torch.cuda._sleep(200_000_000)  # the GPU starts the step far behind the host
         with runtime:

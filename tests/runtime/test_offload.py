@@ -7,10 +7,11 @@ from torch import nn
 
 import udnn_lab as ul
 from udnn_lab import zoo
+from udnn_lab.analysis.step import run_step, split_input
 from udnn_lab.planning import POLICIES, PlanInfeasible, plan
 from udnn_lab.runtime import HostMemoryError, OffloadRuntime, PlanMismatch
 from udnn_lab.simulation.simulator import simulate
-from udnn_lab.analysis.step import run_step, split_input
+from udnn_lab.units import cuda_block_bytes
 
 CPU = ul.Hardware.load("cpu-amd-epyc-2cpu")
 # The same CPU with copies that take no time: the runtime's CPU copies are synchronous memcpys.
@@ -172,16 +173,16 @@ def test_every_policy_is_exact_on_cuda(policy):
         (ul.min_budget(graph, policy, hardware="h100-sxm") + graph.cuda_peak_bytes) // 2  # weights dominate here
     chosen = plan(graph, budget, policy, hardware="h100-sxm")
     assert chosen.offloads or chosen.recomputes
-    torch.backends.cudnn.deterministic = True
-    loss, grads, _ = _step(copy.deepcopy(work.model), work)
-    loss, grads = loss.cpu(), [g.cpu() for g in grads]  # the eager step's memory must not count below
-    model = copy.deepcopy(work.model)
-    work.model.to("cpu")
-    outside = torch.cuda.memory_allocated() - _cuda_bytes([*model.parameters(), *model.buffers(),
-                                                            work.example_input, work.target])
-    torch.cuda.reset_peak_memory_stats()
-    loss_b, grads_b, _ = _step(model, work, OffloadRuntime(chosen))
-    measured = torch.cuda.max_memory_allocated() - outside
+    with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):
+        loss, grads, _ = _step(copy.deepcopy(work.model), work)
+        loss, grads = loss.cpu(), [g.cpu() for g in grads]  # the eager step's memory must not count below
+        model = copy.deepcopy(work.model)
+        work.model.to("cpu")
+        outside = torch.cuda.memory_allocated() - _cuda_bytes([*model.parameters(), *model.buffers(),
+                                                                work.example_input, work.target])
+        torch.cuda.reset_peak_memory_stats()
+        loss_b, grads_b, _ = _step(model, work, OffloadRuntime(chosen))
+        measured = torch.cuda.max_memory_allocated() - outside
     assert torch.equal(loss, loss_b.cpu()) and all(torch.equal(a, b.cpu()) for a, b in zip(grads, grads_b))
     assert budget is None or measured <= budget, \
         f"measured step peak {measured} over the budget {budget} (keep-all predicted {graph.cuda_peak_bytes})"
@@ -189,7 +190,7 @@ def test_every_policy_is_exact_on_cuda(policy):
 
 def _cuda_bytes(tensors) -> int:
     """Bytes the caching allocator counts for these tensors (blocks rounded up to 512 bytes)."""
-    return sum(-(-t.untyped_storage().nbytes() // 512) * 512 for t in tensors)
+    return sum(cuda_block_bytes(t.untyped_storage().nbytes()) for t in tensors)
 
 
 @pytest.mark.parametrize("policy", ["recompute", "vdnn-all"])
