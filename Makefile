@@ -1,6 +1,6 @@
 # make lab  - create .venv if needed, install, open JupyterLab on the quickstart
 # make gpu-check - every GPU test and GPU benchmark; raw JSON under data/benchmarks/gpu/ (needs a CUDA device)
-# make test - create .venv if needed, install, run the whole test suite (on Debian it first installs
+# make test - create .venv if needed, install, lint (ruff, mypy), run the whole test suite (on Debian it first installs
 #             chromium when missing, for the browser test; sudo is used unless you are root)
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -12,7 +12,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export OMP_NUM_THREADS ?= 2
 TEST_WORKERS ?= 2
 
-.PHONY: lab test gpu-check chromium clean
+.PHONY: lab test lint gpu-check chromium clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,8 +23,13 @@ $(STAMP): pyproject.toml Makefile
 lab: $(STAMP)
 	$(BIN)/jupyter lab --ip 127.0.0.1 notebooks/00_quickstart.ipynb
 
-test: $(STAMP) chromium
+test: $(STAMP) chromium lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS)
+
+# the linters the field uses: ruff (style, import order, complexity) and mypy over the package
+lint: $(STAMP)
+	$(BIN)/ruff check udnn_lab tests benchmarks
+	$(BIN)/mypy
 
 gpu-check: $(STAMP)
 	$(BIN)/python benchmarks/gpu_check.py

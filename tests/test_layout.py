@@ -132,6 +132,28 @@ def test_no_import_inside_a_function_but_optional_heavy_packages_with_a_comment(
     assert not offenders, "imports inside functions:\n" + "\n".join(offenders)
 
 
+BASICS = {"errors", "units", "vocabulary", "devices", "workload"}
+ABOVE = {  # what each subpackage may import besides BASICS: the table in udnn_lab/README.md
+    "graph": set(), "hardware": set(), "zoo": set(), "analysis": {"graph"},
+    "cost": {"graph", "hardware", "analysis"}, "simulation": {"graph", "hardware", "cost"},
+    "planning": {"graph", "hardware", "cost", "simulation"}, "runtime": {"graph", "analysis"},
+    "measurement": {"graph", "analysis", "runtime"}, "allocator": {"graph", "simulation"},
+    "frames": {"graph", "hardware", "cost", "simulation", "measurement"}, "charts": set(),
+    "report": {"hardware", "planning", "zoo"},
+}
+
+
+def test_each_stage_imports_only_the_stages_above_it():
+    found = {}
+    for module, targets in import_graph().items():
+        stage = module.split(".")[1] if module.count(".") else "udnn_lab"
+        for target in targets:
+            other = target.split(".")[1]
+            if other != stage and stage in ABOVE and other not in ABOVE[stage] | BASICS:
+                found.setdefault(f"{module} -> {target}", 1)
+    assert not found, "imports against the flow (see udnn_lab/README.md): " + ", ".join(sorted(found))
+
+
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
