@@ -27,9 +27,10 @@ def as_workload(model: Any, example_input: Any = None, *, loss_fn: Callable | No
                 name: str | None = None) -> Workload:
     """Accept a Workload (fields given here override it) or a module with its example input."""
     if isinstance(model, Workload):
-        overrides = {key: value for key, value in (("example_input", example_input), ("loss_fn", loss_fn),
-                                                   ("optimizer", optimizer), ("target", target), ("name", name))
-                     if value is not None}
+        overrides: dict[str, Any] = {
+            key: value for key, value in (("example_input", example_input), ("loss_fn", loss_fn),
+                                          ("optimizer", optimizer), ("target", target), ("name", name))
+            if value is not None}
         return replace(model, **overrides)
     if isinstance(model, str):
         raise TypeError(f"got the name {model!r} where a model is needed: build it first with "

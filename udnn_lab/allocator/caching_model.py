@@ -243,6 +243,7 @@ class CachingAllocatorModel:
         if not self._fits_capacity(nbytes):
             released = self.release_cached_segments()
             if not self._fits_capacity(nbytes):
+                assert self.capacity_bytes is not None  # without a capacity everything fits
                 raise AllocatorOutOfMemory(
                     f"allocating {key!r} ({format_bytes(request)}) needs a new {format_bytes(nbytes)} segment, but "
                     f"{format_bytes(self.reserved_bytes)} is reserved ({format_bytes(self.allocated_bytes)} "

@@ -199,7 +199,8 @@ def address_name(address: int) -> str:
 def classify_lifetimes(graph: Graph, events: list[AllocEvent]) -> tuple[AllocEvent, ...]:
     """Set each block life's class (NOTE [event order of a step], 4) on its alloc and free."""
     boundary = next((op.index for op in graph.ops if op.phase != "forward"), len(graph.ops))
-    born, died = {}, {}
+    born: dict[str, int] = {}
+    died: dict[str, int] = {}
     for position, event in enumerate(events):
         (born if event.action == "alloc" else died)[event.block] = position
     lifetime = {}

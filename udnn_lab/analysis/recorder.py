@@ -17,7 +17,7 @@ NOTE [storage lifetimes]
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache, partial
@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from udnn_lab.analysis.fake.fast_paths import FakeFastPaths
 from udnn_lab.analysis.op_work import OpWork
-from udnn_lab.vocabulary import AUTOGRAD_SCOPE, OPTIMIZER_SCOPE
+from udnn_lab.vocabulary import AUTOGRAD_SCOPE, OPTIMIZER_SCOPE, Category
 
 _NO_SEQUENCE = 2**64 - 1  # sequence number of AccumulateGrad nodes
 # Not recorded: metadata queries (prim.device), profiler markers, and detach, which never
@@ -57,7 +57,7 @@ class StorageRecord:
     producer: int | None
     alloc_step: int
     fake: bool = False  # a fake tensor's storage (a real one may sit beside it, e.g. a step counter)
-    role: str | None = None  # preset category: parameter, buffer, input, optimizer_state, ...
+    role: Category | None = None  # preset category: parameter, buffer, input, optimizer_state, ...
     name: str | None = None
     free_step: int | None = None
     consumers: list[int] = field(default_factory=list)
@@ -159,7 +159,7 @@ class StepRecorder(TorchDispatchMode):
             if step >= 0:
                 self.ops[step].released.append(sid)
 
-    def register(self, tensor: torch.Tensor, role: str, name: str) -> int | None:
+    def register(self, tensor: torch.Tensor, role: Category, name: str) -> int | None:
         """Mark a tensor that exists before the step (parameter, input, ...) or ends as a role."""
         sid = self.sid_of(tensor)
         if sid is not None:
@@ -173,7 +173,7 @@ class StepRecorder(TorchDispatchMode):
         if self.recording:
             self.sid_of(tensor, produced=True)
 
-    def name_parameters(self, named: dict[str, torch.Tensor]) -> None:
+    def name_parameters(self, named: Mapping[str, torch.Tensor]) -> None:
         self._param_paths = {id(p): name for name, p in named.items()}
 
     # -- dispatch ------------------------------------------------------------------------

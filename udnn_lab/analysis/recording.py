@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager, nullcontext
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -14,7 +14,7 @@ from udnn_lab.analysis.recorder import StepRecorder, StorageRecord
 from udnn_lab.analysis.step import input_tensors, run_step
 from udnn_lab.errors import ModelInputError
 from udnn_lab.graph.step_graph import Graph, ModuleCall, OpInfo, TensorInfo
-from udnn_lab.vocabulary import LOSS_SCOPE
+from udnn_lab.vocabulary import LOSS_SCOPE, Category, Phase
 
 
 def record_step(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwargs: dict, target: Any,
@@ -78,7 +78,7 @@ def no_gc():
             gc.enable()
 
 
-def _register_optimizer_state(recorder: StepRecorder, optimizer, named: dict[str, torch.Tensor]) -> None:
+def _register_optimizer_state(recorder: StepRecorder, optimizer, named: Mapping[str, torch.Tensor]) -> None:
     if optimizer is None:
         return
     names = {id(p): name for name, p in named.items()}
@@ -148,15 +148,16 @@ def _freeze(recorder: StepRecorder, model_name: str, device: str, fake: bool, no
             last_forward_use=max(forward_uses) if forward_uses else None,
             first_backward_use=next((i for i in record.consumers if phases[i] == "backward"), None),
         ))
-    frozen_ops = tuple(OpInfo(op.index, op.phase, op.module, op.name, op.inputs, op.outputs, op.allocated,
-                              tuple(op.released), op.forward_op, op.output_shapes, op.flops, op.bytes_read,
-                              op.bytes_written) for op in ops)
+    # cast: mark('end') comes after the step's last op, so every op has a Phase
+    frozen_ops = tuple(OpInfo(op.index, cast(Phase, op.phase), op.module, op.name, op.inputs, op.outputs,
+                              op.allocated, tuple(op.released), op.forward_op, op.output_shapes, op.flops,
+                              op.bytes_read, op.bytes_written) for op in ops)
     calls = tuple(ModuleCall(c.path, c.type, c.first_op, c.last_op, c.outputs) for c in recorder.calls)
     return Graph(model_name=model_name, device=device, ops=frozen_ops, tensors=tuple(tensors), module_calls=calls,
                  fake=fake, torch_version=torch.__version__, notes=tuple(notes))
 
 
-def _category(record: StorageRecord, phases: list[str]) -> str:
+def _category(record: StorageRecord, phases: list[str]) -> Category:
     if record.role is not None:
         return record.role
     if record.producer is None:

@@ -143,6 +143,7 @@ def preserved(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None):
                 saved_grad = grads.get(id(p))
                 p.grad = None if saved_grad is None else saved_grad.to(p.device)
         if optimizer is not None:
+            assert optimizer_state is not None  # copied above, with the optimizer
             optimizer.load_state_dict(optimizer_state)
 
 

@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Literal
 
 import altair as alt
 import pandas as pd
 
 from udnn_lab.vocabulary import CATEGORIES
 
-SAVE_FORMATS = ("html", "png", "svg", "pdf", "json")
+SAVE_FORMATS: tuple[Literal["html", "png", "svg", "pdf", "json"], ...] = ("html", "png", "svg", "pdf", "json")
 CATEGORY_COLORS = {
     "parameter": "#4c78a8", "buffer": "#9ecae9", "input": "#bab0ac", "feature_map": "#f58518",
     "gradient_map": "#e45756", "parameter_gradient": "#72b7b2", "optimizer_state": "#54a24b",
@@ -40,7 +42,7 @@ _TOP_LEVEL = (("layer", "LayerChart"), ("vconcat", "VConcatChart"), ("hconcat", 
               ("concat", "ConcatChart"), ("facet", "FacetChart"), ("repeat", "RepeatChart"))
 
 
-def _render_widget(spec: dict, **metadata) -> dict:
+def _render_widget(spec: dict, **metadata) -> tuple[dict, dict]:
     """The jupyter renderer, offline. A chart without params is handed to the widget as the spec it already
     is; one with params (selections, bindings) is rebuilt as the chart class its spec names, unvalidated."""
     alt.JupyterChart.enable_offline(metadata.get("offline", True))
@@ -49,9 +51,11 @@ def _render_widget(spec: dict, **metadata) -> dict:
         kind = next((getattr(alt, name) for key, name in _TOP_LEVEL if key in spec), alt.Chart)
         widget = alt.JupyterChart(chart=kind.from_dict(spec, validate=False), embed_options=embed)
     else:
-        widget = alt.JupyterChart(None, embed_options=embed)
+        widget = alt.JupyterChart(None, embed_options=embed)  # type: ignore[arg-type]  # altair's hint omits None
         widget.spec = spec
-    return widget._repr_mimebundle_()
+    bundle = widget._repr_mimebundle_()
+    assert bundle is not None  # None only for a widget without a view, which an anywidget never is
+    return bundle
 
 
 def save(chart: alt.TopLevelMixin, path: str | os.PathLike, scale: float = 2.0) -> Path:
@@ -86,7 +90,7 @@ def byte_unit(largest: float) -> tuple[str, int]:
     return "KiB", 2**10
 
 
-def category_scale(present: list[str] | None = None) -> alt.Scale:
+def category_scale(present: Sequence[str] | None = None) -> alt.Scale:
     """Fixed colours per memory category, in CATEGORIES order."""
     domain = [c for c in CATEGORIES if present is None or c in present]
     return alt.Scale(domain=domain, range=[CATEGORY_COLORS[c] for c in domain])
@@ -101,7 +105,8 @@ def check_columns(frame: pd.DataFrame, columns: list[str], made_by: str) -> None
         raise ValueError(f"this chart needs the columns {columns}; missing {missing}: make the frame with {made_by}")
 
 
-def rules(values: dict[str, float | None], scale: int, unit: str, orient: str = "y") -> alt.LayerChart | None:
+def rules(values: dict[str, float | None], scale: int, unit: str,
+          orient: str = "y") -> alt.LayerChart | alt.FacetChart | None:
     """Labelled reference rules (a budget, a minimum), one per non-None value, in display units."""
     rows = [{"label": label, "value": value / scale, "text": f"{label} {value / scale:,.1f} {unit}"}
             for label, value in values.items() if value is not None]
@@ -114,6 +119,7 @@ def rules(values: dict[str, float | None], scale: int, unit: str, orient: str = 
         field, color=alt.Color("label:N", scale=colors, title=None, legend=None), tooltip=["text:N"])
     layers = [rule]
     for end, group in data.groupby("end"):  # labels alternate ends of their rules so close rules stay readable
+        placement: dict[str, Any]
         if orient == "y":  # forward starts low, so the left end is usually clear of the curve
             placement = dict(align="right", x="width", dy=-6) if end else dict(align="left", x=4, dy=-6)
         else:

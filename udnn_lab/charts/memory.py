@@ -56,7 +56,7 @@ def memory_curve(frame: pd.DataFrame, budget_bytes: int | None = None, min_budge
     return chart.properties(title=title) if title else chart
 
 
-def _phase_bands(data: pd.DataFrame) -> alt.LayerChart:
+def _phase_bands(data: pd.DataFrame) -> alt.LayerChart | alt.FacetChart:
     spans = data.groupby("phase", sort=False)["index"].agg(["min", "max"]).reset_index()
     spans = spans.rename(columns={"min": "start", "max": "end"})
     spans["end"] = spans["end"] + 1

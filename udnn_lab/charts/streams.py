@@ -15,7 +15,8 @@ KIND_COLORS = {
 _LANE_TITLES = {"compute": "compute", "d2h": "device → host", "h2d": "host → device"}
 
 
-def timeline(frame: pd.DataFrame, width: int = 720, lane_height: int = 28, title: str | None = None) -> alt.LayerChart:
+def timeline(frame: pd.DataFrame, width: int = 720, lane_height: int = 28,
+             title: str | None = None) -> alt.LayerChart | alt.FacetChart:
     """Gantt chart of a step's streams (from frames.timeline; simulated and measured rows may be concatenated).
 
     One lane per stream (and per source when there are several); stalls, where compute

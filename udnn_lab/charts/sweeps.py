@@ -117,7 +117,8 @@ def budget_sweep(frame: pd.DataFrame, y: str = "step_time_s", budget_bytes: int 
     return chart.properties(title=title) if title else chart
 
 
-def bandwidth(frame: pd.DataFrame, width: int = 620, height: int = 300, title: str | None = None) -> alt.LayerChart:
+def bandwidth(frame: pd.DataFrame, width: int = 620, height: int = 300,
+              title: str | None = None) -> alt.LayerChart | alt.FacetChart:
     """Copy bandwidth (GB/s) against copy size, log scale (from frames.bandwidth): measured points and lines,
     hardware profiles' models dashed."""
     check_columns(frame, ["source", "series", "nbytes", "bytes_per_s"], "frames.bandwidth")
@@ -165,7 +166,7 @@ def batch_sweep(frame: pd.DataFrame, y: str = "min_budget_bytes", budget_bytes: 
 
 
 def step_times(frame: pd.DataFrame, by: str = "hardware", color: str = "policy", width: int = 620,
-               title: str | None = None) -> alt.LayerChart:
+               title: str | None = None) -> alt.LayerChart | alt.FacetChart:
     """Predicted step time per ``by`` (e.g. hardware), one bar per ``color`` (e.g. policy), the stalled part dark
     (from frames.simulations)."""
     check_columns(frame, [by, color, "step_time_s", "stall_time_s"], "frames.simulations")

@@ -142,7 +142,7 @@ def breakdown(graph: Graph, live: LiveCurve) -> pd.DataFrame:
     step = live.peak_step
     at_peak = live.baseline_per_category if step < 0 else live.per_category[step]
     most = np.maximum(live.per_category.max(axis=0, initial=0), live.baseline_per_category)
-    counts = defaultdict(int)
+    counts: defaultdict[str, int] = defaultdict(int)
     for t in graph.tensors:
         if graph.on_device(t):
             counts[t.category] += 1
@@ -173,7 +173,7 @@ def layers(graph: Graph) -> pd.DataFrame:
                                           "calls": 0, "output_bytes": 0})
         row["calls"] += 1
         row["output_bytes"] += sum(graph.tensors[i].nbytes for i in set(call.outputs))
-    ops_per_module = defaultdict(lambda: [0, 0])
+    ops_per_module: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0])
     for op in graph.ops:
         if op.phase in ("forward", "backward"):
             ops_per_module[op.module][op.phase == "backward"] += 1
@@ -183,7 +183,7 @@ def layers(graph: Graph) -> pd.DataFrame:
             for op_index in t.saved_by:
                 for path in _with_ancestors(graph.ops[op_index].module):
                     saved[path].add(t.id)
-    param_bytes = defaultdict(int)
+    param_bytes: defaultdict[str, int] = defaultdict(int)
     for t in graph.tensors:
         if t.category == "parameter":
             for path in _with_ancestors(t.name.rpartition(".")[0]):
@@ -225,7 +225,8 @@ def schedule(graph: Graph, level: str = "layer", include_parameters: bool = Fals
             groups.append([op.index])
     rows = []
     for step, members in enumerate(groups, start=1):
-        made, reads, allocates, releases = set(), [], [], []
+        made: set[int] = set()
+        reads, allocates, releases = [], [], []
         for i in members:
             op = graph.ops[i]
             reads += [t for t in op.inputs if t not in made and visible[t]]

@@ -88,9 +88,7 @@ class Plan:
     def located(self, graph: Graph) -> Plan:
         """This plan with the sites of its tensors in ``graph``'s step, so a runtime can act on it alone."""
         self.check_belongs(graph)
-        tensors = sorted(self._actions)
-        sites = tuple(TensorSite(t, graph.tensors[t].producer, graph.ops[graph.tensors[t].producer].allocated.index(t),
-                                 graph.tensors[t].nbytes) for t in tensors)
+        sites = tuple(_site(graph, t) for t in sorted(self._actions))
         return replace(self, sites=sites, op_count=len(graph.ops))
 
     def with_releases(self, released_before: dict[int, int]) -> Plan:
@@ -136,6 +134,14 @@ class Plan:
             raise PlanError("pinned_pool_bytes and size_floor_bytes cannot be negative")
 
 
+def _site(graph: Graph, tensor_id: int) -> TensorSite:
+    tensor = graph.tensors[tensor_id]
+    if tensor.producer is None:
+        raise PlanError(f"{tensor.name} exists before the step, so the runtime cannot find it among the tensors "
+                        "the step makes: plan only those (the input batch stays with the training loop)")
+    return TensorSite(tensor_id, tensor.producer, graph.ops[tensor.producer].allocated.index(tensor_id), tensor.nbytes)
+
+
 def _check_tensor(graph: Graph, tensor_id: int) -> None:
     if not 0 <= tensor_id < len(graph.tensors):
         raise PlanError(f"tensor id {tensor_id} is not in this graph (it has {len(graph.tensors)} tensors)")
@@ -154,6 +160,7 @@ def _check_offload(graph: Graph, offload: Offload) -> None:
         raise PlanError(f"{tensor.name} is offloaded after op {offload.after_op}, before its last forward use "
                         f"(op {last_forward}, {graph.ops[last_forward].module or 'the model'}): a later layer "
                         "still reads it")
+    assert tensor.first_backward_use is not None  # _check_tensor ran first
     if offload.prefetch_at >= tensor.first_backward_use:
         raise PlanError(f"{tensor.name} is prefetched at op {offload.prefetch_at}, not before its first backward "
                         f"use (op {tensor.first_backward_use})")
@@ -171,6 +178,7 @@ def check_recompute(graph: Graph, recompute: Recompute, dropped: set[int]) -> No
         raise PlanError("a recomputation needs the tensors it restores and the ops that rebuild them")
     for tensor_id in recompute.tensors:
         tensor = graph.tensors[tensor_id]
+        assert tensor.first_backward_use is not None  # validate checked it first; planners pass candidates
         if tensor.producer not in recompute.ops:
             raise PlanError(f"recomputing {tensor.name} must re-run its producer, op {tensor.producer}")
         if recompute.at_op > tensor.first_backward_use:

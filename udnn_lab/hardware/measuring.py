@@ -129,20 +129,21 @@ def _progress(total: int, enabled: bool, description: str) -> Iterator[Callable[
 @contextmanager
 def _strict_fp32(tf32: bool = False) -> Iterator[None]:
     """Matmul and conv in IEEE fp32 (or TF32) for the duration, whatever the global setting; restored after."""
-    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    matmul = torch.backends.cuda.matmul
+    cudnn: Any = torch.backends.cudnn  # torch swaps the module for an object whose conv (torch 2.9+) mypy cannot see
     if hasattr(matmul, "fp32_precision"):
-        saved = matmul.fp32_precision, conv.fp32_precision
-        matmul.fp32_precision = conv.fp32_precision = "tf32" if tf32 else "ieee"
-    else:  # older torch
-        saved = matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-        matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+        saved = matmul.fp32_precision, cudnn.conv.fp32_precision
+        matmul.fp32_precision = cudnn.conv.fp32_precision = "tf32" if tf32 else "ieee"
+    else:  # older torch, which has no cudnn.conv either
+        saved = matmul.allow_tf32, cudnn.allow_tf32
+        matmul.allow_tf32 = cudnn.allow_tf32 = tf32
     try:
         yield
     finally:
         if hasattr(matmul, "fp32_precision"):
-            matmul.fp32_precision, conv.fp32_precision = saved
+            matmul.fp32_precision, cudnn.conv.fp32_precision = saved
         else:
-            matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+            matmul.allow_tf32, cudnn.allow_tf32 = saved
 
 
 def _compute_rates(device: torch.device, dtypes: dict[str, torch.dtype], matmul_size: int, conv_size: int,

@@ -153,7 +153,8 @@ class Hardware:
 
     def peak_flops_per_s(self, dtype: torch.dtype | str = torch.float32, tf32: bool = False) -> float:
         """Peak rate for ``dtype``; where the device has no faster path for it, the fp32 rate."""
-        key = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, dtype)
+        keys: dict[torch.dtype | str, str] = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+        key = keys.get(dtype, dtype)
         if key not in ("fp32", "tf32", "bf16", "fp16"):
             raise ValueError(f"no FLOP rate for {dtype!r}: use torch.float32, torch.bfloat16, torch.float16 "
                              "or 'fp32', 'tf32', 'bf16', 'fp16'")

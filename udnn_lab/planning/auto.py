@@ -123,10 +123,11 @@ def _choose(graph: Graph, options: list[_Option], target: float, hideable: tuple
         offload = _first(offloads, op, chosen, pinned)
         if recompute is None and offload is None:
             break
-        offload_cost = None if offload is None else \
+        offload_cost = float("inf") if offload is None else \
             max(0.0, offload.d2h_s - d2h_left) + max(0.0, offload.h2d_s - h2d_left)
         if offload is None or (recompute is not None and recompute.cost_s / estimate.size(recompute.candidate)
                                < offload_cost / estimate.size(offload.candidate)):
+            assert recompute is not None  # not with offload None too: the loop broke then
             pick = recompute
         else:
             pick = offload

@@ -69,6 +69,7 @@ def writers(graph: Graph, tensor: int) -> tuple[int, ...]:
     """Its producer and the forward ops that return its storage again: in-place writes (ReLU(inplace), +=)
     and views. Rebuilding the tensor means re-running them all."""
     t = graph.tensors[tensor]
+    assert t.producer is not None  # callers pass candidates, which forward produces
     later = [i for i in t.consumers if graph.ops[i].phase == "forward" and tensor in graph.ops[i].outputs]
     return (t.producer, *sorted(i for i in later if i > t.producer))
 

@@ -26,7 +26,7 @@ class Copies:
             self.offload_stream = torch.cuda.Stream(device)
             self.prefetch_stream = torch.cuda.Stream(device)
 
-    def to_host(self, source: torch.Tensor, host: torch.Tensor):
+    def to_host(self, source: torch.Tensor, host: torch.Tensor) -> torch.cuda.Event | None:
         """Copy ``source`` (uint8, on the device) into ``host``; returns a completion token."""
         self.d2h_bytes += source.numel()
         if not self.cuda:
@@ -39,7 +39,7 @@ class Copies:
             done.record(self.offload_stream)
         return done
 
-    def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, object]:
+    def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """A new device buffer filled from ``host``, and its completion token."""
         self.h2d_bytes += host.numel()
         target = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)

@@ -50,6 +50,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
+from typing import Literal, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -57,7 +58,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from udnn_lab.analysis.fake.memo import flat_tensors
 from udnn_lab.analysis.recorder import records_op
 from udnn_lab.errors import PlanMismatch
-from udnn_lab.graph.plan_ir import Offload, Plan, Recompute
+from udnn_lab.graph.plan_ir import Offload, Plan, Recompute, TensorSite
 from udnn_lab.runtime.copies import Copies
 from udnn_lab.runtime.pinned_pool import HostPool
 from udnn_lab.runtime.replay import Replay, rng_state
@@ -82,14 +83,17 @@ class _Slot:
     __slots__ = ("tensor", "action", "device_data", "key", "host", "host_offset", "offload_done", "restored",
                  "prefetch_done", "handles", "replay", "watchers")
 
-    def __init__(self, tensor: int, action) -> None:
+    def __init__(self, tensor: int, action: Offload | Recompute) -> None:
         self.tensor, self.action = tensor, action
-        self.device_data = None  # uint8 view of the original storage, held until it is safely copied out
-        self.key = None  # id() of the original storage, while it lives
-        self.host = self.host_offset = self.offload_done = None
-        self.restored = self.prefetch_done = None
+        self.device_data: torch.Tensor | None = None  # uint8 view of the original storage, held until copied out
+        self.key: int | None = None  # id() of the original storage, while it lives
+        self.host: torch.Tensor | None = None
+        self.host_offset: int | None = None
+        self.offload_done: torch.cuda.Event | None = None
+        self.restored: torch.Tensor | None = None
+        self.prefetch_done: torch.cuda.Event | None = None
         self.handles = 0
-        self.replay = None
+        self.replay: Replay | None = None
         self.watchers: list[weakref.ref] = []  # weakrefs whose callbacks follow the storage and the handles
 
 
@@ -104,6 +108,10 @@ class _Handle:
             tensor.storage_offset()
 
 
+class _Observer(Protocol):
+    def adopt(self, tensor: torch.Tensor) -> None: ...
+
+
 class OffloadRuntime:
     """``with OffloadRuntime(plan): loss_fn(model(x)).backward()`` carries the plan out.
 
@@ -116,13 +124,13 @@ class OffloadRuntime:
                  pool_bytes: int | None = None) -> None:
         self.plan = plan
         self.enabled = enabled and plan is not None and bool(plan.offloads or plan.recomputes)
-        if self.enabled and not plan.sites:
+        if self.enabled and plan is not None and not plan.sites:
             raise ValueError("this plan does not say where its tensors are made: make it with ul.plan(graph, ...) "
                              "or call plan.located(graph) first")
         self.host_cap_bytes = host_cap_bytes
         self.pool_bytes = pool_bytes
         self.pool: HostPool | None = None
-        self.observer = None  # e.g. measure()'s recorder: told of storages the runtime allocates
+        self.observer: _Observer | None = None  # e.g. measure()'s recorder: told of storages the runtime allocates
         self.last_step: StepStats | None = None
         self._step: _Step | None = None
 
@@ -132,7 +140,7 @@ class OffloadRuntime:
             self._step.start()
         return self
 
-    def __exit__(self, exc_type, exc, traceback) -> bool:
+    def __exit__(self, exc_type, exc, traceback) -> Literal[False]:
         if self._step is not None:
             step, self._step = self._step, None
             self.last_step = step.finish(completed=exc_type is None)
@@ -148,7 +156,10 @@ class OffloadRuntime:
 
     def host_pool(self, device: torch.device) -> HostPool:
         if self.pool is None:
-            needed = self.pool_bytes or _pool_bytes(self.plan)
+            needed = self.pool_bytes
+            if not needed:
+                assert self.plan is not None  # only steps ask for the pool, and only a runtime with a plan makes them
+                needed = _pool_bytes(self.plan)
             self.pool = HostPool(needed, pinned=device.type == "cuda", cap_bytes=self.host_cap_bytes)
         return self.pool
 
@@ -165,13 +176,15 @@ class _Step(TorchDispatchMode):
     def __init__(self, runtime: OffloadRuntime) -> None:
         super().__init__()
         self.runtime, plan = runtime, runtime.plan
+        assert plan is not None  # a runtime makes steps only when enabled, and it is enabled only with a plan
+        self.plan = plan
         self.index = 0
-        self.copies: Copies | None = None
+        self.copies: Copies | None = None  # made when the first planned tensor is found: before any action
         self.slots = {a.tensor: _Slot(a.tensor, a) for a in plan.offloads}
         for recompute in plan.recomputes:
             for tensor in recompute.tensors:
                 self.slots[tensor] = _Slot(tensor, recompute)
-        self.sites = {}
+        self.sites: dict[int, list[TensorSite]] = {}
         for site in plan.sites:
             self.sites.setdefault(site.producer, []).append(site)
         self.by_key: dict[int, _Slot] = {}
@@ -228,7 +241,7 @@ class _Step(TorchDispatchMode):
             self.runtime.pool.reset()
         if completed and self.index < self.last_planned_op + 1:
             raise PlanMismatch(f"the step ran {self.index} ops but the plan acts up to op {self.last_planned_op} of a "
-                               f"{self.runtime.plan.op_count}-op step: run forward and backward inside the runtime, "
+                               f"{self.plan.op_count}-op step: run forward and backward inside the runtime, "
                                "and plan again if the model, batch or optimizer changed")
         return StepStats(self.index, copies.d2h_bytes if copies else 0, copies.h2d_bytes if copies else 0,
                          self.recomputed, copies.wait_s if copies else 0.0, self.on_demand)
@@ -299,6 +312,7 @@ class _Step(TorchDispatchMode):
     def _offload(self, slot: _Slot) -> None:
         if slot.device_data is None:
             return
+        assert self.copies is not None
         with torch._C._DisableTorchDispatch():  # the runtime's own tensor work is not an op of the step
             pool = self.runtime.host_pool(self.copies.device)
             slot.host_offset, slot.host = pool.take(slot.device_data.numel())
@@ -308,11 +322,13 @@ class _Step(TorchDispatchMode):
         """The release point (NOTE [offload runtime] 3): compute waits for the copy, the device tensor goes."""
         if slot.device_data is None or slot.restored is not None:
             return
+        assert self.copies is not None
         self.copies.use(slot.offload_done)
         slot.device_data = None
 
     def _settle(self) -> None:
         """Return the host slices of completed prefetches (NOTE [offload runtime] 4)."""
+        assert self.copies is not None
         while self.copying_in and self.copies.done(self.copying_in[0].prefetch_done):
             self._give_back(self.copying_in.popleft())
 
@@ -324,6 +340,7 @@ class _Step(TorchDispatchMode):
             slot.restored, slot.device_data = slot.device_data, None
             self._give_back(slot)
             return
+        assert self.copies is not None
         with torch._C._DisableTorchDispatch():
             slot.restored, slot.prefetch_done = self.copies.to_device(slot.host)
         self.copying_in.append(slot)
@@ -365,9 +382,11 @@ class _Step(TorchDispatchMode):
     def _on_demand(self, slot: _Slot) -> None:
         self.on_demand += 1
         if isinstance(slot.action, Recompute):
+            assert slot.replay is not None  # set when its producer ran: a valid plan re-runs every producer
             self._replay(slot.replay)
             return
         self._prefetch(slot)
+        assert self.copies is not None
         self.copies.finish(slot.prefetch_done)
 
     def _handle_gone(self, slot: _Slot, _ref) -> None:
@@ -376,12 +395,14 @@ class _Step(TorchDispatchMode):
             self._drop(slot)
 
     def _drop(self, slot: _Slot) -> None:
+        assert self.copies is not None
         self.copies.finish(slot.prefetch_done)  # NOTE [offload runtime] 7: a copy may still use block and slice
         slot.restored = slot.device_data = slot.prefetch_done = slot.offload_done = None
         self._give_back(slot)
 
     def _give_back(self, slot: _Slot) -> None:
         if slot.host is not None and self.runtime.pool is not None:
+            assert slot.host_offset is not None  # taken with the host slice
             self.runtime.pool.give_back(slot.host_offset)
         slot.host = slot.host_offset = None
 

@@ -8,7 +8,9 @@ names can be rebuilt without touching the model's code. See NOTE [offload runtim
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -22,7 +24,7 @@ _UNDECLARED_WRITES = {"aten.native_batch_norm.default": (3, 4), "aten.cudnn_batc
 
 @dataclass
 class _Call:
-    func: object
+    func: Callable[..., Any]
     args: tuple  # tensors made earlier in the replay appear as _Made markers
     kwargs: dict
     rng_state: tuple | None  # (cpu state, cuda state or None) before a random op

@@ -143,13 +143,14 @@ class _FusedOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.handles = []
+        kind: Callable[..., torch.optim.Optimizer] = type(optimizer)  # a subclass, with its own constructor
         for group in optimizer.param_groups:
             settings = {k: v for k, v in group.items() if k != "params"}
             settings["foreach"] = False
             for param in group["params"]:
                 if not param.requires_grad:
                     continue
-                single = type(optimizer)([{"params": [param], **settings}])
+                single = kind([{"params": [param], **settings}])
                 single.state[param] = optimizer.state[param]  # the same dict: updates land in both
                 self.handles.append(param.register_post_accumulate_grad_hook(_stepper(single)))
 

@@ -8,7 +8,8 @@ import pandas as pd
 from udnn_lab.charts.base import check_columns
 
 
-def degradation_heatmap(result_or_frame, width: int = 320, height: int = 320) -> alt.LayerChart:
+def degradation_heatmap(result_or_frame, width: int = 320,
+                        height: int = 320) -> alt.LayerChart | alt.FacetChart:
     """r_AB as a heatmap: job A in rows, partner B in columns, 1 (no slowdown) white, worse redder.
 
     Takes a StudyResult or its ``degradation()`` frame (job, partner, r)."""
@@ -21,7 +22,7 @@ def degradation_heatmap(result_or_frame, width: int = 320, height: int = 320) ->
                     width, height, "A (slowed)", "B (partner)")
 
 
-def jaccard_heatmap(result, width: int = 320, height: int = 320) -> alt.LayerChart:
+def jaccard_heatmap(result, width: int = 320, height: int = 320) -> alt.LayerChart | alt.FacetChart:
     """Q3: normalized Jaccard similarity of the jobs' operator mixes (1: the same mix)."""
     matrix = result.jaccard()
     frame = matrix.stack().rename("similarity").reset_index() if len(matrix) else \
@@ -32,7 +33,7 @@ def jaccard_heatmap(result, width: int = 320, height: int = 320) -> alt.LayerCha
 
 
 def _heatmap(frame: pd.DataFrame, value: str, title: str, names: list[str], color, width: int, height: int,
-             y_title: str, x_title: str) -> alt.LayerChart:
+             y_title: str, x_title: str) -> alt.LayerChart | alt.FacetChart:
     base = alt.Chart(frame).encode(x=alt.X("partner:N", sort=names, title=x_title),
                                    y=alt.Y("job:N", sort=names, title=y_title))
     cells = base.mark_rect(stroke="white").encode(color=color, tooltip=["job:N", "partner:N",
@@ -90,7 +91,8 @@ def signals_chart(result, signal: str = "device_busy_percent", width: int = 120,
     ).resolve_scale(x="independent")
 
 
-def repeat_chart(frame: pd.DataFrame, tolerance: float = 0.10, width: int = 300, height: int = 300) -> alt.LayerChart:
+def repeat_chart(frame: pd.DataFrame, tolerance: float = 0.10, width: int = 300,
+                 height: int = 300) -> alt.LayerChart | alt.FacetChart:
     """Two runs of one study: each r of the second against the first, with the band where they agree
     within ``tolerance``. Takes sharing.compare_runs(...)."""
     check_columns(frame, ["job", "partner", "run1", "run2", "relative_spread"], "sharing.compare_runs(results)")

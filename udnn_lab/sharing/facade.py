@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
+from typing import cast
 
 import altair
 import numpy
@@ -104,7 +105,8 @@ def run_study(jobs: Sequence[JobSpec | str] | None = None, *, size: str = "small
         size=size, device=device, caps=tuple(caps) if caps is not None else None, warmup=warmup,
         iterations=iterations, profile_repeats=profile_repeats, sample_interval_s=sample_interval_s,
         threads=threads, stall_timeout_s=stall_timeout_s, ready_timeout_s=ready_timeout_s, tolerance=tolerance,
-        questions=tuple(questions), pairs=tuple(tuple(p) for p in pairs) if pairs is not None else None,
+        questions=tuple(questions),
+        pairs=tuple(cast("tuple[str, str]", tuple(p)) for p in pairs) if pairs is not None else None,
         cores=_cores(cores, device), min_phase_s=min_phase_s, retries=retries, max_interference=max_interference)
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     load_before = os.getloadavg()

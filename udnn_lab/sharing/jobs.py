@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -25,7 +25,8 @@ from udnn_lab.workload import Workload
 
 SIZES = ("tiny", "small", "full")
 DOCUMENT_004_MODELS = ("mlp5", "vgg19", "resnet50", "lstm")
-_VGG19 = (1, 1, "M", 2, 2, "M", 4, 4, 4, 4, "M", 8, 8, 8, 8, "M", 8, 8, 8, 8, "M")  # x width (64 at full size)
+# VGG-19's conv widths, times width (64 at full size); "M": a max pool
+_VGG19: tuple[int | Literal["M"], ...] = (1, 1, "M", 2, 2, "M", 4, 4, 4, 4, "M", 8, 8, 8, 8, "M", 8, 8, 8, 8, "M")
 
 # model -> size -> (batch, factory options)
 _PRESETS: dict[str, dict[str, tuple[int, dict[str, Any]]]] = {
@@ -101,7 +102,7 @@ def document_004_job(model: str, size: str = "small", **overrides: Any) -> JobSp
         raise ValueError(f"size must be one of {', '.join(SIZES)}, got {size!r}")
     batch, options = _PRESETS[model][size]
     batch = overrides.pop("batch", batch)
-    return JobSpec(model, f"udnn_lab.sharing.jobs:{model}", batch, {**options, **overrides})
+    return JobSpec(model, f"udnn_lab.sharing.jobs:{model}", batch, tuple({**options, **overrides}.items()))
 
 
 # -- the factories ------------------------------------------------------------------------------
@@ -131,7 +132,8 @@ def lstm(batch: int, device: str, vocabulary: int = 10000, embed: int = 256, hid
     return _classifier(build, (batch, tokens), classes, device, "lstm", vocabulary=vocabulary)
 
 
-def _classifier(build, shape: tuple[int, ...], classes: int, device: str, name: str, vocabulary: int = 0) -> Workload:
+def _classifier(build, shape: tuple[int, ...], classes: int, device: str | torch.device, name: str,
+                vocabulary: int = 0) -> Workload:
     device = torch.device(device)
     generator = torch.Generator().manual_seed(0)
     with torch.device(device):

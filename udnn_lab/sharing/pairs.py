@@ -68,7 +68,8 @@ def _best_attempt(workers: Workers, a: str, b: str, config: StudyConfig, record:
     """Measure the pair; again while other programs disturbed it (NOTE [pair protocol], 6)."""
     attempts = []
     for attempt in range(1 + config.retries):
-        steps, windows = [], []
+        steps: list[dict] = []
+        windows: list[dict] = []
         row = _pair(workers, a, b, config, record.started, record, steps, windows)
         row["interference"] = _pair_interference(sampler, windows, config)
         row["attempts"] = attempt + 1
@@ -95,6 +96,7 @@ def _pair(workers: Workers, a: str, b: str, config: StudyConfig, started: float,
                      and time.monotonic() - both >= span, [a, b])
     workers.stop(run_a)
     workers.wait_for(lambda: run_a.done, [a, b])
+    assert run_a.facts is not None  # the run is done: its facts arrived
     a_done = run_a.facts["end"]
     workers.wait_for(lambda: len(run_b.after(a_done)) >= n and time.monotonic() - a_done >= span, [b])
     workers.stop(run_b)
@@ -130,7 +132,7 @@ def _alone(iterations: list[Iteration], partner_started: float) -> list[Iteratio
 def _pair_interference(sampler, windows: list[dict], config: StudyConfig) -> float | None:
     """The largest share, over the pair's windows, of the cores its jobs could use that went elsewhere."""
     shares = [interference(sampler, w["jobs"], w["start"], w["end"], config) for w in windows]
-    return None if not shares or None in shares else max(shares)
+    return None if not shares or None in shares else max(s for s in shares if s is not None)
 
 
 def _interference_text(row: dict) -> str:

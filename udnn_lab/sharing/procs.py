@@ -12,8 +12,9 @@ import multiprocessing
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import wait
-from typing import NamedTuple
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import NamedTuple, cast
 
 from udnn_lab.errors import JobFailed
 from udnn_lab.sharing.jobs import JobSpec
@@ -45,7 +46,7 @@ class RunState:
     started: float  # time.monotonic() when the order was sent
     iterations: list[Iteration] = field(default_factory=list)
     facts: dict | None = None  # the run_done facts; None while it runs
-    profile: dict | None = None
+    profile: dict[str, float] | None = None  # op -> seconds, for a profile order
 
     @property
     def done(self) -> bool:
@@ -59,8 +60,8 @@ class RunState:
 @dataclass
 class _Worker:
     spec: JobSpec
-    process: multiprocessing.Process
-    conn: object
+    process: BaseProcess
+    conn: Connection
     pid: int | None = None
     analysis: JobAnalysis | None = None
     error: str | None = None
@@ -154,8 +155,9 @@ class Workers:
         try:
             worker.conn.send(message)
         except (BrokenPipeError, OSError) as err:
-            self.fail(job, f"its process is gone ({err}; exit code {worker.process.exitcode})")
-            raise JobFailed(job, worker.error) from None
+            error = f"its process is gone ({err}; exit code {worker.process.exitcode})"
+            self.fail(job, error)
+            raise JobFailed(job, error) from None
 
     # -- events ------------------------------------------------------------------------------
     def wait_for(self, condition: Callable[[], bool], jobs: list[str], timeout_s: float | None = None) -> None:
@@ -168,9 +170,10 @@ class Workers:
                     raise JobFailed(job, worker.error)
                 silent = time.monotonic() - worker.last_heard
                 if silent > self.stall_timeout_s:
-                    self.fail(job, f"no word from it for {silent:.0f} s (stall timeout {self.stall_timeout_s:.0f} s): "
-                                   "hung, or one step takes longer; raise timeout_s for bigger jobs")
-                    raise JobFailed(job, self._workers[job].error)
+                    error = (f"no word from it for {silent:.0f} s (stall timeout {self.stall_timeout_s:.0f} s): "
+                             "hung, or one step takes longer; raise timeout_s for bigger jobs")
+                    self.fail(job, error)
+                    raise JobFailed(job, error)
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"waited {timeout_s:.0f} s for {', '.join(jobs)}")
             self.pump(0.05)
@@ -181,7 +184,8 @@ class Workers:
         if not live:
             time.sleep(timeout_s)
             return
-        for conn in wait(list(live), timeout_s):
+        # wait returns some of the objects it was given: here connections only
+        for conn in cast("list[Connection]", wait(list(live), timeout_s)):
             name = live[conn]
             worker = self._workers[name]
             try:

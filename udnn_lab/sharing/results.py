@@ -245,7 +245,8 @@ def _ks_row(pair, job, signal, source, alone: pd.Series, shared: pd.Series, alph
 
 def _choose(frame: pd.DataFrame) -> tuple[list[bool], list[str]]:
     """Greedy: best combined throughput first, each job in at most one chosen pair."""
-    taken, chosen, reasons = set(), [], []
+    taken: set[str] = set()
+    chosen, reasons = [], []
     for row in frame.itertuples():
         if not row.colocate:
             chosen.append(False)

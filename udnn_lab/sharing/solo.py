@@ -48,6 +48,7 @@ def _q1_run(workers: Workers, job: str, label: str, cap: int | None, config: Stu
 def _q1_rows(record: Record, job: str, label: str, cap: int | None, state: RunState, config: StudyConfig,
              share: float | None, attempts: int) -> None:
     facts = state.facts
+    assert facts is not None  # the run is done: its facts arrived
     measured = state.iterations[config.warmup:]
     times = [it.time_s for it in measured]
     record.q1_runs.append({
@@ -72,8 +73,10 @@ def q3(workers: Workers, config: StudyConfig, record: Record, log) -> None:
         except JobFailed as failed:
             failed_job(record, failed, "q3")
             continue
-        total = sum(state.profile.values()) or 1.0
+        profile = state.profile
+        assert profile is not None  # the profile order is done: its profile arrived
+        total = sum(profile.values()) or 1.0
         record.op_mix.extend({"job": job, "op": op, "time_s": seconds, "share": seconds / total}
-                             for op, seconds in state.profile.items())
-        top = max(state.profile, key=state.profile.get) if state.profile else "-"
-        log(f"Q3 {job}: {len(state.profile)} op types, most time in {top}")
+                             for op, seconds in profile.items())
+        top = max(profile, key=profile.__getitem__) if profile else "-"
+        log(f"Q3 {job}: {len(profile)} op types, most time in {top}")

@@ -199,7 +199,8 @@ class _Control:
 
     def __init__(self, conn, order: RunOrder) -> None:
         self.conn, self.order = conn, order
-        self.count, self.quit, self.measuring_since = 0, False, None
+        self.count, self.quit = 0, False
+        self.measuring_since: float | None = None
         self.last_end = time.monotonic()
 
     def __call__(self, row: dict) -> bool | None:

@@ -193,6 +193,7 @@ class _Run:
             for tensor in recompute.tensors:
                 if on_device[tensor]:
                     last = self.graph.tensors[tensor].last_forward_use
+                    assert last is not None  # a recomputed tensor's producer is a forward op (Plan.validate)
                     self.drop_after.setdefault(last, []).append(tensor)
         readers = {i for t in moved for i in self.graph.tensors[t].consumers}
         self.action_ops = set(self.offload_after) | set(self.prefetch_at) | set(self.sync_before) \

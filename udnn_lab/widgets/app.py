@@ -20,7 +20,9 @@ from torch import nn
 
 from udnn_lab import charts, frames, zoo
 from udnn_lab.charts.base import enable_offline
+from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware.profiles import Hardware
+from udnn_lab.measurement.measuring import Measurement
 from udnn_lab.planning.budget import PlanInfeasible
 from udnn_lab.planning.registry import POLICIES
 from udnn_lab.simulation.simulator import Simulation
@@ -36,7 +38,8 @@ class _Debounce:
     """Call ``action`` once, ``wait_s`` after the last request (at once when wait_s is 0 or no event loop runs)."""
 
     def __init__(self, wait_s: float, action: Callable[[], None]) -> None:
-        self.wait_s, self.action, self.pending = wait_s, action, None
+        self.wait_s, self.action = wait_s, action
+        self.pending: asyncio.TimerHandle | None = None
 
     def __call__(self) -> None:
         if self.pending is not None:
@@ -73,14 +76,18 @@ class MemoryLab(widgets.AppLayout):
         custom = model if isinstance(model, nn.Module) else None
         self.session = LabSession(custom, input_shape, image_size, extra)
         self.points = points
-        self._dirty, self._quiet, self._measured, self._events = -1, False, None, None
+        self._dirty, self._quiet = -1, False
+        self._measured: tuple[Setting, Measurement, Graph] | None = None
+        self._events: pd.DataFrame | None = None
         self._minimum: int | None = None  # the policy's smallest budget, once known
         self._debounce = _Debounce(debounce_s, self._update)
         enable_offline()
         self._build_controls(self.session.custom_name or str(model), batch, dtype, optimizer,
                              hardware.name if isinstance(hardware, Hardware) else hardware, policy)
-        self.memory_chart = alt.JupyterChart(None, layout=widgets.Layout(min_height="340px"))
-        self.timeline_chart = alt.JupyterChart(None, layout=widgets.Layout(min_height="140px"))
+        self.memory_chart = alt.JupyterChart(None,  # type: ignore[arg-type]  # altair's hint omits None
+                                             layout=widgets.Layout(min_height="340px"))
+        self.timeline_chart = alt.JupyterChart(None,  # type: ignore[arg-type]  # altair's hint omits None
+                                               layout=widgets.Layout(min_height="140px"))
         self.summary = widgets.HTML()
         self.status = widgets.HTML()
         super().__init__(

@@ -86,6 +86,7 @@ class LabSession:
             if dtype != torch.float32:
                 raise ValueError(f"your module is traced as it is; convert it with .to({dtype}) yourself and pass "
                                  "it again, or pick float32")
+            assert self.model is not None  # custom_name is set only with a model
             return zoo.get(self.model, batch=setting.batch, input_shape=self.input_shape, optimizer=optimizer)
         return zoo.get(setting.network, batch=setting.batch, image_size=self.image_size, device=device,
                        dtype=None if dtype == torch.float32 else dtype, optimizer=optimizer)

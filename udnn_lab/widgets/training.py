@@ -35,7 +35,8 @@ class TrainingPanel:
         self.stop_button = widgets.Button(description="Stop", icon="stop", disabled=True,
                                           tooltip="stop after the step that is running")
         self.progress = widgets.IntProgress(value=0, min=0, max=1, description="", layout=widgets.Layout(width="290px"))
-        self.chart = alt.JupyterChart(None, layout=widgets.Layout(min_height="120px"))
+        self.chart = alt.JupyterChart(None,  # type: ignore[arg-type]  # altair's hint omits None
+                                      layout=widgets.Layout(min_height="120px"))
         self.stop_button.on_click(lambda _: self.stop())
         self.run: Run | None = None
         self.rows: list[dict] = []

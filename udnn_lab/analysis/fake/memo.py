@@ -96,7 +96,7 @@ def _describe(out, args: tuple):
     if outputs is None:
         return _UNMEMOIZABLE
     taken = {id(a.untyped_storage()) for a in flat_tensors(args)}
-    described = []
+    described: list[tuple | None] = []
     for tensor in outputs:
         if tensor is None:
             described.append(None)
@@ -141,10 +141,11 @@ def _shape_rule(func, args: tuple, kwargs: dict):
 
 
 def _plain(t) -> bool:
-    return isinstance(t, FakeTensor) and t.dtype == torch.float32 and t.is_contiguous() and t.storage_offset() == 0
+    return bool(isinstance(t, FakeTensor) and t.dtype == torch.float32 and t.is_contiguous()
+                and t.storage_offset() == 0)
 
 
-def _like(t: torch.Tensor):
+def _like(t: FakeTensor):
     return tuple(t.shape), t.stride(), t.dtype, t.fake_device
 
 
@@ -155,6 +156,8 @@ def _elementwise(args: tuple, kwargs: dict):
     if kwargs or not tensors:
         return None
     first = tensors[0]
+    if not isinstance(first, FakeTensor):  # a real tensor (a plain module attribute, say) has no fake device
+        return None
     same = (first.shape, torch.float32, first.fake_device)
     if not all(isinstance(t, FakeTensor) and (t.shape, t.dtype, t.fake_device) == same and _row_major(t)
                for t in tensors):
@@ -205,7 +208,7 @@ def _minimal_nbytes(tensor: torch.Tensor) -> int:
 
 def _build(entry, mode: FakeTensorMode):
     single, described = entry
-    outputs = []
+    outputs: list[FakeTensor | None] = []
     with torch._C._DisableTorchDispatch():  # plain meta storage, not another fake op
         for item in described:
             if item is None:

@@ -8,6 +8,7 @@ what keeps a 1,000-layer trace within seconds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import chain
 from typing import Any
 
@@ -93,16 +94,17 @@ def fake_optimizer(optimizer: torch.optim.Optimizer | None, model: torch.nn.Modu
 
 
 def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
+    kind: Callable[..., torch.optim.Optimizer] = type(optimizer)  # a subclass, with its own constructor
     try:
-        return type(optimizer)(groups, **optimizer.defaults)
+        return kind(groups, **optimizer.defaults)
     except TypeError:
-        return type(optimizer)(groups)
+        return kind(groups)
 
 
 def _fake_values(state: dict, param_device: torch.device, fake_mode: FakeTensorMode, device: torch.device) -> dict:
     """Tensors on the parameter's device (or meta) become fakes on ``device``; others (host-side
     step counters, which the optimizer reads with .item()) stay real, as copies."""
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in state.items():
         if isinstance(value, torch.Tensor) and value.device in (param_device, torch.device("meta")):
             out[key] = fake_like(value, fake_mode, device)
