@@ -218,6 +218,7 @@ class _Step(TorchDispatchMode):
             raise
 
     def finish(self, completed: bool) -> StepStats:
+        """NOTE [offload runtime] 9: mode and hooks off, copies waited for, every reference dropped."""
         try:
             self.__exit__(None, None, None)
         finally:
@@ -280,6 +281,7 @@ class _Step(TorchDispatchMode):
         return out
 
     def _found(self, site, args, out) -> None:
+        """The planned tensor is op ``site.producer``'s ``site.position``-th new storage (NOTE [offload runtime] 1)."""
         taken = {id(t.untyped_storage()) for t in flat_tensors(args)}
         fresh = []
         for tensor in flat_tensors((out,)):
@@ -313,7 +315,7 @@ class _Step(TorchDispatchMode):
         if slot.device_data is None:
             return
         assert self.copies is not None
-        with torch._C._DisableTorchDispatch():  # the runtime's own tensor work is not an op of the step
+        with torch._C._DisableTorchDispatch():  # NOTE [offload runtime] 8: not an op of the step
             pool = self.runtime.host_pool(self.copies.device)
             slot.host_offset, slot.host = pool.take(slot.device_data.numel())
             slot.offload_done = self.copies.to_host(slot.device_data, slot.host)
@@ -333,6 +335,7 @@ class _Step(TorchDispatchMode):
             self._give_back(self.copying_in.popleft())
 
     def _prefetch(self, slot: _Slot) -> None:
+        """NOTE [offload runtime] 4: a device buffer on the compute stream, filled on the prefetch stream."""
         if slot.host is None or slot.restored is not None:
             return
         self._settle()
@@ -347,6 +350,7 @@ class _Step(TorchDispatchMode):
         self._adopt(slot.restored)
 
     def _replay(self, replay: Replay) -> None:
+        """NOTE [offload runtime] 6: re-run the recorded forward ops before backward unpacks."""
         for tensor, value in replay.run().items():
             slot = self.slots[tensor]
             slot.restored = _bytes_of(value)
@@ -359,6 +363,7 @@ class _Step(TorchDispatchMode):
 
     # -- autograd hooks ---------------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor):
+        """NOTE [offload runtime] 2: a handle for a planned storage, the tensor itself otherwise."""
         slot = self.by_key.get(id(tensor.untyped_storage()))
         if slot is None:
             return tensor
@@ -368,6 +373,7 @@ class _Step(TorchDispatchMode):
         return handle
 
     def _unpack(self, packed):
+        """NOTE [offload runtime] 5: compute waits on the prefetch; the saved view over the restored storage."""
         if not isinstance(packed, _Handle):
             return packed
         slot = packed.slot
@@ -390,6 +396,7 @@ class _Step(TorchDispatchMode):
         self.copies.finish(slot.prefetch_done)
 
     def _handle_gone(self, slot: _Slot, _ref) -> None:
+        """NOTE [offload runtime] 7: the last handle of a slot collected."""
         slot.handles -= 1
         if slot.handles <= 0 and slot.restored is not None:
             self._drop(slot)
