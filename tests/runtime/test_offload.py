@@ -1,3 +1,4 @@
+import contextlib
 import copy
 import dataclasses
 
@@ -218,3 +219,98 @@ def test_a_step_holds_no_memory_after_it_ends_without_the_garbage_collector(poli
     finally:
         gc.enable()
     assert held == 0, f"{held} bytes held after the step until the garbage collector runs"
+
+
+def _small_convnet(activation: type[nn.Module]) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), activation(),
+                         nn.Conv2d(32, 32, 3, padding=1), activation(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(32, 4))
+
+
+def _run_under(chosen, model: nn.Module, loss_fn=nn.functional.cross_entropy) -> None:
+    x, y = torch.randn(4, 3, 64, 64), torch.tensor([0, 3, 1, 2])
+    with OffloadRuntime(chosen):
+        loss_fn(model(x), y).backward()
+
+
+@pytest.mark.parametrize("change", ["activation", "eval mode", "loss"])
+def test_plan_mismatch_a_plan_for_another_step_is_refused_at_the_first_op_that_differs(change):
+    model = _small_convnet(nn.ReLU)
+    x, y = torch.randn(4, 3, 64, 64), torch.tensor([0, 3, 1, 2])
+    graph = ul.trace(model, x, loss_fn=nn.functional.cross_entropy, target=y, optimizer=None)
+    chosen = plan(graph, None, "vdnn-all", hardware=CPU)
+    assert chosen.offloads
+    _run_under(chosen, copy.deepcopy(model))  # the step it was made for runs
+    other, loss_fn = copy.deepcopy(model), nn.functional.cross_entropy
+    if change == "activation":
+        other = _small_convnet(nn.GELU)
+    elif change == "eval mode":
+        other.eval()
+    else:
+        loss_fn = lambda out, target: nn.functional.mse_loss(out, nn.functional.one_hot(target, 4).float())  # noqa: E731
+    with pytest.raises(PlanMismatch, match=r"not the one the plan was made for: its op \d+ is \w+"):
+        _run_under(chosen, other, loss_fn)
+    _run_under(chosen, copy.deepcopy(model))  # the runtime is left usable
+
+
+class _OwnGeneratorDropout(nn.Module):
+    """A dropout mask drawn from the model's own torch.Generator, not the default one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(7)
+
+    def forward(self, x):
+        mask = torch.rand(x.shape, generator=self.generator) > 0.5
+        return x * mask * 2
+
+
+def test_user_generator_recompute_replays_a_user_generator_s_draws_and_leaves_it_as_eager_does():
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(6):
+        layers += [nn.Linear(256, 256), nn.Tanh(), _OwnGeneratorDropout()]
+    model = nn.Sequential(*layers, nn.Linear(256, 4))
+    x, y = torch.randn(64, 256), torch.randint(0, 4, (64,))
+    graph = ul.trace(model, x, loss_fn=nn.functional.cross_entropy, target=y, optimizer=None)
+    chosen = plan(graph, (ul.min_budget(graph, "recompute", hardware=CPU) + graph.peak_bytes) // 2, "recompute",
+                  hardware=CPU)
+    assert chosen.recomputes
+    results = []
+    for runtime in (None, OffloadRuntime(chosen)):
+        twin = copy.deepcopy(model)
+        with runtime or contextlib.nullcontext():
+            nn.functional.cross_entropy(twin(x), y).backward()
+        states = [m.generator.get_state() for m in twin if isinstance(m, _OwnGeneratorDropout)]
+        results.append(([p.grad for p in twin.parameters()], states))
+    (grads, states), (grads_b, states_b) = results
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_b))
+    assert all(torch.equal(a, b) for a, b in zip(states, states_b))
+
+
+class _ModifiesItsSavedOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(256, 256), nn.Linear(256, 4)
+
+    def forward(self, x):
+        hidden = torch.relu(self.first(x))  # relu saves its output for backward
+        out = self.second(hidden)
+        hidden.add_(1)  # ... which is then modified in place: eager's backward refuses the step
+        return out
+
+
+@pytest.mark.parametrize("policy", ["vdnn-all", "recompute"])
+def test_a_step_eager_rejects_is_rejected_under_the_runtime_too(policy):
+    torch.manual_seed(0)
+    model, x, y = _ModifiesItsSavedOutput(), torch.randn(256, 256), torch.randint(0, 4, (256,))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        nn.functional.cross_entropy(copy.deepcopy(model)(x), y).backward()
+    graph = ul.trace(model, x, loss_fn=nn.functional.cross_entropy, target=y, optimizer=None)
+    chosen = plan(graph, None, policy, hardware=CPU)
+    assert chosen.offloads or chosen.recomputes
+    twin = copy.deepcopy(model)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        with OffloadRuntime(chosen):
+            nn.functional.cross_entropy(twin(x), y).backward()

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from udnn_lab.errors import PlanError
-from udnn_lab.graph.step_graph import Graph
+from udnn_lab.graph.step_graph import Graph, op_family
 from udnn_lab.units import format_bytes
 
 
@@ -69,6 +69,9 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     sites: tuple[TensorSite, ...] = ()  # filled by located(): what the runtime needs without the graph
     op_count: int = 0  # ops of the step it was located in
+    # op_family of each forward and backward op of that step, in order: the runtime checks them (an optimizer's
+    # first step legitimately differs from the steady one the trace shows)
+    op_families: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         sized = {site.tensor: site.nbytes for site in self.sites}
@@ -89,7 +92,8 @@ class Plan:
         """This plan with the sites of its tensors in ``graph``'s step, so a runtime can act on it alone."""
         self.check_belongs(graph)
         sites = tuple(_site(graph, t) for t in sorted(self._actions))
-        return replace(self, sites=sites, op_count=len(graph.ops))
+        return replace(self, sites=sites, op_count=len(graph.ops),
+                       op_families=tuple(op_family(op.name) for op in graph.ops if op.phase != "optimizer"))
 
     def with_releases(self, released_before: dict[int, int]) -> Plan:
         """This plan with each offload's release point set where a simulation let its memory go.

@@ -23,6 +23,24 @@ from udnn_lab.graph import liveness
 from udnn_lab.units import cuda_block_bytes, format_bytes
 from udnn_lab.vocabulary import PHASES, Category, Phase
 
+# Backend variants of one op: a step traced where CPU kernels stand in for CUDA ones names the
+# portable op, the real CUDA step the cuDNN one; both are the same op of the same step.
+_BACKEND_VARIANTS = {
+    "cudnn_batch_norm": "native_batch_norm", "miopen_batch_norm": "native_batch_norm",
+    "_native_batch_norm_legit": "native_batch_norm", "_native_batch_norm_legit_functional": "native_batch_norm",
+    "cudnn_batch_norm_backward": "native_batch_norm_backward",
+    "miopen_batch_norm_backward": "native_batch_norm_backward",
+}
+
+
+def op_family(name: str) -> str:
+    """An op's name without overload or backend variant ('aten.cudnn_batch_norm.default' -> 'native_batch_norm').
+
+    Two steps whose ops have the same families in the same order are the same step.
+    """
+    base = name.split(".")[1] if name.count(".") >= 2 else name
+    return _BACKEND_VARIANTS.get(base, base)
+
 
 @dataclass(frozen=True)
 class TensorInfo:

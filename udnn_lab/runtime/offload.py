@@ -2,11 +2,13 @@
 
 NOTE [offload runtime]
   1. Identity. A dispatch mode counts the step's ops by the recorder's rules (records_op),
-     so op indices are the plan's. When op ``site.producer`` returns, its
+     so op indices are the plan's, and each op's family (op_family) must be the plan's op
+     at that index: a step that differs (another activation, loss or mode) raises
+     PlanMismatch at the first op that differs. When op ``site.producer`` returns, its
      ``site.position``-th new output storage is the planned tensor (its size is checked).
   2. Saving. Autograd's pack hook returns a handle for a planned storage (one slot per
-     storage however many ops save it, in whatever views) and the tensor itself otherwise:
-     parameters, buffers and unplanned tensors are never touched.
+     storage however many ops save it, in whatever views) and the tensor itself, with its
+     version, otherwise: parameters, buffers and unplanned tensors are never touched.
   3. Offload and release. After op ``after_op`` the storage is copied into a slice of the
      host pool: on CUDA on the offload stream, which first waits on the compute stream. The
      runtime holds the device tensor until the offload's release point (``release_op``:
@@ -23,7 +25,10 @@ NOTE [offload runtime]
   5. Use. Unpacking makes the compute stream wait on the prefetch event (nothing once it
      has completed) and returns the saved view over the restored storage. A handle
      unpacked before its prefetch (a step that does not follow the plan) is fetched on
-     demand, and the host wait is counted as a stall.
+     demand, and the host wait is counted as a stall. A handle keeps autograd's version
+     check: if the saved tensor was modified in place after it was saved, unpacking raises
+     the error eager PyTorch raises; so does a tensor the plan leaves alone (autograd does
+     not check versions of tensors that went through saved-tensor hooks).
   6. Recompute. The ops of a Recompute are recorded in forward (dropped tensors by
      reference into the recording, never by a reference that would keep them alive), with
      the RNG state before a random op; when the op before ``at_op`` ends (autograd unpacks
@@ -59,6 +64,7 @@ from udnn_lab.analysis.fake.memo import flat_tensors
 from udnn_lab.analysis.recorder import records_op
 from udnn_lab.errors import PlanMismatch
 from udnn_lab.graph.plan_ir import Offload, Plan, Recompute, TensorSite
+from udnn_lab.graph.step_graph import op_family
 from udnn_lab.runtime.copies import Copies
 from udnn_lab.runtime.pinned_pool import HostPool
 from udnn_lab.runtime.replay import Replay, rng_state
@@ -81,7 +87,7 @@ class _Slot:
     """One planned storage during one step."""
 
     __slots__ = ("tensor", "action", "device_data", "key", "host", "host_offset", "offload_done", "restored",
-                 "prefetch_done", "handles", "replay", "watchers")
+                 "prefetch_done", "handles", "replay", "watchers", "writes")
 
     def __init__(self, tensor: int, action: Offload | Recompute) -> None:
         self.tensor, self.action = tensor, action
@@ -93,6 +99,7 @@ class _Slot:
         self.restored: torch.Tensor | None = None
         self.prefetch_done: torch.cuda.Event | None = None
         self.handles = 0
+        self.writes = 0  # in-place writes to the storage seen so far: its version, as far as saving goes
         self.replay: Replay | None = None
         self.watchers: list[weakref.ref] = []  # weakrefs whose callbacks follow the storage and the handles
 
@@ -100,12 +107,29 @@ class _Slot:
 class _Handle:
     """What autograd keeps instead of a planned tensor: which slot, and the view to rebuild."""
 
-    __slots__ = ("slot", "dtype", "shape", "stride", "offset", "__weakref__")
+    __slots__ = ("slot", "dtype", "shape", "stride", "offset", "writes", "__weakref__")
 
     def __init__(self, slot: _Slot, tensor: torch.Tensor) -> None:
         self.slot = slot
         self.dtype, self.shape, self.stride, self.offset = tensor.dtype, tuple(tensor.shape), tensor.stride(), \
             tensor.storage_offset()
+        self.writes = slot.writes  # autograd's version check, which a handle would lose (NOTE [offload runtime] 5)
+
+
+class _Kept:
+    """A tensor the plan leaves alone, with its version when saved: autograd skips that check under hooks."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor, version: int) -> None:
+        self.tensor, self.version = tensor, version
+
+
+def _modified_in_place(dtype: torch.dtype, shape, writes: int) -> None:
+    raise RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"a saved {dtype} tensor of shape {list(shape)} was written {writes} time(s) after it was saved (eager "
+        "PyTorch refuses this step too: the step, not the plan, is wrong)")
 
 
 class _Observer(Protocol):
@@ -203,7 +227,8 @@ class _Step(TorchDispatchMode):
         self.watched = set(self.sites) | set(self.offload_after) | set(self.prefetch_at) | set(self.replay_at) \
             | set(self.recording) | set(self.release_at) | set(self.wait_at)
         self.last_planned_op = max(self.watched, default=-1)
-        self.counted: dict = {}
+        self.families: dict = {}  # func -> its op_family, or "" for ops the trace does not count
+        self.expected = plan.op_families  # NOTE [offload runtime] 1: the step must be the plan's step
         self.copying_in: deque[_Slot] = deque()  # prefetches in flight
         self.recomputed = self.on_demand = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -250,25 +275,38 @@ class _Step(TorchDispatchMode):
     # -- the op stream ------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        counted = self.counted.get(func)
-        if counted is None:
-            counted = self.counted[func] = records_op(func)
-        if not counted:
+        known = self.families.get(func)
+        if known is None:
+            known = self.families[func] = (op_family(str(func)) if records_op(func) else "", _written(func))
+        family, written_args = known
+        if not family:
             return func(*args, **kwargs)
         index = self.index
         self.index += 1
-        if index not in self.watched:
-            return func(*args, **kwargs)
+        if index < len(self.expected) and family != self.expected[index]:
+            self._mismatch(index, family)
+        if index in self.watched:
+            return self._act(index, func, args, kwargs, written_args)
+        out = func(*args, **kwargs)
+        if written_args:
+            self._count_writes(written_args, args, kwargs)
+        return out
+
+    def _act(self, index: int, func, args: tuple, kwargs: dict, written_args: tuple[int | str, ...]):
+        """An op at which the plan acts: before it, after it, or by recording it for a replay."""
         for offload in self.prefetch_at.get(index, ()):
             self._prefetch(self.slots[offload.tensor])
         for offload in self.wait_at.get(index, ()):  # vDNN's per-layer sync
-            self.copies.use(self.slots[offload.tensor].offload_done)
+            if self.copies is not None:
+                self.copies.use(self.slots[offload.tensor].offload_done)
         for offload in self.release_at.get(index, ()):
             self._release(self.slots[offload.tensor])
         recording = self.recording.get(index, ())
-        state = rng_state(func, self._device(args)) if recording else None
+        state = rng_state(func, self._device(args), kwargs) if recording else None
         versions = [a._version if isinstance(a, torch.Tensor) else None for a in args] if recording else ()
         out = func(*args, **kwargs)
+        if written_args:
+            self._count_writes(written_args, args, kwargs)
         written = tuple(i for i, (a, v) in enumerate(zip(args, versions)) if v is not None and a._version != v)
         for replay in recording:
             replay.record(func, args, kwargs, out, state, written)
@@ -279,6 +317,22 @@ class _Step(TorchDispatchMode):
         for replay in self.replay_at.get(index, ()):
             self._replay(replay)
         return out
+
+    def _count_writes(self, written: tuple[int | str, ...], args: tuple, kwargs: dict) -> None:
+        """An op wrote in place into tensors: a planned storage's handles saved before it are stale (5)."""
+        for where in written:
+            value = args[where] if isinstance(where, int) and where < len(args) else kwargs.get(str(where))
+            for tensor in flat_tensors((value,)):
+                slot = self.by_key.get(id(tensor.untyped_storage()))
+                if slot is not None:
+                    slot.writes += 1
+
+    def _mismatch(self, index: int, family: str) -> None:
+        expected = self.expected[index]
+        raise PlanMismatch(
+            f"this step is not the one the plan was made for: its op {index} is {family}, where the plan's step has "
+            f"{expected}. The model, its mode (train or eval), the loss, the optimizer or the input changed since "
+            "the plan was made: trace this step and plan again (ul.plan(ul.trace(...), ...))")
 
     def _found(self, site, args, out) -> None:
         """The planned tensor is op ``site.producer``'s ``site.position``-th new storage (NOTE [offload runtime] 1)."""
@@ -363,10 +417,10 @@ class _Step(TorchDispatchMode):
 
     # -- autograd hooks ---------------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor):
-        """NOTE [offload runtime] 2: a handle for a planned storage, the tensor itself otherwise."""
+        """NOTE [offload runtime] 2: a handle for a planned storage, the tensor and its version otherwise."""
         slot = self.by_key.get(id(tensor.untyped_storage()))
         if slot is None:
-            return tensor
+            return _Kept(tensor, tensor._version)
         handle = _Handle(slot, tensor)
         slot.handles += 1
         slot.watchers.append(weakref.ref(handle, partial(self._handle_gone, slot)))
@@ -374,9 +428,13 @@ class _Step(TorchDispatchMode):
 
     def _unpack(self, packed):
         """NOTE [offload runtime] 5: compute waits on the prefetch; the saved view over the restored storage."""
-        if not isinstance(packed, _Handle):
-            return packed
+        if isinstance(packed, _Kept):
+            if packed.tensor._version != packed.version:
+                _modified_in_place(packed.tensor.dtype, packed.tensor.shape, packed.tensor._version - packed.version)
+            return packed.tensor
         slot = packed.slot
+        if slot.writes != packed.writes:
+            _modified_in_place(packed.dtype, packed.shape, slot.writes - packed.writes)
         if slot.restored is None:
             self._on_demand(slot)
         self.copies.use(slot.prefetch_done)
@@ -417,6 +475,15 @@ class _Step(TorchDispatchMode):
     def _device(args) -> torch.device:
         first = next(flat_tensors(args), None)
         return first.device if first is not None else torch.device("cpu")
+
+
+def _written(func) -> tuple[int | str, ...]:
+    """Where an op writes in place: positions of written arguments (keyword-only ones by name)."""
+    written: list[int | str] = []
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            written.append(argument.name if argument.kwarg_only else position)
+    return tuple(written)
 
 
 def _group(actions, field_name: str) -> dict[int, list]:

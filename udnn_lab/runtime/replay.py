@@ -27,7 +27,7 @@ class _Call:
     func: Callable[..., Any]
     args: tuple  # tensors made earlier in the replay appear as _Made markers
     kwargs: dict
-    rng_state: tuple | None  # (cpu state, cuda state or None) before a random op
+    rng_state: RngState | None  # the generators before a random op
     versions: tuple[tuple[torch.Tensor, int], ...]  # sources and their version counters when recorded
     mutated: tuple[int, ...]  # positions of arguments the op writes (cloned at replay unless made here)
     grad_enabled: bool  # some kernels look at the grad mode (oneDNN's LSTM keeps its workspace only with it)
@@ -155,27 +155,48 @@ def _from_replay(value) -> bool:
     return isinstance(value, _Made)
 
 
+@dataclass(frozen=True)
+class RngState:
+    """The generators a random op draws from, as they were before it ran in forward."""
+
+    cpu: torch.Tensor
+    cuda: torch.Tensor | None  # the op's CUDA device's default generator
+    device: torch.device
+    own: torch.Generator | None = None  # a generator passed to the op (generator=...)
+    own_state: torch.Tensor | None = None
+
+
 def _seeded(call: _Call, args: tuple, kwargs: dict):
-    if call.rng_state is None:
+    """Run the call with every generator it draws from as it was in forward, then put them back."""
+    state = call.rng_state
+    if state is None:
         return call.func(*args, **kwargs)
     cpu_now = torch.get_rng_state()
-    cuda_now = torch.cuda.get_rng_state() if call.rng_state[1] is not None else None
-    torch.set_rng_state(call.rng_state[0])
-    if call.rng_state[1] is not None:
-        torch.cuda.set_rng_state(call.rng_state[1])
+    cuda_now = torch.cuda.get_rng_state(state.device) if state.cuda is not None else None
+    own_now = state.own.get_state() if state.own is not None else None
+    torch.set_rng_state(state.cpu)
+    if state.cuda is not None:
+        torch.cuda.set_rng_state(state.cuda, state.device)
+    if state.own is not None and state.own_state is not None:
+        state.own.set_state(state.own_state)
     try:
         return call.func(*args, **kwargs)
     finally:
         torch.set_rng_state(cpu_now)
         if cuda_now is not None:
-            torch.cuda.set_rng_state(cuda_now)
+            torch.cuda.set_rng_state(cuda_now, state.device)
+        if state.own is not None and own_now is not None:
+            state.own.set_state(own_now)
 
 
-def rng_state(func, device: torch.device):
-    """The RNG state to replay a random op with (None for a deterministic op)."""
+def rng_state(func, device: torch.device, kwargs: dict) -> RngState | None:
+    """The generators to replay a random op with (None for a deterministic op), a user's own included."""
     if torch.Tag.nondeterministic_seeded not in func.tags:
         return None
-    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+    own = kwargs.get("generator")
+    own = own if isinstance(own, torch.Generator) else None
+    return RngState(torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+                    device, own, own.get_state() if own is not None else None)
 
 
 def _outputs(out):
