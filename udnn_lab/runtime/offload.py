@@ -87,7 +87,7 @@ class _Slot:
     """One planned storage during one step."""
 
     __slots__ = ("tensor", "action", "device_data", "key", "host", "host_offset", "offload_done", "restored",
-                 "prefetch_done", "handles", "replay", "watchers", "writes")
+                 "prefetch_done", "handles", "replay", "watchers", "saved")
 
     def __init__(self, tensor: int, action: Offload | Recompute) -> None:
         self.tensor, self.action = tensor, action
@@ -99,7 +99,7 @@ class _Slot:
         self.restored: torch.Tensor | None = None
         self.prefetch_done: torch.cuda.Event | None = None
         self.handles = 0
-        self.writes = 0  # in-place writes to the storage seen so far: its version, as far as saving goes
+        self.saved: list[weakref.ref[_Handle]] = []  # its handles, to check when the storage is written
         self.replay: Replay | None = None
         self.watchers: list[weakref.ref] = []  # weakrefs whose callbacks follow the storage and the handles
 
@@ -107,13 +107,27 @@ class _Slot:
 class _Handle:
     """What autograd keeps instead of a planned tensor: which slot, and the view to rebuild."""
 
-    __slots__ = ("slot", "dtype", "shape", "stride", "offset", "writes", "__weakref__")
+    __slots__ = ("slot", "dtype", "shape", "stride", "offset", "saved", "weak", "version", "stale", "__weakref__")
 
     def __init__(self, slot: _Slot, tensor: torch.Tensor) -> None:
         self.slot = slot
         self.dtype, self.shape, self.stride, self.offset = tensor.dtype, tuple(tensor.shape), tensor.stride(), \
             tensor.storage_offset()
-        self.writes = slot.writes  # autograd's version check, which a handle would lose (NOTE [offload runtime] 5)
+        # autograd's version check, which a handle would lose (NOTE [offload runtime] 5). Autograd often packs
+        # a fresh alias that shares the version counter: an offload's is held until its release point (the
+        # device copy is held until then anyway), anything else's weakly, so that it holds no memory.
+        self.version, self.stale = tensor._version, False
+        self.saved: torch.Tensor | None = tensor if isinstance(slot.action, Offload) else None
+        self.weak = weakref.ref(tensor)
+
+    def saved_tensor(self) -> torch.Tensor | None:
+        return self.saved if self.saved is not None else self.weak()
+
+    def check(self) -> None:
+        """Mark the handle stale if its saved tensor was written in place since it was saved."""
+        saved = self.saved_tensor()
+        if saved is not None and saved._version != self.version:
+            self.stale = True
 
 
 class _Kept:
@@ -125,11 +139,11 @@ class _Kept:
         self.tensor, self.version = tensor, version
 
 
-def _modified_in_place(dtype: torch.dtype, shape, writes: int) -> None:
+def _modified_in_place(dtype: torch.dtype, shape) -> None:
     raise RuntimeError(
         "one of the variables needed for gradient computation has been modified by an inplace operation: "
-        f"a saved {dtype} tensor of shape {list(shape)} was written {writes} time(s) after it was saved (eager "
-        "PyTorch refuses this step too: the step, not the plan, is wrong)")
+        f"a saved {dtype} tensor of shape {list(shape)} was written after it was saved (eager PyTorch refuses "
+        "this step too: the step, not the plan, is wrong)")
 
 
 class _Observer(Protocol):
@@ -255,6 +269,7 @@ class _Step(TorchDispatchMode):
                 copies.finish(slot.prefetch_done)
             slot.restored = slot.device_data = slot.prefetch_done = slot.offload_done = slot.host = None
             slot.watchers.clear()
+            slot.saved.clear()
         self.copying_in.clear()
         self.by_key.clear()
         # The hooks and weakref callbacks make this object a reference cycle that only the
@@ -319,13 +334,17 @@ class _Step(TorchDispatchMode):
         return out
 
     def _count_writes(self, written: tuple[int | str, ...], args: tuple, kwargs: dict) -> None:
-        """An op wrote in place into tensors: a planned storage's handles saved before it are stale (5)."""
+        """An op wrote in place into a planned storage: a handle whose saved tensor's version moved is stale (5).
+
+        Version counters are per tensor, not per storage (``unsafe_split``'s chunks each have their own), so
+        the check reads the saved tensors' own counters, as autograd does, while they are alive.
+        """
         for where in written:
             value = args[where] if isinstance(where, int) and where < len(args) else kwargs.get(str(where))
             for tensor in flat_tensors((value,)):
                 slot = self.by_key.get(id(tensor.untyped_storage()))
-                if slot is not None:
-                    slot.writes += 1
+                for handle in _alive(slot.saved if slot is not None else ()):
+                    handle.check()
 
     def _mismatch(self, index: int, family: str) -> None:
         expected = self.expected[index]
@@ -376,6 +395,9 @@ class _Step(TorchDispatchMode):
 
     def _release(self, slot: _Slot) -> None:
         """The release point (NOTE [offload runtime] 3): compute waits for the copy, the device tensor goes."""
+        for handle in _alive(slot.saved):  # the last moment a write into it can be seen (5)
+            handle.check()
+            handle.saved = None
         if slot.device_data is None or slot.restored is not None:
             return
         assert self.copies is not None
@@ -422,6 +444,7 @@ class _Step(TorchDispatchMode):
         if slot is None:
             return _Kept(tensor, tensor._version)
         handle = _Handle(slot, tensor)
+        slot.saved.append(weakref.ref(handle))
         slot.handles += 1
         slot.watchers.append(weakref.ref(handle, partial(self._handle_gone, slot)))
         return handle
@@ -430,11 +453,11 @@ class _Step(TorchDispatchMode):
         """NOTE [offload runtime] 5: compute waits on the prefetch; the saved view over the restored storage."""
         if isinstance(packed, _Kept):
             if packed.tensor._version != packed.version:
-                _modified_in_place(packed.tensor.dtype, packed.tensor.shape, packed.tensor._version - packed.version)
+                _modified_in_place(packed.tensor.dtype, packed.tensor.shape)
             return packed.tensor
         slot = packed.slot
-        if slot.writes != packed.writes:
-            _modified_in_place(packed.dtype, packed.shape, slot.writes - packed.writes)
+        if packed.stale:
+            _modified_in_place(packed.dtype, packed.shape)
         if slot.restored is None:
             self._on_demand(slot)
         self.copies.use(slot.prefetch_done)
@@ -475,6 +498,10 @@ class _Step(TorchDispatchMode):
     def _device(args) -> torch.device:
         first = next(flat_tensors(args), None)
         return first.device if first is not None else torch.device("cpu")
+
+
+def _alive(refs) -> list[_Handle]:
+    return [handle for handle in (ref() for ref in refs) if handle is not None]
 
 
 def _written(func) -> tuple[int | str, ...]:
