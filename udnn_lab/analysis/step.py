@@ -68,6 +68,20 @@ def _no_mark(phase: str, scope: str | None) -> None:
     return None
 
 
+def view_replay():
+    """NOTE [view replay]
+      1. When an op writes in place into a view, autograd rebuilds the view's history: by
+         replaying the view op for tensors that dispatch in Python (fake tensors: an extra
+         ``aten.view`` in forward, a ViewBackward in backward), by ``as_strided`` otherwise.
+      2. So every real step udnn_lab runs or watches (``run_step``: measure, profile; the
+         runtime's steps) turns view replay on, and runs the very ops the trace saw. The
+         gradients are the same either way; only the op sequence, and AsStridedBackward's
+         full-size zeros, differ.
+    The context manager is torch's own (private) switch; it is thread-local and restored on exit.
+    """
+    return torch.autograd._force_original_view_tracking(True)
+
+
 def run_step(model: torch.nn.Module, args: tuple, kwargs: dict, *, loss_fn: Callable | None = None,
              target: Any = None, optimizer: torch.optim.Optimizer | None = None,
              mark: Mark = _no_mark) -> tuple[Any, torch.Tensor]:
@@ -79,12 +93,13 @@ def run_step(model: torch.nn.Module, args: tuple, kwargs: dict, *, loss_fn: Call
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
     model.zero_grad(set_to_none=True)
-    mark("forward", None)
-    output = model(*args, **kwargs)
-    mark("forward", LOSS_SCOPE)
-    loss = compute_loss(output, loss_fn, target)
-    mark("backward", LOSS_SCOPE)
-    loss.backward()
+    with view_replay():  # NOTE [view replay] 2
+        mark("forward", None)
+        output = model(*args, **kwargs)
+        mark("forward", LOSS_SCOPE)
+        loss = compute_loss(output, loss_fn, target)
+        mark("backward", LOSS_SCOPE)
+        loss.backward()
     if optimizer is not None:
         mark("optimizer", OPTIMIZER_SCOPE)
         optimizer.step()

@@ -20,7 +20,7 @@ class Candidate:
     nbytes: int
     producer: int
     last_forward: int  # last forward op that reads it (or its producer)
-    first_backward: int  # first backward op that reads it
+    first_backward: int  # first backward op that needs it: autograd unpacks it when a node that saved it starts
     conv_input: bool  # a convolution reads it in forward (vDNN's conv layers)
 
 
@@ -39,8 +39,21 @@ def _all_candidates(graph: Graph) -> tuple[Candidate, ...]:
         conv = any(graph.ops[i].name == "aten.convolution.default" for i in t.consumers
                    if graph.ops[i].phase == "forward")
         last = t.last_forward_use if t.last_forward_use is not None else t.producer
-        found.append(Candidate(t.id, t.nbytes, t.producer, last, t.first_backward_use, conv))
+        starts = _node_starts(graph)
+        unpacked = min((starts[op] for op in t.saved_by if op in starts), default=t.first_backward_use)
+        found.append(Candidate(t.id, t.nbytes, t.producer, last, min(unpacked, t.first_backward_use), conv))
     return tuple(sorted(found, key=lambda c: (c.producer, c.tensor)))
+
+
+@per_graph
+def _node_starts(graph: Graph) -> dict[int, int]:
+    """Forward op -> the first backward op its autograd node runs: the node unpacks everything it saved
+    before that op (an addmm's node runs t and mm before the op that reads the saved input)."""
+    starts: dict[int, int] = {}
+    for op in graph.ops:
+        if op.phase == "backward" and op.forward_op is not None:
+            starts.setdefault(op.forward_op, op.index)
+    return starts
 
 
 @per_graph

@@ -37,7 +37,12 @@ def recompute(graph: Graph, cost: CostModel, budget: int | None) -> Plan:
 
 
 def forward_layers(graph: Graph) -> list[tuple[int, int]]:
-    """(first op, last op) of each run of consecutive forward ops of one module."""
+    """(first op, last op) of each run of consecutive forward ops of one module.
+
+    A run that writes in place into a tensor made before it (ReLU6(inplace=True) after a
+    BatchNorm: autograd clones the input, then the op overwrites it) joins the run before:
+    a segment starting there would find its input already overwritten when it replays.
+    """
     layers: list[list[int]] = []
     for op in graph.ops:
         if op.phase != "forward":
@@ -46,7 +51,23 @@ def forward_layers(graph: Graph) -> list[tuple[int, int]]:
             layers[-1][1] = op.index
         else:
             layers.append([op.index, op.index])
-    return [(first, last) for first, last in layers]
+    merged: list[list[int]] = []
+    for first, last in layers:
+        if merged and merged[-1][1] == first - 1 and _overwrites_earlier(graph, first, last):
+            merged[-1][1] = last
+        else:
+            merged.append([first, last])
+    return [(first, last) for first, last in merged]
+
+
+def _overwrites_earlier(graph: Graph, first: int, last: int) -> bool:
+    for i in range(first, last + 1):
+        op = graph.ops[i]
+        for t in op.inputs:
+            producer = graph.tensors[t].producer
+            if t in op.outputs and producer is not None and producer < first:
+                return True
+    return False
 
 
 def checkpointed(graph: Graph, segments: int, budget: int | None) -> Plan:

@@ -62,6 +62,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from udnn_lab.analysis.fake.memo import flat_tensors
 from udnn_lab.analysis.recorder import records_op
+from udnn_lab.analysis.step import view_replay
 from udnn_lab.errors import PlanMismatch
 from udnn_lab.graph.plan_ir import Offload, Plan, Recompute, TensorSite
 from udnn_lab.graph.step_graph import op_family
@@ -246,14 +247,17 @@ class _Step(TorchDispatchMode):
         self.copying_in: deque[_Slot] = deque()  # prefetches in flight
         self.recomputed = self.on_demand = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._views = view_replay()
 
     # -- lifetime ----------------------------------------------------------------------------
     def start(self) -> None:
+        self._views.__enter__()  # NOTE [view replay] 2: the ops the trace saw
         self._hooks.__enter__()
         try:
             self.__enter__()
         except BaseException:
             self._hooks.__exit__(None, None, None)
+            self._views.__exit__(None, None, None)
             raise
 
     def finish(self, completed: bool) -> StepStats:
@@ -262,6 +266,7 @@ class _Step(TorchDispatchMode):
             self.__exit__(None, None, None)
         finally:
             self._hooks.__exit__(None, None, None)
+            self._views.__exit__(None, None, None)
         copies = self.copies
         for slot in self.slots.values():
             if copies is not None:

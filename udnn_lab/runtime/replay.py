@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from udnn_lab.analysis.fake.memo import flat_tensors
 from udnn_lab.errors import ReplayError
 from udnn_lab.graph.plan_ir import Recompute
 
@@ -31,6 +32,7 @@ class _Call:
     versions: tuple[tuple[torch.Tensor, int], ...]  # sources and their version counters when recorded
     mutated: tuple[int, ...]  # positions of arguments the op writes (cloned at replay unless made here)
     grad_enabled: bool  # some kernels look at the grad mode (oneDNN's LSTM keeps its workspace only with it)
+    outputs: int  # tensors it returned
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class Replay:
     made: dict[tuple, tuple] = field(default_factory=dict)  # an output's view (see _view) -> (storage ref, _Made)
     storages: dict[int, tuple] = field(default_factory=dict)  # id(storage) -> (storage ref, an output on it)
     restores: dict[int, _Made] = field(default_factory=dict)  # tensor id -> an output on its storage
+    done: bool = False  # it ran: a replay runs once, and then holds nothing
 
     def record(self, func, args: tuple, kwargs: dict, out, rng_state, written: tuple[int, ...] = ()) -> None:
         """``written``: positions of arguments whose version counter the op bumped (some ops, like
@@ -60,13 +63,16 @@ class Replay:
         if any(i < len(args) and isinstance(args[i], torch.Tensor) and i not in statistics and not self._makes(args[i])
                for i in mutated):
             return  # it changed a tensor made before the recomputation, which keeps the result: not replayed
+        # a view of a tensor from before the recomputation (t(weight), x[:, i]) is rebuilt by this op, but its
+        # storage is not the recomputation's: reading that storage through another view is reading an input
+        outside = {id(t.untyped_storage()) for t in flat_tensors((args, kwargs)) if not self._makes(t)}
         converted, versions = self._convert(args, skip=mutated)
         kw_converted, kw_versions = self._convert(tuple(kwargs.values()))
         self.calls.append(_Call(func, converted, dict(zip(kwargs, kw_converted)), rng_state, versions + kw_versions,
-                                mutated, torch.is_grad_enabled()))
+                                mutated, torch.is_grad_enabled(), len(_outputs(out))))
         for position, tensor in enumerate(_outputs(out)):
             storage = tensor.untyped_storage()
-            if _live(self.storages.get(id(storage)), storage) is None:
+            if id(storage) not in outside and _live(self.storages.get(id(storage)), storage) is None:
                 self.storages[id(storage)] = (weakref.ref(storage), _Made(index, position))
             self.made[_view(tensor)] = (weakref.ref(storage), _Made(index, position))
 
@@ -107,21 +113,54 @@ class Replay:
         return tuple(converted), tuple(versions)
 
     def run(self) -> dict[int, torch.Tensor]:
-        """Re-run the calls; return the restoring outputs by tensor id. Nothing here is recorded or traced."""
+        """Re-run the calls once; return the restoring outputs by tensor id (nothing if it ran already).
+
+        Nothing here is recorded or traced. An intermediate output goes as soon as no later call
+        reads it, and once done the replay lets go of what it recorded: its inputs are freed when
+        nothing else holds them (NOTE [offload runtime] 6).
+        """
+        if self.done:
+            return {}
         for source, version in (v for call in self.calls for v in call.versions):
             if source._version != version:
                 raise ReplayError("a tensor a recomputation reads was modified in place after forward used it, so "
                                   "forward cannot be reproduced: plan this tensor as kept or offloaded instead")
-        outputs: list[list[torch.Tensor]] = []
+        outputs: list[list[torch.Tensor | None]] = []
+        last_read = self._last_reads()
+        kept = {(m.call, m.output) for m in self.restores.values()}
         with torch._C._DisableTorchDispatch():
-            for call in self.calls:
+            for index, call in enumerate(self.calls):
                 args = tuple(_detached(self._resolve(a, outputs)) for a in call.args)
                 args = tuple(a.clone() if i in call.mutated and not _from_replay(call.args[i]) and
                              isinstance(a, torch.Tensor) else a for i, a in enumerate(args))
                 kwargs = {k: _detached(self._resolve(v, outputs)) for k, v in call.kwargs.items()}
                 with torch.set_grad_enabled(call.grad_enabled):  # detached inputs: no autograd graph is built
                     outputs.append(list(_outputs(_seeded(call, args, kwargs))))
-        return {tensor: outputs[m.call][m.output] for tensor, m in self.restores.items()}
+                for done_with in last_read.get(index, ()):  # scratch no later call reads
+                    if done_with not in kept:
+                        outputs[done_with[0]][done_with[1]] = None
+        restored = {}
+        for tensor, made in self.restores.items():
+            value = outputs[made.call][made.output]
+            assert value is not None  # restoring outputs are kept above
+            restored[tensor] = value
+        self.done = True
+        self.calls, self.made, self.storages = [], {}, {}
+        return restored
+
+    def _last_reads(self) -> dict[int, list[tuple[int, int]]]:
+        """Call index -> the outputs (call, output) it is the last to read."""
+        last: dict[tuple[int, int], int] = {}
+        for index, call in enumerate(self.calls):
+            for made in _made_in((call.args, tuple(call.kwargs.values()))):
+                last[(made.call, made.output)] = index
+        for index, call in enumerate(self.calls):  # outputs nothing reads go right away
+            for position in range(call.outputs):
+                last.setdefault((index, position), index)
+        by_call: dict[int, list[tuple[int, int]]] = {}
+        for made, index in last.items():
+            by_call.setdefault(index, []).append(made)
+        return by_call
 
     def _resolve(self, value, outputs):
         if isinstance(value, _Made):
@@ -129,6 +168,15 @@ class Replay:
         if isinstance(value, (list, tuple)):
             return type(value)(self._resolve(v, outputs) for v in value)
         return value
+
+
+def _made_in(values):
+    """The _Made markers in nested tuples and lists."""
+    for value in values:
+        if isinstance(value, _Made):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from _made_in(value)
 
 
 def _live(entry, storage):

@@ -5,8 +5,9 @@ NOTE [simulated streams]
      exceed the budget (document 000: M_used + M_alloc <= M), for offload copies in flight
      to complete and free memory; waits for copies the plan synchronizes on (vDNN); runs
      the plan's recomputations for op i; and waits for the prefetches op i reads. Those
-     waits are stalls. A recomputation holds the tensors it restores (its scratch outputs
-     are not counted).
+     waits are stalls. A recomputation holds the tensors it restores from the op before
+     (the runtime replays as that op ends, before autograd's node unpacks them); its
+     scratch outputs are not counted.
   2. Device-to-host copies run in order on their own stream; an offloaded tensor's copy
      starts when both the stream and its ``after_op`` are done, and its device memory is
      freed when the copy completes, not before. An offload with a release point
@@ -323,8 +324,8 @@ class _Run:
 
     def _recompute(self, recompute: Recompute, start: float, op: int) -> float:
         restored = self._restored(recompute)
-        for tensor in restored:
-            self._change(tensor, +1, op)
+        for tensor in restored:  # the runtime replays as the op before ends (NOTE [offload runtime] 6)
+            self._change(tensor, +1, max(op - 1, 0))
         end = start + float(sum(self.times[j] for j in recompute.ops))
         names = ", ".join(self.graph.tensors[t].name for t in recompute.tensors)
         nbytes = sum(self.graph.tensors[t].nbytes for t in restored)
