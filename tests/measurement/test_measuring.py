@@ -99,3 +99,15 @@ def test_cuda_prediction_matches_allocated_memory(name):
     summary = measured.summary(graph)
     assert measured.nvml_before is not None
     assert summary["peak_relative_error"] <= 0.03, summary
+
+
+def test_a_loss_that_keeps_its_elementwise_buffer_is_traced_at_its_real_size():
+    """The CPU's mse_loss returns a 0-dim view into the full elementwise buffer: the trace sizes it by a probe."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.Tanh(), torch.nn.Linear(256, 128))
+    x = torch.randn(256, 128)
+    work = ul.Workload(model, x, target=x.clone(), loss_fn=torch.nn.functional.mse_loss)
+    graph = ul.trace(work)
+    assert any(t.nbytes == 256 * 128 * 4 and not t.shape for t in graph.tensors)  # the 0-dim loss, at full size
+    summary = ul.measure(work, repeats=0).summary(graph)
+    assert summary["peak_relative_error"] == 0 and summary["max_step_relative_error"] == 0, summary

@@ -2,9 +2,11 @@
 
 PyTorch's meta kernel for oneDNN's LSTM layer returns an empty workspace (the real one
 holds the gates for backward, often megabytes) and returns one bias gradient twice
-(autograd then clones it, an op the real run never does). For such ops the trace
-sizes the outputs by one real call on zeros, on the CPU, and gives the step fake
-outputs of exactly those sizes and strides. Nothing is kept: the real tensors are
+(autograd then clones it, an op the real run never does). The CPU's ``mse_loss`` returns
+its 0-dim loss as a view into the whole elementwise buffer, which lives as long as the
+loss does (the meta kernel gives it 4 bytes). For such ops the trace sizes the outputs by
+one real call on zeros, on the CPU, and gives the step fake outputs of exactly those
+sizes, strides and storage sizes. Nothing is kept: the real tensors are
 released as soon as their sizes are read. Each entry is checked by a test that
 compares the traced step with a measured one.
 """
@@ -18,6 +20,7 @@ from torch.utils._pytree import tree_map
 PROBED_OPS = frozenset({
     "aten.mkldnn_rnn_layer.default",
     "aten.mkldnn_rnn_layer_backward.default",
+    "aten.mse_loss.default",
 })
 
 
@@ -43,7 +46,7 @@ def probed_call(func, args: tuple, kwargs: dict):
 
 
 class _Meta(tuple):
-    """(shape, stride, dtype) of one real output."""
+    """(shape, stride, dtype, storage offset, storage elements) of one real output."""
 
 
 def _zeros_like_fake(value):
@@ -54,12 +57,13 @@ def _zeros_like_fake(value):
 
 def _metadata(value):
     if isinstance(value, torch.Tensor):
-        return _Meta((tuple(value.shape), tuple(value.stride()), value.dtype))
+        elements = value.untyped_storage().nbytes() // value.element_size()
+        return _Meta((tuple(value.shape), tuple(value.stride()), value.dtype, value.storage_offset(), elements))
     return value
 
 
 def _fake_from_metadata(value):
     if isinstance(value, _Meta):
-        shape, stride, dtype = value
-        return torch.empty_strided(shape, stride, dtype=dtype, device="cpu")
+        shape, stride, dtype, offset, elements = value
+        return torch.empty(elements, dtype=dtype, device="cpu").as_strided(shape, stride, offset)
     return value
