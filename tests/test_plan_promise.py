@@ -12,23 +12,9 @@ import udnn_lab as ul
 from tests.corpus import CORPUS
 from tests.corpus.promise import HARDWARE, SIM_TOLERANCE, budget_for, check, subject
 
-MODELS = ("checkpointed", "gpt2_tied", "unet", "inplace_activations", "lstm_cell_loop", "user_generator")
+MODELS = ("checkpointed", "gpt2_tied", "unet", "inplace_activations", "lstm_cell_loop", "user_generator", "gru")
 POLICIES = ("vdnn-all", "vdnn++", "recompute", "auto")
-ITEM_1 = "issue 12 item 1: recompute keeps inputs alive (measured above simulated)"
-ITEM_4 = "issue 12 item 4: trace vs eager op-count mismatch after in-place Dropout on a flatten view"
-ITEM_5 = "issue 12 item 5: offloading a tensor something else still holds (measured above simulated)"
-ITEM_7 = "issue 12 item 7: user torch.Generator (random ops replayed from the global RNG)"
-FAILING = {
-    ("gpt2_tied", "recompute"): ITEM_1,
-    ("unet", "vdnn-all"): ITEM_5,
-    ("inplace_activations", "vdnn-all"): ITEM_4,
-    ("inplace_activations", "recompute"): ITEM_4,
-    ("inplace_activations", "auto"): ITEM_4,
-    ("lstm_cell_loop", "recompute"): ITEM_1,
-    ("lstm_cell_loop", "auto"): ITEM_1,
-    ("user_generator", "recompute"): ITEM_7,
-    ("user_generator", "auto"): ITEM_7,
-}
+FAILING: dict[tuple[str, str], str] = {}  # (model, policy) -> the issue item that breaks it, as a strict xfail
 CASES = [pytest.param(model, policy, id=f"{model}-{policy}",
                       marks=[pytest.mark.xfail(strict=True, reason=FAILING[model, policy])]
                       if (model, policy) in FAILING else [])

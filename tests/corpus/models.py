@@ -490,7 +490,7 @@ class GeneratorNoise(nn.Module):
         return self.fc2(h * keep / 0.75)
 
 
-@entry("user_generator", known_failure="issue 12 item 7: random ops drawing from a user torch.Generator")
+@entry("user_generator")
 def _generator():
     return classify(GeneratorNoise(), torch.randn(128, 32))
 
@@ -509,6 +509,6 @@ class ModifiesSavedOutput(nn.Module):
         return out
 
 
-@entry("modifies_saved_output", known_failure="issue 12 item 8: a step eager rejects must be rejected under a plan")
+@entry("modifies_saved_output")
 def _modifies_saved():
     return classify(ModifiesSavedOutput(), torch.randn(128, 32))

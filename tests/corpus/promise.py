@@ -133,7 +133,8 @@ def _judge(row: dict, found: Subject, ran: Outcome, budget: int | None, simulate
     if ran.error is not None:
         row["error"] = describe(ran.error)
         if eager.error is not None:
-            return ["eager error"]  # both refuse the step: nothing of the promise to hold it to
+            row["refused_like_eager"] = True  # both refuse the step: eager's error came through, as promised
+            return []
         return [error_kind(ran.error, "runtime")]
     if eager.error is not None:
         row["error"] = describe(eager.error)

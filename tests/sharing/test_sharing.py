@@ -75,7 +75,7 @@ def _gone(pid):
 
 @pytest.fixture(scope="module")
 def study():
-    jobs = [*sharing.document_004_jobs("tiny", ("mlp5", "lstm")),
+    jobs = [*sharing.document_004_jobs("tiny", ("mlp5", "vgg19")),
             sharing.JobSpec("breaks-at-build", f"{__name__}:crash_at_build", batch=2),
             sharing.JobSpec("breaks-mid-run", f"{__name__}:crash_mid_run", batch=2)]
     result = sharing.run_study(jobs, **FAST)
@@ -86,48 +86,48 @@ def study():
 # -- the tiny study end to end ----------------------------------------------------------------------
 def test_q1_times_against_caps(study):
     summary = study.q1_summary()
-    lstm = summary[summary["job"] == "lstm"]
-    assert list(lstm["cap"]) == ["uncapped", "need", "midway", "min"]
-    assert (lstm["median_time_s"] > 0).all() and lstm["oom"].isna().all()
-    assert lstm.iloc[1:]["cap_bytes"].is_monotonic_decreasing
-    assert (lstm[lstm["cap"] == "min"]["policy"] == "auto").all()  # below the need: planned
+    capped = summary[summary["job"] == "vgg19"]
+    assert list(capped["cap"]) == ["uncapped", "need", "midway", "min"]
+    assert (capped["median_time_s"] > 0).all() and capped["oom"].isna().all()
+    assert capped.iloc[1:]["cap_bytes"].is_monotonic_decreasing
+    assert (capped[capped["cap"] == "min"]["policy"] == "auto").all()  # below the need: planned
     assert study.meta["cap_enforcement"].startswith("CPU")
 
 
 def test_r_is_the_ratio_of_mean_iteration_times(study):
-    pair = study.pairs.set_index("pair").loc["mlp5 + lstm"]
-    steps = study.q2[study.q2["pair"] == "mlp5 + lstm"]
+    pair = study.pairs.set_index("pair").loc["mlp5 + vgg19"]
+    steps = study.q2[study.q2["pair"] == "mlp5 + vgg19"]
     assert (steps["interval_s"] >= steps["time_s"] - 1e-6).all()  # an iteration holds its step
     mean = steps.groupby(["job", "phase"])["interval_s"].mean()
     assert pair["r_ab"] == pytest.approx(mean["mlp5", "shared"] / mean["mlp5", "alone"])
-    assert pair["r_ba"] == pytest.approx(mean["lstm", "shared"] / mean["lstm", "alone"])
-    assert pair["alone_b_s"] == pytest.approx(mean["lstm", "alone"])
+    assert pair["r_ba"] == pytest.approx(mean["vgg19", "shared"] / mean["vgg19", "alone"])
+    assert pair["alone_b_s"] == pytest.approx(mean["vgg19", "alone"])
     shared_a = steps[(steps["job"] == "mlp5") & (steps["phase"] == "shared")]["start_s"]
     alone_a = steps[(steps["job"] == "mlp5") & (steps["phase"] == "alone")]["start_s"]
-    alone_b = steps[(steps["job"] == "lstm") & (steps["phase"] == "alone")]["start_s"]
+    alone_b = steps[(steps["job"] == "vgg19") & (steps["phase"] == "alone")]["start_s"]
     assert alone_a.max() < shared_a.min() and shared_a.max() < alone_b.min()  # A alone, both, then B alone
 
 
 def test_q2_degradation_throughput_and_rule(study):
-    pair = study.pairs[study.pairs["pair"] == "mlp5 + lstm"].iloc[0]
+    pair = study.pairs[study.pairs["pair"] == "mlp5 + vgg19"].iloc[0]
     assert pair["status"] == "ok"
     assert pair["r_ab"] > 0 and pair["r_ba"] > 0
     assert math.isclose(pair["combined_throughput"], 1 / pair["r_ab"] + 1 / pair["r_ba"])
     assert pair["colocate"] == (pair["r_ab"] * pair["r_ba"] < pair["r_ab"] + pair["r_ba"])
     matrix = study.degradation_matrix()
-    assert matrix.loc["mlp5", "lstm"] == pytest.approx(pair["r_ab"])
-    assert matrix.loc["lstm", "mlp5"] == pytest.approx(pair["r_ba"])
-    phases = study.q2[study.q2["pair"] == "mlp5 + lstm"].groupby(["job", "phase"]).size()
+    assert matrix.loc["mlp5", "vgg19"] == pytest.approx(pair["r_ab"])
+    assert matrix.loc["vgg19", "mlp5"] == pytest.approx(pair["r_ba"])
+    phases = study.q2[study.q2["pair"] == "mlp5 + vgg19"].groupby(["job", "phase"]).size()
     assert (phases >= FAST["iterations"]).all() and len(phases) == 4
 
 
 def test_q3_operator_mix_and_jaccard(study):
     shares = study.op_mix.groupby("job")["share"].sum()
-    assert shares.loc["mlp5"] == pytest.approx(1.0) and shares.loc["lstm"] == pytest.approx(1.0)
+    assert shares.loc["mlp5"] == pytest.approx(1.0) and shares.loc["vgg19"] == pytest.approx(1.0)
     jaccard = study.jaccard()
     assert jaccard.loc["mlp5", "mlp5"] == pytest.approx(1.0)
-    assert 0 <= jaccard.loc["mlp5", "lstm"] < 1
-    assert jaccard.loc["mlp5", "lstm"] == pytest.approx(jaccard.loc["lstm", "mlp5"])
+    assert 0 <= jaccard.loc["mlp5", "vgg19"] < 1
+    assert jaccard.loc["mlp5", "vgg19"] == pytest.approx(jaccard.loc["vgg19", "mlp5"])
 
 
 def test_q4_signals_compared_with_ks(study):
@@ -140,10 +140,10 @@ def test_q4_signals_compared_with_ks(study):
 
 def test_recommendation_from_the_principles(study):
     memory = study.memory_recommendation().set_index("job")
-    assert set(memory.index) == {"mlp5", "lstm"}
+    assert set(memory.index) == {"mlp5", "vgg19"}
     assert (memory["recommended_bytes"] >= memory["min_cap_bytes"]).all()
     rec = study.recommendation()
-    row = rec[rec["pair"] == "mlp5 + lstm"].iloc[0]
+    row = rec[rec["pair"] == "mlp5 + vgg19"].iloc[0]
     assert row["chosen"] == (row["colocate"] and row["fits"])
     assert row["reason"]
     principles = study.principles()
@@ -172,7 +172,7 @@ def test_heatmap_chart_has_the_r_values(study):
     chart = sharing.degradation_heatmap(study)
     spec = chart.to_dict()
     values = [row for rows in spec["datasets"].values() for row in rows]
-    assert {(v["job"], v["partner"]) for v in values} == {("mlp5", "lstm"), ("lstm", "mlp5")}
+    assert {(v["job"], v["partner"]) for v in values} == {("mlp5", "vgg19"), ("vgg19", "mlp5")}
     assert sorted(v["r"] for v in values) == sorted(study.degradation()["r"])
     for make in (sharing.q1_chart, sharing.op_mix_chart, sharing.jaccard_heatmap, sharing.signals_chart):
         assert make(study).to_dict()

@@ -113,19 +113,39 @@ def _first_line(err: Exception) -> str:
 
 
 def graph_from_recording(recorder: StepRecorder, model_name: str, device: str, *, fake: bool,
-                         notes: list[str] | tuple[str, ...] = (), cpu_stands_for_device: bool = False) -> Graph:
+                         notes: list[str] | tuple[str, ...] = (), cpu_stands_for_device: bool = False,
+                         holders: tuple[int, dict] | None = None) -> Graph:
     """Freeze the recorder's mutable records into a Graph.
 
     ``cpu_stands_for_device``: the step ran with CPU kernels in place of ``device``'s, so
     its fake CPU tensors are counted as ``device`` tensors (real ones stay on the host).
+    ``holders``: ``forward_releases``' result (NOTE [forward holders]).
     """
     with no_gc():
-        return _freeze(recorder, model_name, device, fake, notes, cpu_stands_for_device)
+        return _freeze(recorder, model_name, device, fake, notes, cpu_stands_for_device, holders)
 
 
-def _freeze(recorder: StepRecorder, model_name: str, device: str, fake: bool, notes, cpu_stands_for_device: bool):
+def _forward_releases(recorder: StepRecorder, phases: list[str], holders: tuple[int, dict] | None) -> dict:
+    """Storage id -> TensorInfo's forward_release and held_past_forward, when the second forward matched."""
+    if holders is None:
+        return {}
+    count, released = holders
+    if count != sum(phase == "forward" for phase in phases):
+        return {}  # the second forward ran other ops: say nothing rather than something wrong
+    found = {}
+    for op in recorder.ops[:count]:
+        for position, sid in enumerate(op.allocated):
+            if (op.index, position) in released:
+                after = released[op.index, position]
+                found[sid] = {"forward_release": after, "held_past_forward": after is None}
+    return found
+
+
+def _freeze(recorder: StepRecorder, model_name: str, device: str, fake: bool, notes, cpu_stands_for_device: bool,
+            holders: tuple[int, dict] | None):
     phases = [op.phase for op in recorder.ops]
     ops = recorder.ops
+    released = _forward_releases(recorder, phases, holders)
     tensors, unnamed, constants = [], 0, 0
     for record in recorder.storages:
         name = record.name
@@ -147,6 +167,7 @@ def _freeze(recorder: StepRecorder, model_name: str, device: str, fake: bool, no
             module=ops[record.producer].module if record.producer is not None else "",
             last_forward_use=max(forward_uses) if forward_uses else None,
             first_backward_use=next((i for i in record.consumers if phases[i] == "backward"), None),
+            **released.get(record.sid, {}),
         ))
     # cast: mark('end') comes after the step's last op, so every op has a Phase
     frozen_ops = tuple(OpInfo(op.index, cast(Phase, op.phase), op.module, op.name, op.inputs, op.outputs,

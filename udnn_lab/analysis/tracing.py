@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
 from udnn_lab.analysis.fake.tensors import FAKE_LIMITS, fake_inputs, fake_optimizer, fake_state
+from udnn_lab.analysis.holders import forward_releases
 from udnn_lab.analysis.recorder import StepRecorder
 from udnn_lab.analysis.recording import graph_from_recording, record_step
 from udnn_lab.analysis.step import ensure_optimizer_state, input_tensors, map_tensors, preserved, split_input
@@ -79,10 +80,11 @@ def _trace_fake(work: Workload, device: torch.device, counted_as: str, fast_path
     try:
         with _reparametrize_module(model, fakes, tie_weights=True), fake_mode, _quiet_fake_errors():
             record_step(recorder, model, args, kwargs, target, work.loss_fn, optimizer, track_saved=True)
+            holders = forward_releases(model, args, kwargs, target, work.loss_fn)  # NOTE [forward holders]
             substituted = counted_as != device.type
             notes = [CPU_FOR_CUDA_NOTE] if substituted else []
             return graph_from_recording(recorder, work.name, counted_as, fake=True, notes=notes,
-                                        cpu_stands_for_device=substituted)
+                                        cpu_stands_for_device=substituted, holders=holders)
     except FAKE_LIMITS as err:
         op = getattr(err, "func", None) or str(err)
         raise FakeTensorUnsupported(

@@ -79,12 +79,12 @@ def _options(graph: Graph, cost: CostModel) -> list[_Option]:
             continue
         prefetch = prefetch_point(graph, c.first_backward, LOOKAHEAD)
         d2h, h2d = cost.transfer_time_s(c.nbytes, "d2h"), cost.transfer_time_s(c.nbytes, "h2d")
-        if prefetch > c.last_forward:
-            found.append(_Option(c, "offload", (c.last_forward + 1, prefetch), d2h + h2d, d2h, h2d))
+        if prefetch > c.freed_after:
+            found.append(_Option(c, "offload", (c.freed_after + 1, prefetch), d2h + h2d, d2h, h2d))
         ops = writers(graph, c.tensor)
         sources = _recompute_sources(graph, c, ops)
         if sources is not None:
-            found.append(_Option(c, "recompute", (c.last_forward + 1, c.first_backward),
+            found.append(_Option(c, "recompute", (c.freed_after + 1, c.first_backward),
                                  float(sum(times[i] for i in ops)), ops=ops, sources=sources))
     return found
 

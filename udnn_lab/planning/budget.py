@@ -116,5 +116,5 @@ def _floor(graph: Graph) -> int:
     """No plan goes under this: the peak with every saved tensor away wherever no op touches it."""
     estimate = CurveEstimate(graph)
     for c in candidates(graph):
-        estimate.drop(c, (c.last_forward + 1, c.first_backward))
+        estimate.drop(c, (c.freed_after + 1, c.first_backward))
     return int(estimate.peak()[0])

@@ -1,8 +1,9 @@
 """What every policy looks at: the saved tensors a plan may act on, and where layers start.
 
 A candidate is a feature map on the graph's device: produced in forward, saved by autograd,
-read again in backward. Parameters, buffers and the input batch are never candidates
-(the input is held by the training loop, so moving it frees nothing).
+read again in backward, and let go by the forward pass before backward (NOTE [forward
+holders]). Parameters, buffers, the input batch and what the training loop holds through
+backward (the output, the loss) are never candidates: moving them frees nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class Candidate:
     nbytes: int
     producer: int
     last_forward: int  # last forward op that reads it (or its producer)
+    freed_after: int  # the op after which forward lets it go if autograd does not hold it (>= last_forward)
     first_backward: int  # first backward op that needs it: autograd unpacks it when a node that saved it starts
     conv_input: bool  # a convolution reads it in forward (vDNN's conv layers)
 
@@ -34,14 +36,15 @@ def _all_candidates(graph: Graph) -> tuple[Candidate, ...]:
     found = []
     for t in graph.tensors:
         if t.category != "feature_map" or not graph.on_device(t) or t.producer is None \
-                or t.first_backward_use is None:
+                or t.first_backward_use is None or t.held_past_forward:
             continue
         conv = any(graph.ops[i].name == "aten.convolution.default" for i in t.consumers
                    if graph.ops[i].phase == "forward")
         last = t.last_forward_use if t.last_forward_use is not None else t.producer
         starts = _node_starts(graph)
         unpacked = min((starts[op] for op in t.saved_by if op in starts), default=t.first_backward_use)
-        found.append(Candidate(t.id, t.nbytes, t.producer, last, min(unpacked, t.first_backward_use), conv))
+        freed = max(last, t.forward_release) if t.forward_release is not None else last
+        found.append(Candidate(t.id, t.nbytes, t.producer, last, freed, min(unpacked, t.first_backward_use), conv))
     return tuple(sorted(found, key=lambda c: (c.producer, c.tensor)))
 
 

@@ -57,7 +57,7 @@ def _pinning(graph: Graph, cost: CostModel, budget: int | None, policy: str, cho
 
 
 def _window(graph: Graph, c: Candidate) -> tuple[int, int]:
-    return c.last_forward + 1, prefetch_point(graph, c.first_backward, LOOKAHEAD)
+    return c.freed_after + 1, prefetch_point(graph, c.first_backward, LOOKAHEAD)
 
 
 def _all_away(graph: Graph, pool: list[Candidate]) -> CurveEstimate:

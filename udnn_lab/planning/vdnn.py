@@ -63,12 +63,12 @@ def vdnn_plus_plus(graph: Graph, cost: CostModel, budget: int | None) -> Plan:
         return _plus_plus(graph, budget, [])
 
     def window(c: Candidate) -> tuple[int, int]:
-        return c.last_forward + 1, prefetch_point(graph, c.first_backward, PLUS_PLUS_LOOKAHEAD)
+        return c.freed_after + 1, prefetch_point(graph, c.first_backward, PLUS_PLUS_LOOKAHEAD)
 
     plan = _plus_plus(graph, budget, [])
     for margin in MARGINS:
         chosen = choose_until_fits(graph, pool, budget * (1 - margin), window,
-                                   score=lambda c: c.first_backward - c.last_forward)
+                                   score=lambda c: c.first_backward - c.freed_after)
         plan = _plus_plus(graph, budget, chosen)
         if simulate_with(graph, plan, cost).fits:
             break
@@ -97,8 +97,8 @@ def pinned_pool_bytes(graph: Graph, offloads: tuple[Offload, ...]) -> int:
 
 def _worth_moving(graph: Graph, candidate: Candidate) -> bool:
     """Idle across the forward/backward boundary, so there is time to move it out and back."""
-    return candidate.last_forward < first_backward_op(graph) and \
-        prefetch_point(graph, candidate.first_backward, 1) > candidate.last_forward
+    return candidate.freed_after < first_backward_op(graph) and \
+        prefetch_point(graph, candidate.first_backward, 1) > candidate.freed_after
 
 
 def _renamed(plan: Plan, policy: str, note: str) -> Plan:

@@ -123,8 +123,9 @@ class Replay:
             return {}
         for source, version in (v for call in self.calls for v in call.versions):
             if source._version != version:
-                raise ReplayError("a tensor a recomputation reads was modified in place after forward used it, so "
-                                  "forward cannot be reproduced: plan this tensor as kept or offloaded instead")
+                raise ReplayError("a tensor a recomputation reads was modified by an inplace operation after forward "
+                                  "used it, so forward cannot be reproduced (if autograd saved it, eager PyTorch "
+                                  "refuses this step too); else plan this tensor as kept or offloaded instead")
         outputs: list[list[torch.Tensor | None]] = []
         last_read = self._last_reads()
         kept = {(m.call, m.output) for m in self.restores.values()}

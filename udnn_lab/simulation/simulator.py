@@ -167,6 +167,8 @@ class _Run:
         self.stall = 0.0
         self.violations = 0
         self.released: dict[int, int] = {}  # offloaded tensor -> the op its device memory was freed before
+        self.not_before: dict[int, int] = {}  # offloaded tensor -> the first op before which forward lets it go
+        self.held: set[int] = set()  # copies done, tensors forward still holds
         self._index_actions()
 
     def _index_actions(self) -> None:
@@ -186,19 +188,30 @@ class _Run:
                 self.prefetch_at.setdefault(offload.prefetch_at, []).append(offload)
                 if offload.wait_before is not None:
                     self.sync_before.setdefault(offload.wait_before, []).append(offload.tensor)
-                if offload.release_before is not None:
-                    self.release_at.setdefault(offload.release_before, []).append(offload.tensor)
-                    self.release_op[offload.tensor] = offload.release_before
+                release = self._release_point(offload)
+                if release is not None:
+                    self.release_at.setdefault(release, []).append(offload.tensor)
+                    self.release_op[offload.tensor] = release
         for recompute in self.plan.recomputes:
             self.recompute_at.setdefault(recompute.at_op, []).append(recompute)
             for tensor in recompute.tensors:
                 if on_device[tensor]:
                     last = self.graph.tensors[tensor].last_forward_use
                     assert last is not None  # a recomputed tensor's producer is a forward op (Plan.validate)
-                    self.drop_after.setdefault(last, []).append(tensor)
+                    held = self.graph.tensors[tensor].forward_release  # NOTE [forward holders]
+                    self.drop_after.setdefault(max(last, held if held is not None else last), []).append(tensor)
         readers = {i for t in moved for i in self.graph.tensors[t].consumers}
         self.action_ops = set(self.offload_after) | set(self.prefetch_at) | set(self.sync_before) \
             | set(self.release_at) | set(self.recompute_at) | set(self.drop_after) | readers
+
+    def _release_point(self, offload: Offload) -> int | None:
+        """The plan's release point, never before forward lets the tensor go (NOTE [forward holders])."""
+        held = self.graph.tensors[offload.tensor].forward_release
+        if held is not None:
+            self.not_before[offload.tensor] = held + 1
+        if offload.release_before is not None and held is not None:
+            return max(offload.release_before, held + 1)
+        return offload.release_before
 
     # -- memory -----------------------------------------------------------------------------
     def _size(self, tensor: int) -> int:
@@ -209,10 +222,19 @@ class _Run:
         self.changes.append((from_op, sign, tensor))
 
     def _free_completed(self, until: float) -> None:
+        self._release_held()
         while self.pending and self.pending[0][0] <= until:
             tensor = heapq.heappop(self.pending)[1]
             if tensor not in self.cancelled:
                 self._release(tensor)
+
+    def _release_held(self) -> None:
+        """Copies done whose tensor forward still held: freed once forward lets go (NOTE [forward holders])."""
+        for tensor in [t for t in self.held if self.not_before[t] <= self.op_index]:
+            self.held.discard(tensor)
+            if tensor not in self.cancelled:
+                self._change(tensor, -1, self.op_index)
+                self.released[tensor] = self.op_index
 
     def _wait_for_memory(self, start: float, need: int) -> float:
         """Start time once ``need`` more bytes fit the budget, freeing completed copies."""
@@ -221,6 +243,9 @@ class _Run:
             done, tensor = heapq.heappop(self.pending)
             if tensor in self.cancelled:
                 continue
+            if self.not_before.get(tensor, 0) > self.op_index:
+                self.held.add(tensor)  # its copy is done, but forward still holds it: waiting frees nothing now
+                continue
             start = max(start, done)
             self._release(tensor)
         if self.budget is not None and self.counted + need > self.budget:
@@ -228,6 +253,9 @@ class _Run:
         return start
 
     def _release(self, tensor: int) -> None:
+        if self.not_before.get(tensor, 0) > self.op_index:
+            self.held.add(tensor)
+            return
         self._change(tensor, -1, self.op_index)
         self.released[tensor] = self.op_index
 
@@ -253,7 +281,8 @@ class _Run:
     def _step(self, op, clock: float) -> tuple[float, float]:
         i = op.index
         if i not in self.action_ops:
-            start = self._wait_for_memory(clock, self.own[i]) if self.pending or self.budget is not None else clock
+            start = self._wait_for_memory(clock, self.own[i]) if self.pending or self.held or self.budget is not None \
+                else clock
             self._stall(clock, start, i, "stall_memory")
             return start, self._run_op(op, start)
         prefetches = self.prefetch_at.get(i, [])
