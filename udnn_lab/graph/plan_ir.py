@@ -197,7 +197,20 @@ def check_recompute(graph: Graph, recompute: Recompute, dropped: set[int]) -> No
             raise PlanError(f"recomputing {names} re-runs op {index}, which is not a forward op")
         for source in op.inputs:
             _check_source(graph, names, source, made, dropped, recompute.at_op)
+            writer = written_after(graph, source, index) if source not in made else None
+            if writer is not None:
+                raise PlanError(f"recomputing {names} reads {graph.tensors[source].name} at op {index}, which op "
+                                f"{writer} then writes in place: forward cannot be replayed from it")
         made.update(op.outputs)
+
+
+def written_after(graph: Graph, tensor_id: int, op: int) -> int | None:
+    """The first forward op after ``op`` that writes into the tensor in place (None if none does)."""
+    tensor = graph.tensors[tensor_id]
+    if tensor.category in ("parameter", "buffer"):
+        return None  # the optimizer's and running statistics' writes come after any replay, or are cloned
+    return next((j for j in tensor.consumers if j > op and graph.ops[j].phase == "forward"
+                 and tensor_id in graph.ops[j].outputs), None)
 
 
 def _check_source(graph: Graph, names: str, source: int, made: set[int], dropped: set[int], at_op: int) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from udnn_lab.cost.model import CostModel
-from udnn_lab.graph.plan_ir import Offload, Plan, Recompute
+from udnn_lab.graph.plan_ir import Offload, Plan, Recompute, written_after
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.planning.candidates import Candidate, candidates, first_backward_op, prefetch_point, writers
 from udnn_lab.planning.estimate import CurveEstimate
@@ -98,6 +98,8 @@ def _recompute_sources(graph: Graph, c: Candidate, ops: tuple[int, ...]) -> tupl
             continue
         if tensor.free_step is not None and tensor.free_step < c.first_backward:
             return None
+        if written_after(graph, source, min(i for i in ops if source in graph.ops[i].inputs)) is not None:
+            return None  # overwritten in place after the recompute reads it: forward cannot be replayed
         needed.append(source)
     return tuple(sorted(needed))
 

@@ -50,8 +50,10 @@ class FakeFastPaths:
         kind = self._kinds.get(func)
         if kind is None:
             kind = self._kinds[func] = _kind(func)
-        if kind is _PROBE and fidelity.needs_probe(str(func), args):
-            return fidelity.probed_call(func, args, kwargs)
+        if kind is _PROBE:
+            if fidelity.needs_probe(str(func), args):
+                return fidelity.probed_call(func, args, kwargs)
+            kind = _MEMO
         tensors = list(flat_tensors((args, kwargs)))
         if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
             with unset_fake_temporarily():  # real tensors stay real
@@ -81,8 +83,8 @@ class FakeFastPaths:
 def _kind(func) -> str:
     if func is _PRIM_DEVICE:
         return _DEVICE
-    if str(func) in fidelity.PROBED_OPS:
-        return _PROBE
+    if str(func) in fidelity.PROBED_OPS | fidelity.PROBED_WHEN_STRIDED:
+        return _PROBE  # probed when needs_probe says so, else run as a memoized op
     schema = func._schema
     returns, arguments = schema.returns, schema.arguments
     if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns) \

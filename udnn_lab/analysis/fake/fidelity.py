@@ -4,7 +4,10 @@ PyTorch's meta kernel for oneDNN's LSTM layer returns an empty workspace (the re
 holds the gates for backward, often megabytes) and returns one bias gradient twice
 (autograd then clones it, an op the real run never does). The CPU's ``mse_loss`` returns
 its 0-dim loss as a view into the whole elementwise buffer, which lives as long as the
-loss does (the meta kernel gives it 4 bytes). For such ops the trace sizes the outputs by
+loss does (the meta kernel gives it 4 bytes). The CPU's batch norm returns a contiguous
+output for a strided input (a transposed image), where the meta kernel keeps the input's
+strides, so a later reshape copies in the trace and views in the step. For such ops (batch
+norm only when its input is strided) the trace sizes the outputs by
 one real call on zeros, on the CPU, and gives the step fake outputs of exactly those
 sizes, strides and storage sizes. Nothing is kept: the real tensors are
 released as soon as their sizes are read. Each entry is checked by a test that
@@ -24,8 +27,19 @@ PROBED_OPS = frozenset({
 })
 
 
+PROBED_WHEN_STRIDED = frozenset({
+    "aten.native_batch_norm.default",
+    "aten._native_batch_norm_legit.default",
+})
+
+
 def needs_probe(name: str, args: tuple) -> bool:
     """Only CPU fake tensors can be probed on this machine."""
+    if name in PROBED_WHEN_STRIDED:
+        first = args[0] if args else None
+        strided = isinstance(first, FakeTensor) and not (
+            first.is_contiguous() or first.is_contiguous(memory_format=torch.channels_last))
+        return strided and first is not None and first.device.type == "cpu"
     if name not in PROBED_OPS:
         return False
     return any(isinstance(a, FakeTensor) and a.device.type == "cpu" for a in args)
