@@ -46,3 +46,12 @@ def test_every_policy_acts_at_that_budget_on_the_unet():
 def test_a_failing_check_is_a_row_not_an_exception():
     row = check(CORPUS["checkpointed"], "no-such-policy", "midway")
     assert row["status"] == "plan error" and "no-such-policy" in row["error"]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_trace_knows_what_holds_each_tensor_besides_autograd(model):
+    """NOTE [forward holders]: the second forward pass runs the trace's very ops, so every forward tensor is known."""
+    graph = subject(CORPUS[model]).graph
+    assert not any("second forward pass" in note for note in graph.notes), graph.notes
+    made = [t for t in graph.tensors if t.producer is not None and graph.ops[t.producer].phase == "forward"]
+    assert all(t.forward_release is not None or t.held_past_forward for t in made)

@@ -35,15 +35,16 @@ HELD = None  # a storage the caller still holds when forward and the loss are do
 class _Releases(TorchDispatchMode):
     """Counts ops; notes when each new storage of an op dies."""
 
-    def __init__(self) -> None:
+    def __init__(self, run_op: Callable) -> None:
         super().__init__()
+        self.run_op = run_op
         self.index = 0
         self.released: dict[tuple[int, int], int | None] = {}
         self._refs: list[weakref.ref] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = self.run_op(func, args, kwargs)
         if not records_op(func):
             return out
         index = self.index
@@ -65,13 +66,14 @@ class _Releases(TorchDispatchMode):
         self.released[key] = self.index - 1
 
 
-def forward_releases(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any,
-                     loss_fn: Callable | None) -> tuple[int, dict[tuple[int, int], int | None]]:
+def forward_releases(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, loss_fn: Callable | None,
+                     run_op: Callable) -> tuple[int, dict[tuple[int, int], int | None]]:
     """(ops counted, {(producer op, position among its new storages): op after which it is released, or HELD}).
 
-    Run where the trace's fake mode and fake parameters are active (NOTE [forward holders] 2).
+    Run where the trace's fake mode and fake parameters are active, with the trace's ``run_op``
+    (its fast paths and probes decide shapes and strides, so the same ops run: NOTE [forward holders] 2).
     """
-    watcher = _Releases()
+    watcher = _Releases(run_op)
     keep_nothing = torch.autograd.graph.saved_tensors_hooks(lambda tensor: None, lambda packed: packed)
     with view_replay(), keep_nothing, watcher:
         output = model(*args, **kwargs)

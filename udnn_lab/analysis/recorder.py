@@ -182,10 +182,14 @@ class StepRecorder(TorchDispatchMode):
         kind = self._kinds.get(func)
         if kind is None:
             kind = self._kinds[func] = self._classify(func)
-        out = self._fake.run(func, args, kwargs) if self._fake is not None else func(*args, **kwargs)
+        out = self.run_op(func, args, kwargs)
         if kind is not _SKIP and self.recording:
             self._record(func, args, kwargs, out)
         return out
+
+    def run_op(self, func, args: tuple, kwargs: dict):
+        """Run an op as this recorder's step runs it: fake fast paths and probes included."""
+        return self._fake.run(func, args, kwargs) if self._fake is not None else func(*args, **kwargs)
 
     def _classify(self, func) -> str:
         self._names[func] = str(func)

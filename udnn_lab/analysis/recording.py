@@ -125,13 +125,14 @@ def graph_from_recording(recorder: StepRecorder, model_name: str, device: str, *
         return _freeze(recorder, model_name, device, fake, notes, cpu_stands_for_device, holders)
 
 
-def _forward_releases(recorder: StepRecorder, phases: list[str], holders: tuple[int, dict] | None) -> dict:
-    """Storage id -> TensorInfo's forward_release and held_past_forward, when the second forward matched."""
+def _forward_releases(recorder: StepRecorder, phases: list[str], holders: tuple[int, dict] | None) -> dict | None:
+    """Storage id -> TensorInfo's forward_release and held_past_forward; None when the second forward ran
+    other ops than the trace (then nothing is said rather than something wrong)."""
     if holders is None:
         return {}
     count, released = holders
     if count != sum(phase == "forward" for phase in phases):
-        return {}  # the second forward ran other ops: say nothing rather than something wrong
+        return None
     found = {}
     for op in recorder.ops[:count]:
         for position, sid in enumerate(op.allocated):
@@ -146,6 +147,10 @@ def _freeze(recorder: StepRecorder, model_name: str, device: str, fake: bool, no
     phases = [op.phase for op in recorder.ops]
     ops = recorder.ops
     released = _forward_releases(recorder, phases, holders)
+    if released is None:
+        released = {}
+        notes = (*notes, "the second forward pass ran other ops than the trace (NOTE [forward holders]): what holds "
+                 "each tensor besides autograd is unknown, so plans assume forward lets go after its last use")
     tensors, unnamed, constants = [], 0, 0
     for record in recorder.storages:
         name = record.name

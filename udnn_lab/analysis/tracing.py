@@ -80,7 +80,7 @@ def _trace_fake(work: Workload, device: torch.device, counted_as: str, fast_path
     try:
         with _reparametrize_module(model, fakes, tie_weights=True), fake_mode, _quiet_fake_errors():
             record_step(recorder, model, args, kwargs, target, work.loss_fn, optimizer, track_saved=True)
-            holders = forward_releases(model, args, kwargs, target, work.loss_fn)  # NOTE [forward holders]
+            holders = forward_releases(model, args, kwargs, target, work.loss_fn, recorder.run_op)  # [forward holders]
             substituted = counted_as != device.type
             notes = [CPU_FOR_CUDA_NOTE] if substituted else []
             return graph_from_recording(recorder, work.name, counted_as, fake=True, notes=notes,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from udnn_lab.errors import PlanError
-from udnn_lab.graph.step_graph import Graph, op_family
+from udnn_lab.graph.step_graph import Graph, op_family, writes_in_place
 from udnn_lab.units import format_bytes
 
 
@@ -210,7 +210,7 @@ def written_after(graph: Graph, tensor_id: int, op: int) -> int | None:
     if tensor.category in ("parameter", "buffer"):
         return None  # the optimizer's and running statistics' writes come after any replay, or are cloned
     return next((j for j in tensor.consumers if j > op and graph.ops[j].phase == "forward"
-                 and tensor_id in graph.ops[j].outputs), None)
+                 and tensor_id in graph.ops[j].outputs and writes_in_place(graph.ops[j].name)), None)
 
 
 def _check_source(graph: Graph, names: str, source: int, made: set[int], dropped: set[int], at_op: int) -> None:

@@ -42,6 +42,15 @@ def op_family(name: str) -> str:
     return _BACKEND_VARIANTS.get(base, base)
 
 
+def writes_in_place(name: str) -> bool:
+    """Whether an op (by its name) writes into its input: 'aten.relu_.default', 'aten.add.out'; a view, which
+    also returns its input's storage, does not."""
+    parts = name.split(".")
+    base = parts[1] if len(parts) >= 2 else name
+    overload = parts[2] if len(parts) >= 3 else ""
+    return (base.endswith("_") and not base.endswith("__")) or overload.startswith("out")
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """One storage and its life during the step."""

@@ -94,12 +94,12 @@ def _recompute_sources(graph: Graph, c: Candidate, ops: tuple[int, ...]) -> tupl
     needed = []
     for source in {s for i in ops for s in graph.ops[i].inputs} - {c.tensor}:
         tensor = graph.tensors[source]
+        if written_after(graph, source, min(i for i in ops if source in graph.ops[i].inputs)) is not None:
+            return None  # overwritten in place after the recompute reads it: forward cannot be replayed
         if tensor.category in _KEPT:
             continue
         if tensor.free_step is not None and tensor.free_step < c.first_backward:
             return None
-        if written_after(graph, source, min(i for i in ops if source in graph.ops[i].inputs)) is not None:
-            return None  # overwritten in place after the recompute reads it: forward cannot be replayed
         needed.append(source)
     return tuple(sorted(needed))
 

@@ -14,7 +14,7 @@ import math
 
 from udnn_lab.cost.model import CostModel
 from udnn_lab.graph.plan_ir import Plan, PlanError, Recompute, check_recompute
-from udnn_lab.graph.step_graph import Graph
+from udnn_lab.graph.step_graph import Graph, writes_in_place
 from udnn_lab.planning.candidates import candidates, writers
 from udnn_lab.planning.registry import policy
 from udnn_lab.simulation.simulator import simulate_with
@@ -65,7 +65,7 @@ def _overwrites_earlier(graph: Graph, first: int, last: int) -> bool:
         op = graph.ops[i]
         for t in op.inputs:
             producer = graph.tensors[t].producer
-            if t in op.outputs and producer is not None and producer < first:
+            if t in op.outputs and writes_in_place(op.name) and producer is not None and producer < first:
                 return True
     return False
 
