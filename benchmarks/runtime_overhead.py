@@ -65,7 +65,7 @@ def main() -> None:
     graph = ul.trace(work)
     hardware = "h100-sxm" if device.type == "cuda" else "cpu-amd-epyc-2cpu"
     everything = ul.plan(graph, None, "vdnn-all", hardware=hardware)
-    ten = replace(everything, offloads=everything.offloads[:10])
+    ten = replace(everything, offloads=everything.offloads[:10]).located(graph)
     forward_backward = sum(op.phase != "optimizer" for op in graph.ops)
     runtime = ul.OffloadRuntime(ten)  # one runtime across steps, as in training: its pool is allocated once
     methods = {

@@ -225,7 +225,8 @@ class _Step(TorchDispatchMode):
                 self.slots[tensor] = _Slot(tensor, recompute)
         self.sites: dict[int, list[TensorSite]] = {}
         for site in plan.sites:
-            self.sites.setdefault(site.producer, []).append(site)
+            if site.tensor in self.slots:  # a plan edited after located() may list sites it no longer acts on
+                self.sites.setdefault(site.producer, []).append(site)
         self.by_key: dict[int, _Slot] = {}
         self.offload_after = _group(plan.offloads, "after_op")
         self.prefetch_at = _group(plan.offloads, "prefetch_at")
