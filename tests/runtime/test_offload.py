@@ -292,10 +292,11 @@ def test_user_generator_recompute_replays_a_user_generator_s_draws_and_leaves_it
 class _ModifiesItsSavedOutput(nn.Module):
     def __init__(self) -> None:
         super().__init__()
+        self.stem = nn.Sequential(*[layer for _ in range(4) for layer in (nn.Linear(256, 256), nn.Tanh())])
         self.first, self.second = nn.Linear(256, 256), nn.Linear(256, 4)
 
     def forward(self, x):
-        hidden = torch.relu(self.first(x))  # relu saves its output for backward
+        hidden = torch.relu(self.first(self.stem(x)))  # relu saves its output for backward
         out = self.second(hidden)
         hidden.add_(1)  # ... which is then modified in place: eager's backward refuses the step
         return out

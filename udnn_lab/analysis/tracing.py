@@ -19,10 +19,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
-from udnn_lab.analysis.fake.tensors import FAKE_LIMITS, fake_inputs, fake_optimizer, fake_state
-from udnn_lab.analysis.holders import forward_releases
-from udnn_lab.analysis.recorder import StepRecorder
-from udnn_lab.analysis.recording import graph_from_recording, record_step
+from udnn_lab.analysis._fake.tensors import FAKE_LIMITS, fake_inputs, fake_optimizer, fake_state
+from udnn_lab.analysis._holders import forward_releases
+from udnn_lab.analysis._recorder import StepRecorder
+from udnn_lab.analysis._recording import graph_from_recording, record_step
 from udnn_lab.analysis.step import ensure_optimizer_state, input_tensors, map_tensors, preserved, split_input
 from udnn_lab.errors import FakeTensorUnsupported
 from udnn_lab.graph.step_graph import Graph

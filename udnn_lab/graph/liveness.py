@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from udnn_lab.graph.memo import per_graph
+from udnn_lab.graph._memo import per_graph
 from udnn_lab.units import cuda_block_bytes
 from udnn_lab.vocabulary import CATEGORIES as CATEGORY_ORDER
 

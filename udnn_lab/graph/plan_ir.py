@@ -53,6 +53,7 @@ class TensorSite:
     producer: int
     position: int
     nbytes: int
+    held_until: int = -1  # the op after which forward lets it go (NOTE [forward holders]); -1: unknown
 
 
 @dataclass(frozen=True, repr=False)
@@ -143,7 +144,9 @@ def _site(graph: Graph, tensor_id: int) -> TensorSite:
     if tensor.producer is None:
         raise PlanError(f"{tensor.name} exists before the step, so the runtime cannot find it among the tensors "
                         "the step makes: plan only those (the input batch stays with the training loop)")
-    return TensorSite(tensor_id, tensor.producer, graph.ops[tensor.producer].allocated.index(tensor_id), tensor.nbytes)
+    uses = [u for u in (tensor.last_forward_use, tensor.forward_release) if u is not None]
+    return TensorSite(tensor_id, tensor.producer, graph.ops[tensor.producer].allocated.index(tensor_id), tensor.nbytes,
+                      max(uses) if uses else -1)
 
 
 def _check_tensor(graph: Graph, tensor_id: int) -> None:

@@ -71,7 +71,7 @@ class TensorInfo:
     module: str  # module path of the producer op ('' is the model itself)
     last_forward_use: int | None = None  # last forward op that produced or read it
     first_backward_use: int | None = None  # first backward op that read it
-    # what holds it besides autograd (NOTE [forward holders] in analysis/holders.py): forward lets it go right
+    # what holds it besides autograd (NOTE [forward holders] in analysis/_holders.py): forward lets it go right
     # after this op (None: not known, as after its last forward use); the caller still holds it after forward
     forward_release: int | None = None
     held_past_forward: bool = False

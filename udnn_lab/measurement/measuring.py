@@ -20,8 +20,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from udnn_lab.analysis.recorder import StepRecorder
-from udnn_lab.analysis.recording import graph_from_recording, record_step
+from udnn_lab.analysis._recorder import StepRecorder
+from udnn_lab.analysis._recording import graph_from_recording, record_step
 from udnn_lab.analysis.step import ensure_optimizer_state, map_tensors, preserved, run_step, split_input
 from udnn_lab.devices import device_name, model_device
 from udnn_lab.errors import TraceMismatch

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from udnn_lab.cost.model import CostModel
 from udnn_lab.graph.plan_ir import Offload, Plan, Recompute, written_after
 from udnn_lab.graph.step_graph import Graph
-from udnn_lab.planning.candidates import Candidate, candidates, first_backward_op, prefetch_point, writers
-from udnn_lab.planning.estimate import CurveEstimate
+from udnn_lab.planning._candidates import Candidate, candidates, first_backward_op, prefetch_point, writers
+from udnn_lab.planning._estimate import CurveEstimate
 from udnn_lab.planning.registry import POLICIES, policy
 from udnn_lab.planning.vdnn import MARGINS, SIZE_FLOOR, pinned_pool_bytes
 from udnn_lab.simulation.simulator import simulate_with

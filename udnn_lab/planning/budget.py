@@ -13,8 +13,8 @@ from udnn_lab.errors import PlanInfeasible
 from udnn_lab.graph.plan_ir import Plan
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware.profiles import Hardware
-from udnn_lab.planning.candidates import candidates
-from udnn_lab.planning.estimate import CurveEstimate
+from udnn_lab.planning._candidates import candidates
+from udnn_lab.planning._estimate import CurveEstimate
 from udnn_lab.planning.registry import POLICIES
 from udnn_lab.simulation.simulator import cost_model, simulate_with
 from udnn_lab.units import format_bytes, parse_bytes

@@ -15,7 +15,7 @@ import math
 from udnn_lab.cost.model import CostModel
 from udnn_lab.graph.plan_ir import Plan, PlanError, Recompute, check_recompute
 from udnn_lab.graph.step_graph import Graph, writes_in_place
-from udnn_lab.planning.candidates import candidates, writers
+from udnn_lab.planning._candidates import candidates, writers
 from udnn_lab.planning.registry import policy
 from udnn_lab.simulation.simulator import simulate_with
 

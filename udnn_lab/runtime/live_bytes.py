@@ -13,7 +13,7 @@ from functools import partial
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from udnn_lab.analysis.fake.memo import flat_tensors
+from udnn_lab.analysis._fake.memo import flat_tensors
 
 
 class LiveBytes(TorchDispatchMode):

@@ -26,8 +26,9 @@ NOTE [offload runtime]
      has completed) and returns the saved view over the restored storage. A handle
      unpacked before its prefetch (a step that does not follow the plan) is fetched on
      demand, and the host wait is counted as a stall. A handle keeps autograd's version
-     check: if the saved tensor was modified in place after it was saved, unpacking raises
-     the error eager PyTorch raises; so does a tensor the plan leaves alone (autograd does
+     check (holding the saved alias until forward lets the tensor go, or an offload's
+     release point): if the saved tensor was modified in place after it was saved,
+     unpacking raises the error eager PyTorch raises; so does a tensor the plan leaves alone (autograd does
      not check versions of tensors that went through saved-tensor hooks).
   6. Recompute. The ops of a Recompute are recorded in forward (dropped tensors by
      reference into the recording, never by a reference that would keep them alive), with
@@ -60,15 +61,15 @@ from typing import Literal, Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from udnn_lab.analysis.fake.memo import flat_tensors
-from udnn_lab.analysis.recorder import records_op
+from udnn_lab.analysis._fake.memo import flat_tensors
+from udnn_lab.analysis._recorder import records_op
 from udnn_lab.analysis.step import view_replay
 from udnn_lab.errors import PlanMismatch
 from udnn_lab.graph.plan_ir import Offload, Plan, Recompute, TensorSite
 from udnn_lab.graph.step_graph import op_family
-from udnn_lab.runtime.copies import Copies
+from udnn_lab.runtime._copies import Copies
+from udnn_lab.runtime._replay import Replay, rng_state
 from udnn_lab.runtime.pinned_pool import HostPool
-from udnn_lab.runtime.replay import Replay, rng_state
 from udnn_lab.units import cuda_block_bytes
 
 
@@ -115,10 +116,10 @@ class _Handle:
         self.dtype, self.shape, self.stride, self.offset = tensor.dtype, tuple(tensor.shape), tensor.stride(), \
             tensor.storage_offset()
         # autograd's version check, which a handle would lose (NOTE [offload runtime] 5). Autograd often packs
-        # a fresh alias that shares the version counter: an offload's is held until its release point (the
-        # device copy is held until then anyway), anything else's weakly, so that it holds no memory.
+        # a fresh alias that shares the version counter: it is held until forward lets the tensor go (an
+        # offload's until its release point, which is no earlier), when it costs no memory, then weakly.
         self.version, self.stale = tensor._version, False
-        self.saved: torch.Tensor | None = tensor if isinstance(slot.action, Offload) else None
+        self.saved: torch.Tensor | None = tensor
         self.weak = weakref.ref(tensor)
 
     def saved_tensor(self) -> torch.Tensor | None:
@@ -224,9 +225,12 @@ class _Step(TorchDispatchMode):
             for tensor in recompute.tensors:
                 self.slots[tensor] = _Slot(tensor, recompute)
         self.sites: dict[int, list[TensorSite]] = {}
+        self.let_go: dict[int, list[_Slot]] = {}  # recomputed tensors: forward lets them go before this op
         for site in plan.sites:
             if site.tensor in self.slots:  # a plan edited after located() may list sites it no longer acts on
                 self.sites.setdefault(site.producer, []).append(site)
+                if isinstance(self.slots[site.tensor].action, Recompute):
+                    self.let_go.setdefault(site.held_until + 1, []).append(self.slots[site.tensor])
         self.by_key: dict[int, _Slot] = {}
         self.offload_after = _group(plan.offloads, "after_op")
         self.prefetch_at = _group(plan.offloads, "prefetch_at")
@@ -241,7 +245,7 @@ class _Step(TorchDispatchMode):
             for op in recompute.ops:
                 self.recording.setdefault(op, []).append(replay)
         self.watched = set(self.sites) | set(self.offload_after) | set(self.prefetch_at) | set(self.replay_at) \
-            | set(self.recording) | set(self.release_at) | set(self.wait_at)
+            | set(self.recording) | set(self.release_at) | set(self.wait_at) | set(self.let_go)
         self.last_planned_op = max(self.watched, default=-1)
         self.families: dict = {}  # func -> its op_family, or "" for ops the trace does not count
         self.expected = plan.op_families  # NOTE [offload runtime] 1: the step must be the plan's step
@@ -322,6 +326,8 @@ class _Step(TorchDispatchMode):
                 self.copies.use(self.slots[offload.tensor].offload_done)
         for offload in self.release_at.get(index, ()):
             self._release(self.slots[offload.tensor])
+        for slot in self.let_go.get(index, ()):
+            _last_look(slot)
         recording = self.recording.get(index, ())
         state = rng_state(func, self._device(args), kwargs) if recording else None
         versions = [a._version if isinstance(a, torch.Tensor) else None for a in args] if recording else ()
@@ -401,9 +407,7 @@ class _Step(TorchDispatchMode):
 
     def _release(self, slot: _Slot) -> None:
         """The release point (NOTE [offload runtime] 3): compute waits for the copy, the device tensor goes."""
-        for handle in _alive(slot.saved):  # the last moment a write into it can be seen (5)
-            handle.check()
-            handle.saved = None
+        _last_look(slot)
         if slot.device_data is None or slot.restored is not None:
             return
         assert self.copies is not None
@@ -504,6 +508,13 @@ class _Step(TorchDispatchMode):
     def _device(args) -> torch.device:
         first = next(flat_tensors(args), None)
         return first.device if first is not None else torch.device("cpu")
+
+
+def _last_look(slot: _Slot) -> None:
+    """Forward is done with the tensor: the last moment a write into it can be seen (5); the aliases go."""
+    for handle in _alive(slot.saved):
+        handle.check()
+        handle.saved = None
 
 
 def _alive(refs) -> list[_Handle]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from udnn_lab.errors import CapBelowMinimum
-from udnn_lab.sharing.worker import JobAnalysis
+from udnn_lab.sharing._worker import JobAnalysis
 from udnn_lab.units import format_bytes, parse_bytes
 
 CPU_CAPS = ("CPU: no per-process memory limit exists; a cap is enforced by training under the planner's plan "

@@ -36,6 +36,7 @@ import torch
 import udnn_lab
 from udnn_lab.errors import CapBelowMinimum
 from udnn_lab.measurement import nvml
+from udnn_lab.sharing._worker import JobAnalysis, analyze_job
 from udnn_lab.sharing.caps import CPU_CAPS, CUDA_CAPS, resolve_caps
 from udnn_lab.sharing.charts import (
     degradation_heatmap,
@@ -57,7 +58,6 @@ from udnn_lab.sharing.records import QUESTIONS, Record, StudyConfig
 from udnn_lab.sharing.results import StudyResult, compare_runs, cut_samples, load, signal_descriptions, weighted_jaccard
 from udnn_lab.sharing.signals import ks_2samp
 from udnn_lab.sharing.study import quiet, run_jobs, stderr_log
-from udnn_lab.sharing.worker import JobAnalysis, analyze_job
 
 __all__ = [
     "DOCUMENT_004_MODELS", "QUESTIONS", "SIZES", "CapBelowMinimum", "JobAnalysis", "JobSpec", "StudyConfig",

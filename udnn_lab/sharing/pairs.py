@@ -27,7 +27,7 @@ from itertools import combinations
 import numpy as np
 
 from udnn_lab.errors import JobFailed
-from udnn_lab.sharing.procs import Iteration, Workers
+from udnn_lab.sharing._procs import Iteration, Workers
 from udnn_lab.sharing.records import Record, StudyConfig, disturbed, failed_job, interference
 
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from udnn_lab.errors import JobFailed
-from udnn_lab.sharing.worker import JobAnalysis
+from udnn_lab.sharing._worker import JobAnalysis
 
 QUESTIONS = ("q1", "q2", "q3", "q4")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from statistics import median
 
 from udnn_lab.errors import JobFailed
-from udnn_lab.sharing.procs import RunState, Workers
+from udnn_lab.sharing._procs import RunState, Workers
 from udnn_lab.sharing.records import Record, StudyConfig, disturbed, failed_job, interference
 
 

@@ -23,10 +23,10 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+from udnn_lab.sharing._procs import Workers
 from udnn_lab.sharing.caps import resolve_caps
 from udnn_lab.sharing.jobs import JobSpec
 from udnn_lab.sharing.pairs import q2
-from udnn_lab.sharing.procs import Workers
 from udnn_lab.sharing.records import Record, StudyConfig
 from udnn_lab.sharing.signals import Sampler
 from udnn_lab.sharing.solo import q1, q3

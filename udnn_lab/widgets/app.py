@@ -27,8 +27,8 @@ from udnn_lab.planning.budget import PlanInfeasible
 from udnn_lab.planning.registry import POLICIES
 from udnn_lab.simulation.simulator import Simulation
 from udnn_lab.units import format_bytes, format_seconds
-from udnn_lab.widgets.state import LabSession, Setting
-from udnn_lab.widgets.training import TrainingPanel
+from udnn_lab.widgets._state import LabSession, Setting
+from udnn_lab.widgets._training import TrainingPanel
 
 _MiB = 2**20
 _GRAPH, _POLICY, _BUDGET = 2, 1, 0  # how much a change invalidates

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from udnn_lab.analysis.fake.memo import flat_tensors
+from udnn_lab.analysis._fake.memo import flat_tensors
 
 
 class OpWork:

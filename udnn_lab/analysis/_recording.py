@@ -9,8 +9,8 @@ from typing import Any, cast
 
 import torch
 
-from udnn_lab.analysis.fake.tensors import FAKE_LIMITS
-from udnn_lab.analysis.recorder import StepRecorder, StorageRecord
+from udnn_lab.analysis._fake.tensors import FAKE_LIMITS
+from udnn_lab.analysis._recorder import StepRecorder, StorageRecord
 from udnn_lab.analysis.step import input_tensors, run_step
 from udnn_lab.errors import ModelInputError
 from udnn_lab.graph.step_graph import Graph, ModuleCall, OpInfo, TensorInfo

@@ -26,8 +26,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from udnn_lab.analysis.fake.fast_paths import FakeFastPaths
-from udnn_lab.analysis.op_work import OpWork
+from udnn_lab.analysis._fake.fast_paths import FakeFastPaths
+from udnn_lab.analysis._op_work import OpWork
 from udnn_lab.vocabulary import AUTOGRAD_SCOPE, OPTIMIZER_SCOPE, Category
 
 _NO_SEQUENCE = 2**64 - 1  # sequence number of AccumulateGrad nodes

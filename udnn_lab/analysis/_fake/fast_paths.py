@@ -29,8 +29,8 @@ from torch._subclasses.fake_tensor import (
     unset_fake_temporarily,
 )
 
-from udnn_lab.analysis.fake import fidelity
-from udnn_lab.analysis.fake.memo import FakeOpMemo, flat_tensors
+from udnn_lab.analysis._fake import fidelity
+from udnn_lab.analysis._fake.memo import FakeOpMemo, flat_tensors
 
 _PRIM_DEVICE = torch.ops.prim.device.default
 _METADATA_MUTATORS = ("aten::resize_", "aten::resize_as_", "aten::set_", "aten::_resize_output_")

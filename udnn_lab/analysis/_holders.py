@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from udnn_lab.analysis.fake.memo import flat_tensors
-from udnn_lab.analysis.recorder import records_op
+from udnn_lab.analysis._fake.memo import flat_tensors
+from udnn_lab.analysis._recorder import records_op
 from udnn_lab.analysis.step import compute_loss, view_replay
 
 HELD = None  # a storage the caller still holds when forward and the loss are done (NOTE [forward holders] 3)

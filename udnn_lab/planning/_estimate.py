@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from udnn_lab.graph.step_graph import Graph
-from udnn_lab.planning.candidates import Candidate
+from udnn_lab.planning._candidates import Candidate
 from udnn_lab.units import cuda_block_bytes
 
 Window = Callable[[Candidate], tuple[int, int]]  # ops [first, last) a candidate is away from the device

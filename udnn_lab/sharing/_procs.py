@@ -17,8 +17,8 @@ from multiprocessing.process import BaseProcess
 from typing import NamedTuple, cast
 
 from udnn_lab.errors import JobFailed
+from udnn_lab.sharing._worker import JobAnalysis, RunOrder, worker_main
 from udnn_lab.sharing.jobs import JobSpec
-from udnn_lab.sharing.worker import JobAnalysis, RunOrder, worker_main
 
 _START_HINT = (" before it was ready; its traceback is on stderr. Run from a script, the study must be started "
                "under `if __name__ == '__main__':` (jobs run in 'spawn' processes, which import the main module)")
