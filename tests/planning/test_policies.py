@@ -10,7 +10,7 @@ import udnn_lab as ul
 from udnn_lab import zoo
 from udnn_lab.hardware.profiles import Hardware
 from udnn_lab.planning import POLICIES, PlanInfeasible, min_budget, plan, sweep
-from udnn_lab.planning.candidates import candidates
+from udnn_lab.planning._candidates import candidates
 from udnn_lab.planning.pinning import pin_dp, pin_greedy
 from udnn_lab.simulation.simulator import cost_model, simulate
 

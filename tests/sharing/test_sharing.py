@@ -16,9 +16,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 import udnn_lab as ul
 from udnn_lab import sharing
+from udnn_lab.sharing._worker import JobAnalysis, op_type
 from udnn_lab.sharing.signals import EXACT_KS_LIMIT, kolmogorov_sf
 from udnn_lab.sharing.study import StudyConfig, run_jobs
-from udnn_lab.sharing.worker import JobAnalysis, op_type
 
 FAST = dict(size="tiny", warmup=2, iterations=15, min_phase_s=0.4, sample_interval_s=0.02, profile_repeats=1,
             retries=0, progress=False)
