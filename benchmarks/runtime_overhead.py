@@ -1,8 +1,10 @@
 """Host time the offload runtime adds to a step, against eager and PyTorch's save_on_cpu, in one run.
 
 ResNet-50 at batch 2 and 64x64 on one thread (a step small enough that per-op host time
-shows): eager; the runtime with a plan that offloads 10 tensors (every op still goes
-through its dispatch mode); torch.autograd.graph.save_on_cpu. Each is the median of --repeats steps after warm-up.
+shows): eager; the runtime with a plan that offloads 10 tensors, following the step by its
+module and saved-tensor hooks (NOTE [hook points]); torch.autograd.graph.save_on_cpu; and the
+same plan followed op by op under a dispatch mode (what plans with recomputations use). The
+methods take turns, step by step; each is the median of --repeats steps after warm-up.
 Target (issue 12): at most 2 us of host time per op, or 3% of the eager step.
 
     python benchmarks/runtime_overhead.py [--device cpu] [--repeats 30] [--out data/benchmarks/runtime_overhead.json]
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import platform
 import statistics
 import sys
@@ -35,21 +38,26 @@ TARGET_US_PER_OP = 2.0
 TARGET_FRACTION = 0.03
 
 
-def _timed(work, make_context, repeats: int, device: torch.device) -> list[float]:
-    model = copy.deepcopy(work.model)
+def _timed(work, methods: dict, repeats: int, device: torch.device) -> dict[str, tuple[list[float], list[float]]]:
+    """Wall and CPU times of each method's steps, taken in turn (round-robin), so a change in the machine's
+    load hits all alike. CPU time is this process's: host work, without the time other processes took the core."""
+    models = {name: copy.deepcopy(work.model) for name in methods}
     args, kwargs = split_input(work.example_input)
-    times = []
-    for index in range(repeats + 3):  # three warm-up steps
-        model.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        with make_context():
-            compute_loss(model(*args, **kwargs), work.loss_fn, work.target).backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if index >= 3:
-            times.append(time.perf_counter() - start)
+    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in methods}
+    for index in range(repeats + 3):  # three warm-up rounds
+        for name, make_context in methods.items():
+            model = models[name]
+            model.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start, cpu_start = time.perf_counter(), time.process_time()
+            with make_context():
+                compute_loss(model(*args, **kwargs), work.loss_fn, work.target).backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if index >= 3:
+                times[name][0].append(time.perf_counter() - start)
+                times[name][1].append(time.process_time() - cpu_start)
     return times
 
 
@@ -65,38 +73,49 @@ def main() -> None:
     graph = ul.trace(work)
     hardware = "h100-sxm" if device.type == "cuda" else "cpu-amd-epyc-2cpu"
     everything = ul.plan(graph, None, "vdnn-all", hardware=hardware)
-    ten = replace(everything, offloads=everything.offloads[:10]).located(graph)
+    ten = replace(everything, offloads=everything.offloads[:10])
+    on_hooks, op_by_op = ten.located(graph), ten.located(graph, on_hooks=False)
+    assert on_hooks.hook_events, "the plan could not be moved onto hook points (NOTE [hook points])"
     forward_backward = sum(op.phase != "optimizer" for op in graph.ops)
-    runtime = ul.OffloadRuntime(ten)  # one runtime across steps, as in training: its pool is allocated once
+    # one runtime across steps, as in training: its pool is allocated once
+    runtime, runtime_by_op = ul.OffloadRuntime(on_hooks), ul.OffloadRuntime(op_by_op)
     methods = {
         "eager": nullcontext,
         "udnn_lab runtime, 10 offloads": lambda: runtime,
         "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"),
+        "udnn_lab runtime op by op (dispatch mode)": lambda: runtime_by_op,
     }
     rows = []
-    for name, make in methods.items():
-        times = _timed(work, make, args.repeats, device)
-        rows.append({"method": name, "step_time_s": statistics.median(times), "step_times_s": times})
-    eager = rows[0]["step_time_s"]
+    for name, (times, cpu_times) in _timed(work, methods, args.repeats, device).items():
+        rows.append({"method": name, "step_time_s": statistics.median(times), "step_times_s": times,
+                     "cpu_time_s": statistics.median(cpu_times), "cpu_times_s": cpu_times})
+    assert runtime.last_step is not None and runtime.last_step.by_hook_events
+    eager, eager_cpu = rows[0]["step_time_s"], rows[0]["cpu_time_s"]
     for row in rows:
-        extra = row["step_time_s"] - eager
-        row.update(overhead_s=extra, overhead_fraction=extra / eager, overhead_us_per_op=extra / forward_backward * 1e6)
+        extra, extra_cpu = row["step_time_s"] - eager, row["cpu_time_s"] - eager_cpu
+        row.update(overhead_s=extra, overhead_fraction=extra / eager, overhead_us_per_op=extra / forward_backward * 1e6,
+                   cpu_overhead_s=extra_cpu, cpu_overhead_fraction=extra_cpu / eager_cpu,
+                   cpu_overhead_us_per_op=extra_cpu / forward_backward * 1e6)
     ours = rows[1]
     document = {
         "benchmark": "runtime_overhead", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"device": device.type, "device_name": device_name(device), "torch": torch.__version__,
-                    "python": platform.python_version(), "threads": 1},
+                    "python": platform.python_version(), "threads": 1, "cores": os.cpu_count(),
+                    "load_average_1min": os.getloadavg()[0]},
         "model": "resnet50, batch 2, 64x64", "ops_forward_backward": forward_backward,
-        "target": {"us_per_op": TARGET_US_PER_OP, "fraction_of_eager": TARGET_FRACTION},
-        "meets_target": ours["overhead_us_per_op"] <= TARGET_US_PER_OP
-        or ours["overhead_fraction"] <= TARGET_FRACTION,
+        "target": {"us_per_op": TARGET_US_PER_OP, "fraction_of_eager": TARGET_FRACTION,
+                   "judged_on": "CPU time of the process (host work; wall time on a shared machine also counts "
+                                "the time other processes held the core)"},
+        "meets_target": ours["cpu_overhead_us_per_op"] <= TARGET_US_PER_OP
+        or ours["cpu_overhead_fraction"] <= TARGET_FRACTION,
         "rows": rows,
     }
-    print(f"{'method':32s} {'step':>10s} {'overhead':>10s} {'per op':>10s}")
+    print(f"{'method':44s} {'wall':>9s} {'overhead':>9s} {'cpu':>9s} {'overhead':>9s} {'per op':>9s}")
     for row in rows:
-        print(f"{row['method']:32s} {row['step_time_s'] * 1e3:8.1f}ms {row['overhead_fraction']:+9.1%} "
-              f"{row['overhead_us_per_op']:8.1f}us")
-    print(f"target: <= {TARGET_US_PER_OP} us per op or <= {TARGET_FRACTION:.0%} of eager; "
+        print(f"{row['method']:44s} {row['step_time_s'] * 1e3:7.1f}ms {row['overhead_fraction']:+9.1%} "
+              f"{row['cpu_time_s'] * 1e3:7.1f}ms {row['cpu_overhead_fraction']:+9.1%} "
+              f"{row['cpu_overhead_us_per_op']:7.1f}us")
+    print(f"target (on CPU time): <= {TARGET_US_PER_OP} us per op or <= {TARGET_FRACTION:.0%} of eager; "
           f"met: {document['meets_target']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(document, indent=1))

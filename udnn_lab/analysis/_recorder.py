@@ -16,6 +16,7 @@ NOTE [storage lifetimes]
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ from functools import cache, partial
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from udnn_lab.analysis._fake.fast_paths import FakeFastPaths
@@ -119,6 +121,7 @@ class StepRecorder(TorchDispatchMode):
         self._sequence_to_op: dict[int, int] = {}
         self._last_sequence = torch._C._autograd._get_sequence_nr()
         self._param_paths: dict[int, str] = {}  # id(parameter) -> name, for AccumulateGrad nodes
+        self.hook_events: list[tuple] = []  # HookEvent fields, in the order the hooks were called
 
     # -- storages ------------------------------------------------------------------------
     def sid_of(self, tensor: torch.Tensor, produced: bool = False) -> int | None:
@@ -247,22 +250,52 @@ class StepRecorder(TorchDispatchMode):
 
     # -- saved tensors -------------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        """saved_tensors_hooks pack hook: note which storage autograd keeps for backward."""
+        """saved_tensors_hooks pack hook: note which storage autograd keeps for backward, and when."""
         if self.recording:
             sid = self.sid_of(tensor)
             if sid is not None:
                 # The node that saves is already created, so it holds the previous number.
                 self.storages[sid].saved_nodes.append(torch._C._autograd._get_sequence_nr() - 1)
+            node = tensor.grad_fn
+            self.hook_events.append(("pack", len(self.ops), -1 if sid is None else sid,
+                                      type(node).__name__ if node is not None else "", str(tensor.dtype),
+                                      tuple(tensor.shape)))
         return tensor
 
-    @staticmethod
-    def unpack(tensor: torch.Tensor) -> torch.Tensor:
+    def unpack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """saved_tensors_hooks unpack hook: a backward node starts before op ``len(self.ops)``."""
+        if self.recording:
+            try:
+                sid = self._live.get(id(tensor.untyped_storage()), -1)
+            except (RuntimeError, NotImplementedError):
+                sid = -1
+            self.hook_events.append(("unpack", len(self.ops), sid, "", "", ()))
         return tensor
 
     def forward_op_of_node(self, sequence: int) -> int | None:
         return self._sequence_to_op.get(sequence)
 
     # -- modules -------------------------------------------------------------------------
+    @contextmanager
+    def logging_modules(self):
+        """Log every module call of this thread as hook events (NOTE [hook points]), as a runtime will see them."""
+        thread = threading.get_ident()
+
+        def entered(module, args) -> None:
+            if self.recording and threading.get_ident() == thread:
+                self.hook_events.append(("enter", len(self.ops), -1, type(module).__name__, "", ()))
+
+        def exited(module, args, output) -> None:
+            if self.recording and threading.get_ident() == thread:
+                self.hook_events.append(("exit", len(self.ops), -1, type(module).__name__, "", ()))
+
+        handles = (register_module_forward_pre_hook(entered), register_module_forward_hook(exited))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
     @contextmanager
     def watching(self, model: torch.nn.Module):
         """Track the module path of every op while ``model`` runs (hooks removed on exit)."""

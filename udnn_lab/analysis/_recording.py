@@ -13,7 +13,7 @@ from udnn_lab.analysis._fake.tensors import FAKE_LIMITS
 from udnn_lab.analysis._recorder import StepRecorder, StorageRecord
 from udnn_lab.analysis.step import input_tensors, run_step
 from udnn_lab.errors import ModelInputError
-from udnn_lab.graph.step_graph import Graph, ModuleCall, OpInfo, TensorInfo
+from udnn_lab.graph.step_graph import Graph, HookEvent, ModuleCall, OpInfo, TensorInfo
 from udnn_lab.vocabulary import LOSS_SCOPE, Category, Phase
 
 
@@ -45,7 +45,8 @@ def record_step(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwa
                    if track_saved else nullcontext())
     if runtime is not None:
         runtime.observer = recorder
-    with no_gc(), recorder.watching(model), recorder, saved_hooks, runtime or nullcontext():
+    modules = recorder.logging_modules() if track_saved else nullcontext()
+    with no_gc(), recorder.watching(model), modules, recorder, saved_hooks, runtime or nullcontext():
         recorder.recording = True
         try:
             run_step(model, args, kwargs, loss_fn=loss_fn, target=target, optimizer=optimizer, mark=mark)
@@ -179,8 +180,10 @@ def _freeze(recorder: StepRecorder, model_name: str, device: str, fake: bool, no
                               op.allocated, tuple(op.released), op.forward_op, op.output_shapes, op.flops,
                               op.bytes_read, op.bytes_written) for op in ops)
     calls = tuple(ModuleCall(c.path, c.type, c.first_op, c.last_op, c.outputs) for c in recorder.calls)
+    # CPU kernels standing in for CUDA ones save other tensors than the device's (cuDNN's batch norm saves more)
+    saved = () if cpu_stands_for_device else tuple(HookEvent(*event) for event in recorder.hook_events)
     return Graph(model_name=model_name, device=device, ops=frozen_ops, tensors=tuple(tensors), module_calls=calls,
-                 fake=fake, torch_version=torch.__version__, notes=tuple(notes))
+                 fake=fake, torch_version=torch.__version__, notes=tuple(notes), hook_events=saved)
 
 
 def _category(record: StorageRecord, phases: list[str]) -> Category:

@@ -4,6 +4,7 @@ May import: the vocabulary, units and errors only.
 """
 
 from udnn_lab.graph.plan_ir import Offload, Plan, PlanError, Recompute, TensorSite
-from udnn_lab.graph.step_graph import Graph, ModuleCall, OpInfo, TensorInfo
+from udnn_lab.graph.step_graph import Graph, HookEvent, ModuleCall, OpInfo, TensorInfo
 
-__all__ = ["Graph", "ModuleCall", "Offload", "OpInfo", "Plan", "PlanError", "Recompute", "TensorInfo", "TensorSite"]
+__all__ = ["Graph", "HookEvent", "ModuleCall", "Offload", "OpInfo", "Plan", "PlanError", "Recompute", "TensorInfo",
+           "TensorSite"]

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from udnn_lab.errors import PlanError
-from udnn_lab.graph.step_graph import Graph, op_family, writes_in_place
+from udnn_lab.graph.hook_points import on_hook_points
+from udnn_lab.graph.step_graph import Graph, HookEvent, op_family, writes_in_place
 from udnn_lab.units import format_bytes
 
 
@@ -73,6 +74,8 @@ class Plan:
     # op_family of each forward and backward op of that step, in order: the runtime checks them (an optimizer's
     # first step legitimately differs from the steady one the trace shows)
     op_families: tuple[str, ...] = ()
+    # the step's saved-tensor hook calls, when the runtime can follow them alone (NOTE [hook points]); else ()
+    hook_events: tuple[HookEvent, ...] = ()
 
     def __repr__(self) -> str:
         sized = {site.tensor: site.nbytes for site in self.sites}
@@ -89,12 +92,20 @@ class Plan:
         """The baseline: every saved tensor stays on the device."""
         return cls(policy="keep-all", graph_fingerprint=graph.fingerprint, budget_bytes=budget_bytes)
 
-    def located(self, graph: Graph) -> Plan:
-        """This plan with the sites of its tensors in ``graph``'s step, so a runtime can act on it alone."""
+    def located(self, graph: Graph, on_hooks: bool = True) -> Plan:
+        """This plan with the sites of its tensors in ``graph``'s step, so a runtime can act on it alone.
+
+        With ``on_hooks``, where it can, its offloads move onto hook points and it carries the
+        step's hook events: the runtime then follows those hooks only (NOTE [hook points])."""
         self.check_belongs(graph)
         sites = tuple(_site(graph, t) for t in sorted(self._actions))
-        return replace(self, sites=sites, op_count=len(graph.ops),
-                       op_families=tuple(op_family(op.name) for op in graph.ops if op.phase != "optimizer"))
+        followable = on_hooks and graph.hook_events and not self.recomputes
+        moved = on_hook_points(graph, self.offloads) if followable else None
+        located = replace(self, sites=sites, op_count=len(graph.ops),
+                          op_families=tuple(op_family(op.name) for op in graph.ops if op.phase != "optimizer"))
+        if moved is None:
+            return replace(located, hook_events=())
+        return replace(located, offloads=moved, hook_events=graph.hook_events)
 
     def with_releases(self, released_before: dict[int, int]) -> Plan:
         """This plan with each offload's release point set where a simulation let its memory go.

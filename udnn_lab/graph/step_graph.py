@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Literal
 
 import pandas as pd
 
@@ -116,6 +117,25 @@ class OpInfo:
 
 
 @dataclass(frozen=True)
+class HookEvent:
+    """One call of a hook a runtime can follow without a dispatch mode, in the order they came (NOTE [hook points]).
+
+    'enter' and 'exit': a module's forward starts or returns; 'pack': autograd saves a tensor
+    for backward (an op's inputs before it runs, its outputs after); 'unpack': a backward node
+    starts and takes a saved tensor back. Each comes after op ``boundary - 1`` and before op
+    ``boundary``. The module class of enter and exit, and a pack's node, dtype and shape, are
+    the step's fingerprint.
+    """
+
+    kind: Literal["enter", "exit", "pack", "unpack"]
+    boundary: int
+    tensor: int = -1  # pack, unpack: Graph tensor id of the storage (-1: one the trace does not track)
+    node: str = ""  # enter, exit: the module's class; pack: the saved tensor's autograd node ('' for leaves)
+    dtype: str = ""  # pack: str(torch dtype), e.g. 'torch.float32'
+    shape: tuple[int, ...] = ()  # pack: the saved view's shape
+
+
+@dataclass(frozen=True)
 class ModuleCall:
     """One call of a module's forward."""
 
@@ -138,6 +158,9 @@ class Graph:
     fake: bool  # traced under FakeTensorMode (no real memory)
     torch_version: str
     notes: tuple[str, ...] = field(default=())
+    # module and saved-tensor hook calls, in order; empty when the step ran other kernels than the device's
+    # (CPU kernels standing in for CUDA ones save other tensors), so a runtime cannot follow them
+    hook_events: tuple[HookEvent, ...] = field(default=())
 
     def __repr__(self) -> str:
         counts = {phase: sum(op.phase == phase for op in self.ops) for phase in PHASES}

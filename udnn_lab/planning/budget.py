@@ -41,7 +41,13 @@ def plan(graph: Graph, budget: int | str | None = None, policy: str = "auto", ha
             "; no policy fits it: raise the budget, or lower the batch size"
         raise PlanInfeasible(f"policy {policy!r} cannot fit {graph.model_name} into {format_bytes(budget_bytes)}: "
                              f"the smallest budget it meets is {format_bytes(minimum)}{hint}", minimum, other)
-    return result.with_releases(simulation.released_before).located(graph)
+    released = result.with_releases(simulation.released_before)
+    located = released.located(graph)
+    if located.hook_events and located.offloads != released.offloads:  # NOTE [hook points] 2: moved; still fits?
+        moved = simulate_with(graph, located, cost)
+        if not (moved.fits if budget_bytes is not None else moved.peak_bytes <= simulation.peak_bytes):
+            return released.located(graph, on_hooks=False)
+    return located
 
 
 def min_budget(graph: Graph, policy: str = "auto", hardware: Hardware | str | None = None,

@@ -1,11 +1,17 @@
 """The offload runtime: carries out a Plan around a training step. It chooses nothing.
 
 NOTE [offload runtime]
-  1. Identity. A dispatch mode counts the step's ops by the recorder's rules (records_op),
-     so op indices are the plan's, and each op's family (op_family) must be the plan's op
-     at that index: a step that differs (another activation, loss or mode) raises
-     PlanMismatch at the first op that differs. When op ``site.producer`` returns, its
-     ``site.position``-th new output storage is the planned tensor (its size is checked).
+  1. Identity. Where the plan carries the step's saved-tensor events (NOTE [hook points]:
+     offloads only, every action on a hook point), the runtime counts autograd's pack and
+     unpack calls and nothing else: each must be the traced one (a pack by its tensor's
+     autograd node, dtype and shape), so a step that differs (another activation, loss or
+     mode) raises PlanMismatch at the first call that differs; a planned tensor is the
+     storage packed at its first traced pack (its size is checked); the plan acts at the
+     call that stands for its boundary. No dispatch mode runs, so the step pays only for
+     the saved tensors' hooks. Otherwise a dispatch mode counts the step's ops by the
+     recorder's rules (records_op), so op indices are the plan's, and each op's family
+     (op_family) must be the plan's op at that index; when op ``site.producer`` returns,
+     its ``site.position``-th new output storage is the planned tensor.
   2. Saving. Autograd's pack hook returns a handle for a planned storage (one slot per
      storage however many ops save it, in whatever views) and the tensor itself, with its
      version, otherwise: parameters, buffers and unplanned tensors are never touched.
@@ -52,6 +58,7 @@ NOTE [offload runtime]
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -59,6 +66,7 @@ from functools import partial
 from typing import Literal, Protocol
 
 import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from udnn_lab.analysis._fake.memo import flat_tensors
@@ -68,6 +76,7 @@ from udnn_lab.errors import PlanMismatch
 from udnn_lab.graph.plan_ir import Offload, Plan, Recompute, TensorSite
 from udnn_lab.graph.step_graph import op_family
 from udnn_lab.runtime._copies import Copies
+from udnn_lab.runtime._hook_schedule import HookSchedule
 from udnn_lab.runtime._replay import Replay, rng_state
 from udnn_lab.runtime.pinned_pool import HostPool
 from udnn_lab.units import cuda_block_bytes
@@ -77,12 +86,13 @@ from udnn_lab.units import cuda_block_bytes
 class StepStats:
     """What one step under the runtime moved and waited for."""
 
-    ops: int
+    ops: int | None  # ops the step ran; None when it was followed by its saved-tensor events (not counted)
     d2h_bytes: int
     h2d_bytes: int
     recomputed: int  # tensors rebuilt by replay
     wait_s: float  # host time blocked on copies
     on_demand: int  # handles unpacked before their prefetch
+    by_hook_events: bool = False  # followed autograd's saved-tensor hooks alone, with no dispatch mode
 
 
 class _Slot:
@@ -173,6 +183,7 @@ class OffloadRuntime:
         self.observer: _Observer | None = None  # e.g. measure()'s recorder: told of storages the runtime allocates
         self.last_step: StepStats | None = None
         self._step: _Step | None = None
+        self._schedule: HookSchedule | None = None  # built once: the plan's hook calls do not change
 
     def __enter__(self) -> OffloadRuntime:
         if self.enabled:
@@ -194,6 +205,19 @@ class OffloadRuntime:
             pool, self.pool = self.pool, None
             pool.release()
 
+    def hook_schedule(self) -> HookSchedule | None:
+        """A fresh count of the step's hook calls, when the plan can be followed by them (NOTE [hook points])."""
+        plan = self.plan
+        if self._schedule is None and plan is not None and plan.hook_events and not plan.recomputes:
+            acting = {o.after_op + 1 for o in plan.offloads} | {o.prefetch_at for o in plan.offloads} \
+                | {o.release_op for o in plan.offloads} \
+                | {o.wait_before for o in plan.offloads if o.wait_before is not None}
+            if HookSchedule.covers(plan.hook_events, acting):
+                self._schedule = HookSchedule(plan.hook_events, acting, plan.op_families)
+        if self._schedule is not None:
+            self._schedule.seen = 0
+        return self._schedule
+
     def host_pool(self, device: torch.device) -> HostPool:
         if self.pool is None:
             needed = self.pool_bytes
@@ -210,11 +234,10 @@ def _pool_bytes(plan: Plan) -> int:
     return max(plan.pinned_pool_bytes, offloaded)
 
 
-class _Step(TorchDispatchMode):
-    """The mode and hooks of one step (NOTE [offload runtime])."""
+class _Step:
+    """The hooks, and the dispatch mode where one is needed, of one step (NOTE [offload runtime])."""
 
     def __init__(self, runtime: OffloadRuntime) -> None:
-        super().__init__()
         self.runtime, plan = runtime, runtime.plan
         assert plan is not None  # a runtime makes steps only when enabled, and it is enabled only with a plan
         self.plan = plan
@@ -224,6 +247,7 @@ class _Step(TorchDispatchMode):
         for recompute in plan.recomputes:
             for tensor in recompute.tensors:
                 self.slots[tensor] = _Slot(tensor, recompute)
+        self.site_of = {site.tensor: site for site in plan.sites}
         self.sites: dict[int, list[TensorSite]] = {}
         self.let_go: dict[int, list[_Slot]] = {}  # recomputed tensors: forward lets them go before this op
         for site in plan.sites:
@@ -251,7 +275,11 @@ class _Step(TorchDispatchMode):
         self.expected = plan.op_families  # NOTE [offload runtime] 1: the step must be the plan's step
         self.copying_in: deque[_Slot] = deque()  # prefetches in flight
         self.recomputed = self.on_demand = 0
+        # NOTE [offload runtime] 1: by saved-tensor events where the plan carries them, else op by op
+        self.events = runtime.hook_schedule()
+        self._mode = _OpByOp(self) if self.events is None else None
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._module_hooks: tuple = ()
         self._views = view_replay()
 
     # -- lifetime ----------------------------------------------------------------------------
@@ -259,16 +287,31 @@ class _Step(TorchDispatchMode):
         self._views.__enter__()  # NOTE [view replay] 2: the ops the trace saw
         self._hooks.__enter__()
         try:
-            self.__enter__()
+            if self._mode is not None:
+                self._mode.__enter__()
+            else:
+                thread = threading.get_ident()  # module hooks are global: follow this thread's step only
+                self._module_hooks = (
+                    register_module_forward_pre_hook(lambda m, a: self._module_event(thread, "enter", m)),
+                    register_module_forward_hook(lambda m, a, o: self._module_event(thread, "exit", m)))
         except BaseException:
             self._hooks.__exit__(None, None, None)
             self._views.__exit__(None, None, None)
             raise
 
+    def _module_event(self, thread: int, kind: str, module: torch.nn.Module) -> None:
+        if threading.get_ident() == thread and self.events is not None:
+            boundary = self.events.module_called(kind, module)
+            if boundary is not None:
+                self._at_boundary(boundary)
+
     def finish(self, completed: bool) -> StepStats:
         """NOTE [offload runtime] 9: mode and hooks off, copies waited for, every reference dropped."""
         try:
-            self.__exit__(None, None, None)
+            if self._mode is not None:
+                self._mode.__exit__(None, None, None)
+            for handle in self._module_hooks:
+                handle.remove()
         finally:
             self._hooks.__exit__(None, None, None)
             self._views.__exit__(None, None, None)
@@ -290,16 +333,19 @@ class _Step(TorchDispatchMode):
         self.recording.clear()
         if self.runtime.pool is not None:
             self.runtime.pool.reset()
-        if completed and self.index < self.last_planned_op + 1:
+        if completed and self.events is not None:
+            self.events.check_complete()
+        elif completed and self.index < self.last_planned_op + 1:
             raise PlanMismatch(f"the step ran {self.index} ops but the plan acts up to op {self.last_planned_op} of a "
                                f"{self.plan.op_count}-op step: run forward and backward inside the runtime, "
                                "and plan again if the model, batch or optimizer changed")
-        return StepStats(self.index, copies.d2h_bytes if copies else 0, copies.h2d_bytes if copies else 0,
-                         self.recomputed, copies.wait_s if copies else 0.0, self.on_demand)
+        return StepStats(self.index if self.events is None else None, copies.d2h_bytes if copies else 0,
+                         copies.h2d_bytes if copies else 0, self.recomputed, copies.wait_s if copies else 0.0,
+                         self.on_demand, self.events is not None)
 
     # -- the op stream ------------------------------------------------------------------
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+    def on_op(self, func, args: tuple, kwargs: dict):
+        """One op of the step, op by op (NOTE [offload runtime] 1)."""
         known = self.families.get(func)
         if known is None:
             known = self.families[func] = (op_family(str(func)) if records_op(func) else "", _written(func))
@@ -319,15 +365,7 @@ class _Step(TorchDispatchMode):
 
     def _act(self, index: int, func, args: tuple, kwargs: dict, written_args: tuple[int | str, ...]):
         """An op at which the plan acts: before it, after it, or by recording it for a replay."""
-        for offload in self.prefetch_at.get(index, ()):
-            self._prefetch(self.slots[offload.tensor])
-        for offload in self.wait_at.get(index, ()):  # vDNN's per-layer sync
-            if self.copies is not None:
-                self.copies.use(self.slots[offload.tensor].offload_done)
-        for offload in self.release_at.get(index, ()):
-            self._release(self.slots[offload.tensor])
-        for slot in self.let_go.get(index, ()):
-            _last_look(slot)
+        self._before_op(index)
         recording = self.recording.get(index, ())
         state = rng_state(func, self._device(args), kwargs) if recording else None
         versions = [a._version if isinstance(a, torch.Tensor) else None for a in args] if recording else ()
@@ -377,8 +415,10 @@ class _Step(TorchDispatchMode):
         if site.position >= len(fresh) or fresh[site.position].untyped_storage().nbytes() != site.nbytes:
             raise PlanMismatch(f"op {site.producer} did not make the {site.nbytes}-byte tensor the plan expects: the "
                                "step differs from the one the plan was made for; plan again for this model and batch")
-        tensor = fresh[site.position]
-        slot = self.slots[site.tensor]
+        self._meet(self.slots[site.tensor], fresh[site.position], site.producer)
+
+    def _meet(self, slot: _Slot, tensor: torch.Tensor, producer: int) -> None:
+        """The planned storage is ``tensor``'s: follow it from here on."""
         slot.key = id(tensor.untyped_storage())
         self.by_key[slot.key] = slot
         if self.copies is None:
@@ -386,7 +426,7 @@ class _Step(TorchDispatchMode):
         if isinstance(slot.action, Offload):
             slot.device_data = _bytes_of(tensor)
         else:
-            for replay in self.recording.get(site.producer, ()):
+            for replay in self.recording.get(producer, ()):
                 if slot.tensor in replay.recompute.tensors:
                     replay.restore_from(slot.tensor, slot.key)
                     slot.replay = replay
@@ -450,17 +490,57 @@ class _Step(TorchDispatchMode):
     # -- autograd hooks ---------------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor):
         """NOTE [offload runtime] 2: a handle for a planned storage, the tensor and its version otherwise."""
+        if self.events is not None:  # NOTE [offload runtime] 1: the traced pack names the storage
+            expected, boundary = self.events.packed(tensor)
+            slot = self.slots.get(expected.tensor)
+            if slot is not None and slot.key is None:
+                self._meet_packed(slot, tensor)
+            packed = _Kept(tensor, tensor._version) if slot is None else self._handle(slot, tensor)
+            if boundary is not None:
+                self._at_boundary(boundary)
+            return packed
         slot = self.by_key.get(id(tensor.untyped_storage()))
-        if slot is None:
-            return _Kept(tensor, tensor._version)
+        return _Kept(tensor, tensor._version) if slot is None else self._handle(slot, tensor)
+
+    def _handle(self, slot: _Slot, tensor: torch.Tensor) -> _Handle:
         handle = _Handle(slot, tensor)
         slot.saved.append(weakref.ref(handle))
         slot.handles += 1
         slot.watchers.append(weakref.ref(handle, partial(self._handle_gone, slot)))
         return handle
 
+    def _meet_packed(self, slot: _Slot, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        site = self.site_of[slot.tensor]
+        if storage.nbytes() != site.nbytes:
+            raise PlanMismatch(f"the step saved a {storage.nbytes()}-byte storage where the plan expects its "
+                               f"{site.nbytes}-byte tensor (made by op {site.producer}): the step differs from the one "
+                               "the plan was made for; plan again for this model and batch")
+        self._meet(slot, tensor, site.producer)
+
+    def _at_boundary(self, boundary: int) -> None:
+        """After op ``boundary - 1`` and before op ``boundary`` (NOTE [hook points]): what the plan does there."""
+        for offload in self.offload_after.get(boundary - 1, ()):
+            self._offload(self.slots[offload.tensor])
+        self._before_op(boundary)
+
+    def _before_op(self, index: int) -> None:
+        for offload in self.prefetch_at.get(index, ()):
+            self._prefetch(self.slots[offload.tensor])
+        for offload in self.wait_at.get(index, ()):  # vDNN's per-layer sync
+            if self.copies is not None:
+                self.copies.use(self.slots[offload.tensor].offload_done)
+        for offload in self.release_at.get(index, ()):
+            self._release(self.slots[offload.tensor])
+        for slot in self.let_go.get(index, ()):
+            _last_look(slot)
+
     def _unpack(self, packed):
         """NOTE [offload runtime] 5: compute waits on the prefetch; the saved view over the restored storage."""
+        if self.events is not None:
+            boundary = self.events.unpacked()
+            if boundary is not None:
+                self._at_boundary(boundary)
         if isinstance(packed, _Kept):
             if packed.tensor._version != packed.version:
                 _modified_in_place(packed.tensor.dtype, packed.tensor.shape)
@@ -508,6 +588,17 @@ class _Step(TorchDispatchMode):
     def _device(args) -> torch.device:
         first = next(flat_tensors(args), None)
         return first.device if first is not None else torch.device("cpu")
+
+
+class _OpByOp(TorchDispatchMode):
+    """Follows a step op by op, for a plan the saved-tensor events cannot carry (NOTE [offload runtime] 1)."""
+
+    def __init__(self, step: _Step) -> None:
+        super().__init__()
+        self.step = step
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.step.on_op(func, args, kwargs or {})
 
 
 def _last_look(slot: _Slot) -> None:

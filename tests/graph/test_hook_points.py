@@ -1,0 +1,73 @@
+"""NOTE [hook points]: offloads moved onto the boundaries a hooks-only runtime sees."""
+
+import torch
+from torch import nn
+
+import udnn_lab as ul
+from udnn_lab import zoo
+from udnn_lab.graph.hook_points import first_packs, hook_points
+from udnn_lab.planning import plan
+
+CPU = ul.Hardware.load("cpu-amd-epyc-2cpu")
+
+
+def _graph():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                          nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(16, 4))
+    x, y = torch.randn(4, 3, 32, 32), torch.tensor([0, 3, 1, 2])
+    return ul.trace(model, x, loss_fn=nn.functional.cross_entropy, target=y, optimizer=None)
+
+
+def test_the_trace_logs_module_calls_and_saved_tensors_in_order():
+    graph = _graph()
+    kinds = [event.kind for event in graph.hook_events]
+    assert kinds[0] == "enter" and graph.hook_events[0].node == "Sequential"
+    assert kinds.count("enter") == kinds.count("exit") == 9  # the Sequential and its eight layers
+    assert kinds.count("pack") == kinds.count("unpack") > 0
+    assert max(i for i, k in enumerate(kinds) if k != "unpack") < kinds.index("unpack")  # forward, then backward
+    boundaries = [event.boundary for event in graph.hook_events]
+    assert boundaries == sorted(boundaries)
+    saved = {t.id for t in graph.tensors if t.saved}
+    assert {e.tensor for e in graph.hook_events if e.kind == "pack"} == saved
+
+
+def test_moved_offloads_lie_on_hook_points_and_keep_their_order():
+    graph = _graph()
+    points = set(hook_points(graph.hook_events))
+    met = first_packs(graph.hook_events)
+    for policy in ("vdnn-all", "vdnn-conv", "vdnn++", "pin-greedy"):
+        chosen = plan(graph, None, policy, hardware=CPU)
+        assert chosen.hook_events, policy
+        for offload in chosen.offloads:
+            tensor = graph.tensors[offload.tensor]
+            assert {offload.after_op + 1, offload.release_op, offload.prefetch_at} <= points
+            assert offload.after_op + 1 >= met[offload.tensor]  # the runtime has met the tensor
+            assert offload.after_op >= tensor.last_forward_use
+            assert offload.after_op < offload.release_op and offload.prefetch_at < tensor.first_backward_use
+        chosen.validate(graph)
+
+
+def test_a_moved_plan_simulates_within_the_budget_it_was_made_for():
+    graph = ul.trace(zoo.get("resnet18", batch=2, image_size=32))
+    low = ul.min_budget(graph, "vdnn++", hardware=CPU)
+    for budget in (low, (low + graph.peak_bytes) // 2):
+        chosen = plan(graph, budget, "vdnn++", hardware=CPU)
+        assert ul.simulate(graph, chosen, hardware=CPU).peak_bytes <= budget
+
+
+def test_a_plan_is_left_as_made_when_asked_and_when_it_recomputes():
+    graph = _graph()
+    chosen = plan(graph, None, "vdnn-all", hardware=CPU)
+    as_made = chosen.located(graph, on_hooks=False)
+    assert not as_made.hook_events
+    recomputing = plan(graph, None, "recompute", hardware=CPU)
+    assert recomputing.recomputes and not recomputing.hook_events
+
+
+def test_a_step_traced_with_cpu_kernels_for_cuda_has_no_hook_events():
+    work = zoo.get("mlp5", batch=2)
+    assert ul.trace(work).hook_events
+    if not torch.cuda.is_available():
+        assert ul.trace(work, device="cuda").hook_events == ()  # cuDNN's kernels save other tensors

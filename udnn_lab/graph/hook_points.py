@@ -1,0 +1,90 @@
+"""Where a runtime that follows only autograd's saved-tensor hooks can act on a plan.
+
+NOTE [hook points]
+  1. Without a dispatch mode over every op, a runtime sees the step only when a module's
+     forward starts or returns, when autograd packs a tensor for backward (an op's inputs
+     before it runs, its outputs after) and when a backward node unpacks one (as it
+     starts). Boundary ``b`` is "after op b - 1, before op b"; it is a hook point when such
+     a call happens there in the traced step (``Graph.hook_events``), and a real step of
+     the same model makes the same calls in the same order.
+  2. ``Plan.located`` moves each offload's actions onto hook points, each first in the
+     direction that never raises memory at any op: the copy to the host starts at the
+     first hook point at or after its planned start (never before the tensor is first
+     packed: that is where the runtime meets it); the device copy is let go at the last
+     hook point at or before its planned release, but not before the copy starts (compute
+     may wait longer for the copy; the memory leaves no later); vDNN's sync moves the same
+     way (to the release, when there is no hook point between the copy's start and the
+     sync); the prefetch is issued at the first hook point at or after its planned op and
+     before the tensor's first backward use (the buffer is allocated no earlier). Where
+     there is no such hook point, a release moves later and a prefetch earlier, which can
+     raise memory: ``ul.plan`` keeps a moved plan only when its simulation still fits the
+     budget (with no budget: when its peak is no higher), else it keeps the plan as made.
+     The simulation of the moved plan is what the runtime does.
+  4. A plan with recomputations, or with an offload that has no hook point where one is
+     needed, is not moved: the runtime follows it op by op, with a dispatch mode.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from dataclasses import replace
+
+from udnn_lab.graph.step_graph import Graph, HookEvent
+
+
+def hook_points(events: tuple[HookEvent, ...]) -> list[int]:
+    """The sorted boundaries at which a saved-tensor hook is called (NOTE [hook points] 1)."""
+    return sorted({event.boundary for event in events})
+
+
+def first_packs(events: tuple[HookEvent, ...]) -> dict[int, int]:
+    """Graph tensor id -> the boundary of its first pack: where the runtime meets it."""
+    found: dict[int, int] = {}
+    for event in events:
+        if event.kind == "pack":
+            found.setdefault(event.tensor, event.boundary)
+    return found
+
+
+def on_hook_points(graph: Graph, offloads: tuple) -> tuple | None:
+    """``offloads`` moved onto hook points (NOTE [hook points] 2), or None when one cannot be (4)."""
+    points = hook_points(graph.hook_events)
+    met = first_packs(graph.hook_events)
+    moved = []
+    for offload in offloads:
+        first_use = graph.tensors[offload.tensor].first_backward_use
+        if offload.tensor not in met or first_use is None:
+            return None
+        start = _first_in(points, max(offload.after_op + 1, met[offload.tensor]), first_use)
+        if start is None:
+            return None
+        prefetch = _either(_first_in(points, offload.prefetch_at, first_use),
+                           _last_in(points, start + 1, offload.prefetch_at))
+        if prefetch is None:
+            return None
+        release = _either(_last_in(points, start, offload.release_op),
+                          _first_in(points, offload.release_op, prefetch + 1))
+        if release is None:
+            return None
+        wait = None
+        if offload.wait_before is not None:  # before the copy starts it is the release's wait, which comes anyway
+            wait = _either(_last_in(points, start, offload.wait_before), release)
+        moved.append(replace(offload, after_op=start - 1, release_before=release, prefetch_at=prefetch,
+                             wait_before=wait))
+    return tuple(moved)
+
+
+def _either(preferred: int | None, otherwise: int | None) -> int | None:
+    return preferred if preferred is not None else otherwise
+
+
+def _first_in(points: list[int], low: int, below: int) -> int | None:
+    """The first hook point ``p`` with ``low <= p < below``."""
+    at = bisect_left(points, low)
+    return points[at] if at < len(points) and points[at] < below else None
+
+
+def _last_in(points: list[int], low: int, high: int) -> int | None:
+    """The last hook point ``p`` with ``low <= p <= high``."""
+    at = bisect_right(points, high) - 1
+    return points[at] if at >= 0 and points[at] >= low else None

@@ -1,0 +1,114 @@
+"""Following a step by its module and saved-tensor hook calls alone (NOTE [hook points], NOTE [offload runtime] 1)."""
+
+from __future__ import annotations
+
+import torch
+
+from udnn_lab.errors import PlanMismatch
+from udnn_lab.graph.step_graph import HookEvent
+
+
+class HookSchedule:
+    """Counts a step's module calls and autograd's pack and unpack calls against the traced ones.
+
+    Each call is checked against the trace's (a module by its class, a pack by the saved
+    tensor's autograd node, dtype and shape): the first that differs raises PlanMismatch. At
+    the call that stands for a boundary where the plan acts it says so.
+    """
+
+    def __init__(self, events: tuple[HookEvent, ...], acting: set[int], op_families: tuple[str, ...]) -> None:
+        self.events = events
+        self.op_families = op_families
+        self.seen = 0
+        # forward: the last call at a boundary (every tensor packed there is met); backward: the first unpack
+        last_forward: dict[int, int] = {}
+        first_unpack: dict[int, int] = {}
+        for ordinal, event in enumerate(events):
+            if event.kind == "unpack":
+                first_unpack.setdefault(event.boundary, ordinal)
+            else:
+                last_forward[event.boundary] = ordinal
+        self.triggers: dict[int, int] = {}  # event ordinal -> the boundary it stands for
+        for boundary in acting:
+            at = first_unpack.get(boundary, last_forward.get(boundary))
+            if at is None:
+                raise ValueError(f"boundary {boundary} is not a hook point (NOTE [hook points])")
+            self.triggers[at] = boundary
+        self.last_trigger = max(self.triggers, default=-1)
+
+    @staticmethod
+    def covers(events: tuple[HookEvent, ...], acting: set[int]) -> bool:
+        """Whether every boundary the plan acts at is a hook point of ``events``."""
+        return acting <= {event.boundary for event in events}
+
+    def packed(self, tensor: torch.Tensor) -> tuple[HookEvent, int | None]:
+        """A pack call: the traced event it is, and the boundary to act at now (None: none)."""
+        ordinal = self.seen
+        self.seen += 1
+        expected = self.events[ordinal] if ordinal < len(self.events) else None
+        node = tensor.grad_fn
+        name = type(node).__name__ if node is not None else ""
+        # compared as cheaply as it can be: this runs for every saved tensor of the step
+        if expected is None or expected.kind != "pack" or tensor.shape != expected.shape \
+                or str(tensor.dtype) != expected.dtype \
+                or _VIEW_NODES.get(expected.node, expected.node) != _VIEW_NODES.get(name, name):
+            seen = (name, str(tensor.dtype), tuple(tensor.shape))
+            self._mismatch(ordinal, expected, "it saves a {1} tensor of shape {2} made by {0}".format(*_named(seen)))
+        assert expected is not None  # _mismatch raised otherwise
+        return expected, self.triggers.get(ordinal)
+
+    def module_called(self, kind: str, module: torch.nn.Module) -> int | None:
+        """A module's forward starts ('enter') or returns ('exit'): the boundary to act at now (None: none)."""
+        ordinal = self.seen
+        self.seen += 1
+        name = type(module).__name__
+        expected = self.events[ordinal] if ordinal < len(self.events) else None
+        if expected is None or expected.kind != kind or expected.node != name:
+            self._mismatch(ordinal, expected, f"it {'enters' if kind == 'enter' else 'leaves'} a {name}")
+        return self.triggers.get(ordinal)
+
+    def unpacked(self) -> int | None:
+        """An unpack call: the boundary to act at before it (None: none)."""
+        ordinal = self.seen
+        self.seen += 1
+        expected = self.events[ordinal] if ordinal < len(self.events) else None
+        if expected is None or expected.kind != "unpack":
+            self._mismatch(ordinal, expected, "it starts a backward node")
+        return self.triggers.get(ordinal)
+
+    def check_complete(self) -> None:
+        if self.seen <= self.last_trigger:
+            raise PlanMismatch(
+                f"the step made {self.seen} saved-tensor calls but the plan acts at call {self.last_trigger + 1} of "
+                f"{len(self.events)}: run forward and backward inside the runtime, and plan again if the model, batch "
+                "or optimizer changed")
+
+    def _mismatch(self, ordinal: int, expected: HookEvent | None, what: str) -> None:
+        boundary = expected.boundary if expected is not None else (self.events[-1].boundary if self.events else 0)
+        if expected is None:
+            planned = "saves nothing more"
+        elif expected.kind == "unpack":
+            planned = "starts a backward node"
+        elif expected.kind in ("enter", "exit"):
+            planned = f"{'enters' if expected.kind == 'enter' else 'leaves'} a {expected.node}"
+        else:
+            planned = "saves a {1} tensor of shape {2} made by {0}".format(*_named((expected.node, expected.dtype,
+                                                                                   expected.shape)))
+        op = max(boundary - 1, 0)  # the call came after this op
+        family = f" ({self.op_families[op]})" if op < len(self.op_families) else ""
+        raise PlanMismatch(
+            f"this step is not the one the plan was made for: after its op {op}{family} {what}, where the plan's "
+            f"step {planned} (hook call {ordinal}). The model, its mode (train or "
+            "eval), the loss, the optimizer or the input changed since the plan was made: trace this step and plan "
+            "again (ul.plan(ul.trace(...), ...))")
+
+
+# A view's backward node depends on how autograd rebuilds views (NOTE [view replay] 1): a traced step names
+# it ViewBackward0 where the real step may name it ReshapeAliasBackward0 or AsStridedBackward0.
+_VIEW_NODES = dict.fromkeys(("ViewBackward0", "ReshapeAliasBackward0", "AsStridedBackward0", "AsStridedBackward1",
+                             "UnsafeViewBackward0", "AliasBackward0"), "a view")
+
+
+def _named(seen: tuple[str, str, tuple[int, ...]]) -> tuple[str, str, list[int]]:
+    node, dtype, shape = seen
+    return node or "no autograd node (a leaf)", dtype.removeprefix("torch."), list(shape)
