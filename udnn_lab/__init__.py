@@ -13,6 +13,7 @@ from udnn_lab.errors import (
     HardwareMismatchWarning,
     HardwareProfileError,
     HostMemoryError,
+    LargeMeasurementWarning,
     MissingDependency,
     ModelInputError,
     PlanError,
@@ -34,7 +35,8 @@ from udnn_lab.workload import Workload
 
 __all__ = [
     "CostModel", "FakeTensorUnsupported", "Graph", "Hardware", "HardwareMismatchWarning", "HardwareProfileError",
-    "HostMemoryError", "Measurement", "MemoryLab", "MissingDependency", "ModelInputError", "Offload",
+    "HostMemoryError", "LargeMeasurementWarning", "Measurement", "MemoryLab", "MissingDependency", "ModelInputError",
+    "Offload",
     "OffloadRuntime", "Plan", "PlanError", "PlanInfeasible", "PlanMismatch", "Profile", "RateCurve", "Recompute",
     "Run", "Simulation", "TraceMismatch", "UdnnLabError", "UnknownHardwareError", "UnknownModelError", "Workload",
     "format_bytes", "format_seconds", "measure", "min_budget", "parse_bytes", "plan", "profile", "simulate", "sweep",

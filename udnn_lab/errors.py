@@ -76,6 +76,10 @@ class HardwareMismatchWarning(UserWarning):
     """A profile made for one device is applied to another."""
 
 
+class LargeMeasurementWarning(UserWarning):
+    """A real measurement that will take long or hold much memory: said before it starts."""
+
+
 class JobFailed(UdnnLabError, RuntimeError):
     """A job's worker reported an error, died, or stopped answering."""
 
