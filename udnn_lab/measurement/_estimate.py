@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 
 from udnn_lab.graph.step_graph import Graph
-from udnn_lab.units import format_bytes, format_seconds
+from udnn_lab.units import format_bytes
 
-LARGE_SECONDS = 10.0  # a measurement longer than this is announced, with what it will take
+LARGE_SECONDS = 30.0  # a measurement longer than this is announced, with what it will take
 LARGE_BYTES = 2 << 30  # so is one that holds more host memory than this
 PROGRESS_SECONDS = 3.0  # a measurement longer than this shows a progress bar
 RECORDED_STEP_FACTOR = 2.0  # the recorded step counts live storages after every op: about twice a plain step
@@ -40,7 +39,7 @@ class MeasurementEstimate:
         steps = self.plain_steps + 1
         return (f"measuring {self.model_name} runs {steps} real step{'s' * (steps > 1)} of "
                 f"{self.step_flops / 1e9:,.0f} GFLOP each on {self.device}: about "
-                f"{format_seconds(self.seconds, 2)} at this machine's {self.flops_per_s / 1e9:.0f} GFLOP/s, holding "
+                f"{_duration(self.seconds)} at this machine's {self.flops_per_s / 1e9:.0f} GFLOP/s, holding "
                 f"about {format_bytes(self.peak_bytes)} (the predicted peak). The prediction (ul.trace) needs no "
                 "real step; to measure quicker, use a smaller batch, or fewer steps (warmup=0, repeats=0)")
 
@@ -52,8 +51,11 @@ def estimate(graph: Graph, plain_steps: int, device: torch.device) -> Measuremen
                                peak_bytes=graph.peak_bytes)
 
 
-def _matmul_flops_per_s(device: torch.device, n: int = 256, repeats: int = 5) -> float:
-    """Achieved FLOP/s of an n x n fp32 matmul (a few milliseconds; an upper bound for conv and small ops)."""
+def _matmul_flops_per_s(device: torch.device, n: int = 512, repeats: int = 7) -> float:
+    """Best achieved FLOP/s of an n x n fp32 matmul (tens of milliseconds; an upper bound for conv and small ops).
+
+    The best, not the median: on a shared machine a few runs are slowed by others' work.
+    """
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     times = []
     for _ in range(repeats + 1):
@@ -64,4 +66,10 @@ def _matmul_flops_per_s(device: torch.device, n: int = 256, repeats: int = 5) ->
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    return 2 * n**3 / statistics.median(times[1:])
+    return 2 * n**3 / min(times[1:])
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 90:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds:.0f} s" if seconds >= 1 else "under a second"
