@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import udnn_lab as ul
@@ -170,3 +173,9 @@ def test_dir_lists_every_public_name():
     assert set(ul.__all__) <= listed and "MemoryLab" in listed
     for name in ul.__all__:
         assert getattr(ul, name) is not None
+
+
+def test_importing_the_package_loads_no_stage_until_a_name_is_used():
+    code = ("import sys, udnn_lab as ul; assert 'torch' not in sys.modules; ul.trace; "
+            "assert 'torch' in sys.modules and 'altair' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})

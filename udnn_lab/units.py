@@ -79,6 +79,24 @@ def format_bytes(nbytes: int | float, digits: int = 2) -> str:
     raise AssertionError("unreachable")
 
 
+class Bytes(int):
+    """A size in bytes that shows its size: ``Bytes(1_707_000_000)`` reads ``1.59 GiB (1,707,000,000 bytes)``.
+
+    Still an int for comparisons, JSON and ``str``; arithmetic on it gives plain ints.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"{format_bytes(self)} ({int(self):,} bytes)"
+
+    def __str__(self) -> str:
+        return int.__repr__(self)
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:  # IPython's display of a cell's value
+        printer.text(repr(self))
+
+
 def format_seconds(seconds: float, digits: int = 3) -> str:
     """``0.0123 -> '12.3 ms'`` with ``digits`` significant figures."""
     if seconds == 0:

@@ -32,7 +32,7 @@ from udnn_lab.graph.step_graph import Graph
 from udnn_lab.measurement import nvml
 from udnn_lab.measurement._estimate import PROGRESS_SECONDS, MeasurementEstimate, estimate
 from udnn_lab.runtime.offload import OffloadRuntime
-from udnn_lab.units import format_bytes
+from udnn_lab.units import Bytes, format_bytes
 from udnn_lab.workload import Workload, as_workload
 
 
@@ -73,9 +73,9 @@ class Measurement:
                 f"peak={format_bytes(self.peak_bytes)}, step={time_text})")
 
     @property
-    def peak_bytes(self) -> int:
+    def peak_bytes(self) -> Bytes:
         """Peak of tracked live bytes (exact storage sizes)."""
-        return int(max(self.baseline_bytes, max(self.live_bytes, default=0)))
+        return Bytes(max(self.baseline_bytes, max(self.live_bytes, default=0)))
 
     @property
     def cuda_peak_allocated(self) -> int | None:
