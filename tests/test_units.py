@@ -4,7 +4,7 @@ import pickle
 import pytest
 
 import udnn_lab as ul
-from udnn_lab.units import Bytes, cuda_block_bytes, format_bytes, format_seconds, parse_bytes
+from udnn_lab.units import Bytes, cuda_block_bytes, format_budget, format_bytes, format_seconds, parse_bytes
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -73,3 +73,11 @@ def test_sizes_the_api_returns_read_as_sizes():
     graph = ul.trace(ul.zoo.get("mlp3", batch=2))
     for size in (graph.peak_bytes, graph.cuda_peak_bytes, ul.min_budget(graph, "auto", hardware="h100-sxm")):
         assert isinstance(size, Bytes) and "bytes)" in repr(size)
+
+
+@pytest.mark.parametrize("nbytes, text", [
+    (356142799, "339.7MiB"), (300, "300B"), (1024, "1.0KiB"), (6 << 30, "6.0GiB"), ((6 << 30) + 1, "6.1GiB"),
+])
+def test_a_budget_to_type_reads_as_a_size_and_is_never_under_the_bytes(nbytes, text):
+    assert format_budget(nbytes) == text
+    assert nbytes <= parse_bytes(text) < nbytes * 1.02 + 1024  # rounded up by at most a tenth of its unit

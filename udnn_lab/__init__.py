@@ -11,6 +11,7 @@ Every public name loads on first use: ``import udnn_lab`` costs no torch import,
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
         HostMemoryError,
         LargeMeasurementWarning,
         MissingDependency,
+        ModelFactoryError,
         ModelInputError,
         PlanError,
         PlanInfeasible,
@@ -48,9 +50,9 @@ _HOMES = {
     "zoo": "udnn_lab.zoo", "trace": "udnn_lab.analysis",
     **dict.fromkeys(["CostModel", "Profile", "RateCurve", "profile"], "udnn_lab.cost"),
     **dict.fromkeys(["FakeTensorUnsupported", "HardwareMismatchWarning", "HardwareProfileError", "HostMemoryError",
-                     "LargeMeasurementWarning", "MissingDependency", "ModelInputError", "PlanError", "PlanInfeasible",
-                     "PlanMismatch", "TraceMismatch", "UdnnLabError", "UnknownHardwareError", "UnknownModelError"],
-                    "udnn_lab.errors"),
+                     "LargeMeasurementWarning", "MissingDependency", "ModelFactoryError", "ModelInputError",
+                     "PlanError", "PlanInfeasible", "PlanMismatch", "TraceMismatch", "UdnnLabError",
+                     "UnknownHardwareError", "UnknownModelError"], "udnn_lab.errors"),
     **dict.fromkeys(["Graph", "Offload", "Plan", "Recompute"], "udnn_lab.graph"),
     "Hardware": "udnn_lab.hardware",
     **dict.fromkeys(["Measurement", "measure"], "udnn_lab.measurement"),
@@ -65,10 +67,10 @@ _HOMES = {
 __all__ = [
     "Bytes", "CostModel", "FakeTensorUnsupported", "Graph", "Hardware", "HardwareMismatchWarning",
     "HardwareProfileError", "HostMemoryError", "LargeMeasurementWarning", "Measurement", "MemoryLab",
-    "MissingDependency", "ModelInputError", "Offload", "OffloadRuntime", "Plan", "PlanError", "PlanInfeasible",
-    "PlanMismatch", "Profile", "RateCurve", "Recompute", "Run", "Simulation", "TraceMismatch", "UdnnLabError",
-    "UnknownHardwareError", "UnknownModelError", "Workload", "format_bytes", "format_seconds", "measure",
-    "min_budget", "parse_bytes", "plan", "profile", "simulate", "sweep", "trace", "train", "zoo",
+    "MissingDependency", "ModelFactoryError", "ModelInputError", "Offload", "OffloadRuntime", "Plan", "PlanError",
+    "PlanInfeasible", "PlanMismatch", "Profile", "RateCurve", "Recompute", "Run", "Simulation", "TraceMismatch",
+    "UdnnLabError", "UnknownHardwareError", "UnknownModelError", "Workload", "format_bytes", "format_seconds",
+    "measure", "min_budget", "parse_bytes", "plan", "profile", "simulate", "sweep", "trace", "train", "zoo",
 ]
 assert sorted(__all__) == sorted(_HOMES), "every public name has a home, and only those"
 __version__ = "0.1.0"
@@ -76,6 +78,8 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     home = _HOMES.get(name)
+    if home is None and not name.startswith("_") and importlib.util.find_spec(f"udnn_lab.{name}") is not None:
+        home = f"udnn_lab.{name}"  # a subpackage or module, as ul.charts after import udnn_lab
     if home is None:
         raise AttributeError(f"module 'udnn_lab' has no attribute {name!r}")
     module = importlib.import_module(home)
