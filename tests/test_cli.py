@@ -134,8 +134,10 @@ def test_a_failing_factory_is_one_line_naming_it_and_the_error(tmp_path, monkeyp
     assert err.strip().splitlines() == [
         "udnn-lab: error: the model factory broken_models:broken raised RuntimeError: weights file missing "
         "(--debug shows the traceback)"]
-    assert main(["analyze", "broken_models:broken", "--input-shape", "4", "--debug"]) == 2
-    err = capsys.readouterr().err
-    assert "Traceback (most recent call last)" in err and "in broken" in err
+    for debug in (["analyze", "broken_models:broken", "--input-shape", "4", "--debug"],
+                  ["--debug", "analyze", "broken_models:broken", "--input-shape", "4"]):
+        assert main(debug) == 2
+        err = capsys.readouterr().err
+        assert "Traceback (most recent call last)" in err and "in broken" in err
     assert main(["analyze", "no_such_module:build", "--input-shape", "4"]) == 2
     assert "cannot load the model factory no_such_module:build" in capsys.readouterr().err

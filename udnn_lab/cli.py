@@ -88,8 +88,10 @@ def _parser(names: Names | None = None) -> argparse.ArgumentParser:
     """The command line; without ``names`` (no command given) the options list no choices."""
     parser = argparse.ArgumentParser(prog="udnn-lab", description="How much memory a training step needs, from the "
                                      "shell: analyze a model, write a report at a budget, list the zoo.")
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", help="on an error, print the whole traceback")
+    parser.add_argument("--debug", action="store_true", help="on an error, print the whole traceback")
+    common = argparse.ArgumentParser(add_help=False)  # --debug after the command too; SUPPRESS keeps one given before
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="on an error, print the whole traceback")
     commands = parser.add_subparsers(dest="command")
     step = argparse.ArgumentParser(add_help=False)
     step.add_argument("model", help=MODEL_HELP)
