@@ -1,9 +1,21 @@
 import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
 from udnn_lab.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run_command(*words: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "udnn_lab.cli", *words], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
 
 
 def test_analyze_prints_breakdown_and_peak_and_writes_the_curve(tmp_path, capsys):
@@ -63,7 +75,69 @@ def test_report_refuses_a_bad_request_and_writes_nothing(argv, message, tmp_path
     assert not out.exists()
 
 
+def test_report_takes_a_factory_but_needs_its_input_shape(tmp_path, capsys):
+    out = tmp_path / "report.html"
+    assert main(["report", "torch.nn:Identity", "--budget", "1GiB", "--out", str(out)]) == 1
+    assert "give its input shape" in capsys.readouterr().err and not out.exists()
+
+
 def test_report_needs_a_budget(capsys):
     with pytest.raises(SystemExit):
         main(["report", "resnet18"])
     assert "--budget" in capsys.readouterr().err
+
+
+def test_help_answers_at_once_without_loading_torch():
+    code = "import sys, udnn_lab.cli; assert 'torch' not in sys.modules, 'udnn_lab.cli imported torch'"
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    start = time.perf_counter()
+    answer = _run_command("--help")
+    elapsed = time.perf_counter() - start
+    assert answer.returncode == 0 and "analyze" in answer.stdout and "report" in answer.stdout
+    assert elapsed < 1.5, f"udnn-lab --help took {elapsed:.2f} s"  # about 0.2 s; generous for a loaded machine
+
+
+def test_the_options_list_the_names_they_accept(capsys):
+    with pytest.raises(SystemExit):
+        main(["report", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for names in ("{sgd,adam,adamw,none}", "{float32,float16,bfloat16}", "vdnn++", "pin-dp", "h100-sxm",
+                  "a100"):
+        assert names in text
+    with pytest.raises(SystemExit):
+        main(["report", "resnet18", "--budget", "1GiB", "--policy", "fastest"])
+    assert "invalid choice: 'fastest'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shape", ["3x32x32", "3,32,32", "3 x 32 x 32"])
+def test_an_input_shape_reads_with_x_or_commas(shape, tmp_path, monkeypatch, capsys):
+    (tmp_path / "conv_models.py").write_text(
+        "import torch\n\ndef conv():\n    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten())\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["analyze", "conv_models:conv", "--batch", "2", "--input-shape", shape]) == 0
+    assert "Sequential" in capsys.readouterr().out
+
+
+def test_a_shape_that_is_not_one_says_how_to_write_it(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["analyze", "mlp2", "--input-shape", "3by32"])
+    assert exit_.value.code == 2
+    assert "cannot read '3by32' as a shape" in capsys.readouterr().err
+
+
+def test_a_failing_factory_is_one_line_naming_it_and_the_error(tmp_path, monkeypatch, capsys):
+    (tmp_path / "broken_models.py").write_text(
+        "def broken():\n    raise RuntimeError('weights file missing')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["analyze", "broken_models:broken", "--input-shape", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        "udnn-lab: error: the model factory broken_models:broken raised RuntimeError: weights file missing "
+        "(--debug shows the traceback)"]
+    for debug in (["analyze", "broken_models:broken", "--input-shape", "4", "--debug"],
+                  ["--debug", "analyze", "broken_models:broken", "--input-shape", "4"]):
+        assert main(debug) == 2
+        err = capsys.readouterr().err
+        assert "Traceback (most recent call last)" in err and "in broken" in err
+    assert main(["analyze", "no_such_module:build", "--input-shape", "4"]) == 2
+    assert "cannot load the model factory no_such_module:build" in capsys.readouterr().err

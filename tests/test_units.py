@@ -1,6 +1,10 @@
+import json
+import pickle
+
 import pytest
 
-from udnn_lab.units import cuda_block_bytes, format_bytes, format_seconds, parse_bytes
+import udnn_lab as ul
+from udnn_lab.units import Bytes, cuda_block_bytes, format_budget, format_bytes, format_seconds, parse_bytes
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -50,3 +54,30 @@ def test_cuda_block_bytes_rounds_to_512_byte_blocks():
     assert cuda_block_bytes(512) == 512
     assert cuda_block_bytes(513) == 1024
     assert cuda_block_bytes(10**6) == 1000448
+
+
+def test_bytes_read_as_a_size_and_stay_an_int():
+    size = Bytes(1_707_000_000)
+    assert repr(size) == "1.59 GiB (1,707,000,000 bytes)"
+    assert str(size) == f"{size}" == "1707000000" and f"{size:,}" == "1,707,000,000"
+    assert json.dumps({"peak": size}) == '{"peak": 1707000000}'
+    assert size == 1_707_000_000 and size < 2 << 30 and isinstance(size, int)
+    assert type(size + 1) is int and type(size // 2) is int
+    assert pickle.loads(pickle.dumps(size)) == size
+    printed = []
+    size._repr_pretty_(type("Printer", (), {"text": lambda self, text: printed.append(text)})(), False)
+    assert printed == [repr(size)]
+
+
+def test_sizes_the_api_returns_read_as_sizes():
+    graph = ul.trace(ul.zoo.get("mlp3", batch=2))
+    for size in (graph.peak_bytes, graph.cuda_peak_bytes, ul.min_budget(graph, "auto", hardware="h100-sxm")):
+        assert isinstance(size, Bytes) and "bytes)" in repr(size)
+
+
+@pytest.mark.parametrize("nbytes, text", [
+    (356142799, "339.7MiB"), (300, "300B"), (1024, "1.0KiB"), (6 << 30, "6.0GiB"), ((6 << 30) + 1, "6.1GiB"),
+])
+def test_a_budget_to_type_reads_as_a_size_and_is_never_under_the_bytes(nbytes, text):
+    assert format_budget(nbytes) == text
+    assert nbytes <= parse_bytes(text) < nbytes * 1.02 + 1024  # rounded up by at most a tenth of its unit

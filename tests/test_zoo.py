@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from udnn_lab import zoo
-from udnn_lab.errors import MissingDependency, UnknownModelError
+from udnn_lab.errors import MissingDependency, ModelFactoryError, UnknownModelError
 from udnn_lab.workload import Workload
 
 ALL_FIXED = ["alexnet", "vgg11", "vgg16", "vgg19", "googlenet", "inception_v3", "resnet18", "resnet34", "resnet50",
@@ -106,3 +106,19 @@ def test_classification_loss_counts_aux_heads():
     single = zoo.classification_loss(logits, target)
     with_aux = zoo.classification_loss((logits, logits), target)
     assert torch.allclose(with_aux, single * 1.3)
+
+
+def test_a_factory_by_its_import_path_builds_your_module(tmp_path, monkeypatch):
+    (tmp_path / "factories.py").write_text(
+        "import torch\n\ndef two():\n    return torch.nn.Linear(3, 2)\n\n"
+        "def broken():\n    raise OSError('no weights here')\n\nnot_a_model = 42\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    work = zoo.get("factories:two", batch=4, input_shape=(3,), device="meta")
+    assert isinstance(work.model, torch.nn.Linear) and work.example_input.shape == (4, 3)
+    with pytest.raises(ModelFactoryError, match="factories:broken raised OSError: no weights here") as raised:
+        zoo.get("factories:broken", input_shape=(3,))
+    assert isinstance(raised.value.__cause__, OSError)
+    with pytest.raises(ModelFactoryError, match="gave a int, not an nn.Module"):
+        zoo.get("factories:not_a_model", input_shape=(3,))
+    with pytest.raises(ModelFactoryError, match="cannot load the model factory factories:missing"):
+        zoo.get("factories:missing", input_shape=(3,))

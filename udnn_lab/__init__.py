@@ -3,53 +3,89 @@
 The stages, in the order data flows through them (each a subpackage; see udnn_lab/README.md):
 analysis (trace) -> graph (Graph, liveness, Plan IR) -> hardware, cost -> simulation ->
 planning -> runtime, measurement -> frames -> charts -> widgets, report; sharing uses them all.
+
+Every public name loads on first use: ``import udnn_lab`` costs no torch import, so the
+``udnn-lab`` command answers ``--help`` at once and only the stage a command needs is loaded.
 """
 
-from udnn_lab import zoo
-from udnn_lab.analysis import trace
-from udnn_lab.cost import CostModel, Profile, RateCurve, profile
-from udnn_lab.errors import (
-    FakeTensorUnsupported,
-    HardwareMismatchWarning,
-    HardwareProfileError,
-    HostMemoryError,
-    MissingDependency,
-    ModelInputError,
-    PlanError,
-    PlanInfeasible,
-    PlanMismatch,
-    TraceMismatch,
-    UdnnLabError,
-    UnknownHardwareError,
-    UnknownModelError,
-)
-from udnn_lab.graph import Graph, Offload, Plan, Recompute
-from udnn_lab.hardware import Hardware
-from udnn_lab.measurement import Measurement, measure
-from udnn_lab.planning import min_budget, plan, sweep
-from udnn_lab.runtime import OffloadRuntime, Run, train
-from udnn_lab.simulation import Simulation, simulate
-from udnn_lab.units import format_bytes, format_seconds, parse_bytes
-from udnn_lab.workload import Workload
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from udnn_lab import zoo
+    from udnn_lab.analysis import trace
+    from udnn_lab.cost import CostModel, Profile, RateCurve, profile
+    from udnn_lab.errors import (
+        FakeTensorUnsupported,
+        HardwareMismatchWarning,
+        HardwareProfileError,
+        HostMemoryError,
+        LargeMeasurementWarning,
+        MissingDependency,
+        ModelFactoryError,
+        ModelInputError,
+        PlanError,
+        PlanInfeasible,
+        PlanMismatch,
+        TraceMismatch,
+        UdnnLabError,
+        UnknownHardwareError,
+        UnknownModelError,
+    )
+    from udnn_lab.graph import Graph, Offload, Plan, Recompute
+    from udnn_lab.hardware import Hardware
+    from udnn_lab.measurement import Measurement, measure
+    from udnn_lab.planning import min_budget, plan, sweep
+    from udnn_lab.runtime import OffloadRuntime, Run, train
+    from udnn_lab.simulation import Simulation, simulate
+    from udnn_lab.units import Bytes, format_bytes, format_seconds, parse_bytes
+    from udnn_lab.widgets import MemoryLab
+    from udnn_lab.workload import Workload
+
+# public name -> the module it lives in (a module's own name for the zoo)
+_HOMES = {
+    "zoo": "udnn_lab.zoo", "trace": "udnn_lab.analysis",
+    **dict.fromkeys(["CostModel", "Profile", "RateCurve", "profile"], "udnn_lab.cost"),
+    **dict.fromkeys(["FakeTensorUnsupported", "HardwareMismatchWarning", "HardwareProfileError", "HostMemoryError",
+                     "LargeMeasurementWarning", "MissingDependency", "ModelFactoryError", "ModelInputError",
+                     "PlanError", "PlanInfeasible", "PlanMismatch", "TraceMismatch", "UdnnLabError",
+                     "UnknownHardwareError", "UnknownModelError"], "udnn_lab.errors"),
+    **dict.fromkeys(["Graph", "Offload", "Plan", "Recompute"], "udnn_lab.graph"),
+    "Hardware": "udnn_lab.hardware",
+    **dict.fromkeys(["Measurement", "measure"], "udnn_lab.measurement"),
+    **dict.fromkeys(["min_budget", "plan", "sweep"], "udnn_lab.planning"),
+    **dict.fromkeys(["OffloadRuntime", "Run", "train"], "udnn_lab.runtime"),
+    **dict.fromkeys(["Simulation", "simulate"], "udnn_lab.simulation"),
+    **dict.fromkeys(["Bytes", "format_bytes", "format_seconds", "parse_bytes"], "udnn_lab.units"),
+    "MemoryLab": "udnn_lab.widgets",  # the app pulls in altair and ipywidgets
+    "Workload": "udnn_lab.workload",
+}
 
 __all__ = [
-    "CostModel", "FakeTensorUnsupported", "Graph", "Hardware", "HardwareMismatchWarning", "HardwareProfileError",
-    "HostMemoryError", "Measurement", "MemoryLab", "MissingDependency", "ModelInputError", "Offload",
-    "OffloadRuntime", "Plan", "PlanError", "PlanInfeasible", "PlanMismatch", "Profile", "RateCurve", "Recompute",
-    "Run", "Simulation", "TraceMismatch", "UdnnLabError", "UnknownHardwareError", "UnknownModelError", "Workload",
-    "format_bytes", "format_seconds", "measure", "min_budget", "parse_bytes", "plan", "profile", "simulate", "sweep",
-    "trace", "train", "zoo",
+    "Bytes", "CostModel", "FakeTensorUnsupported", "Graph", "Hardware", "HardwareMismatchWarning",
+    "HardwareProfileError", "HostMemoryError", "LargeMeasurementWarning", "Measurement", "MemoryLab",
+    "MissingDependency", "ModelFactoryError", "ModelInputError", "Offload", "OffloadRuntime", "Plan", "PlanError",
+    "PlanInfeasible", "PlanMismatch", "Profile", "RateCurve", "Recompute", "Run", "Simulation", "TraceMismatch",
+    "UdnnLabError", "UnknownHardwareError", "UnknownModelError", "Workload", "format_bytes", "format_seconds",
+    "measure", "min_budget", "parse_bytes", "plan", "profile", "simulate", "sweep", "trace", "train", "zoo",
 ]
+assert sorted(__all__) == sorted(_HOMES), "every public name has a home, and only those"
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):
-    if name == "MemoryLab":
-        # heavy: the app pulls in altair and ipywidgets (seconds to import), so it loads on first use
-        from udnn_lab.widgets import MemoryLab
-
-        return MemoryLab
-    raise AttributeError(f"module 'udnn_lab' has no attribute {name!r}")
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None and not name.startswith("_") and importlib.util.find_spec(f"udnn_lab.{name}") is not None:
+        home = f"udnn_lab.{name}"  # a subpackage or module, as ul.charts after import udnn_lab
+    if home is None:
+        raise AttributeError(f"module 'udnn_lab' has no attribute {name!r}")
+    module = importlib.import_module(home)
+    value = module if home == f"udnn_lab.{name}" else getattr(module, name)
+    globals()[name] = value
+    return value
 
 
 def __dir__() -> list[str]:

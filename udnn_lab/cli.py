@@ -1,133 +1,193 @@
-"""The ``udnn-lab`` command: analyze a model's training step from the shell."""
+"""The ``udnn-lab`` command: analyze a model's training step from the shell.
+
+Startup time: ``udnn-lab --help`` answers before torch loads. The names the options accept
+(policies, hardware profiles, dtypes, optimizers) come from their registries, loaded only once
+a command is named; each command loads its stage (and torch) when it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
+import re
 import sys
 import time
+import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from udnn_lab import zoo
-from udnn_lab.analysis.tracing import trace
-from udnn_lab.errors import UdnnLabError
-from udnn_lab.measurement.measuring import measure
-from udnn_lab.report.writing import ReportRequest, write_report
+from udnn_lab.errors import ModelFactoryError, UdnnLabError
 from udnn_lab.units import format_bytes
 from udnn_lab.vocabulary import PHASES
 
+COMMANDS = {
+    "analyze": "memory of one training step: breakdown, peak, curve",
+    "report": "an HTML report: peak, breakdown, curve, the plan at a budget",
+    "zoo": "list the models the zoo can build",
+}
+MODEL_HELP = "a zoo name (see 'udnn-lab zoo') or package.module:factory, a callable returning your nn.Module"
+
+
+@dataclass(frozen=True)
+class Names:
+    """What the options accept, from the registries."""
+
+    policies: tuple[str, ...]
+    hardware: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    optimizers: tuple[str, ...]
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _parser(registered_names() if _names_a_command(argv) else None)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
     try:
         return args.run(args)
+    except ModelFactoryError as err:  # the user's code failed: one line, the traceback with --debug
+        return _fail(err, args.debug, 2, "" if args.debug else " (--debug shows the traceback)")
     except (UdnnLabError, ValueError, TypeError, ImportError) as err:
-        print(f"udnn-lab: error: {err}", file=sys.stderr)
-        return 1
+        return _fail(err, args.debug, 1, "")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="udnn-lab", description=__doc__)
+def _fail(err: BaseException, debug: bool, code: int, hint: str) -> int:
+    if debug:
+        traceback.print_exception(err)
+    print(f"udnn-lab: error: {err}{hint}", file=sys.stderr)
+    return code
+
+
+def _names_a_command(argv: list[str]) -> bool:
+    first = next((word for word in argv if not word.startswith("-")), None)
+    return first in COMMANDS
+
+
+def registered_names() -> Names:
+    # startup time: torch and the registries load here, once a command is named, not for --help
+    from udnn_lab import zoo
+    from udnn_lab.hardware import Hardware
+    from udnn_lab.planning.registry import POLICIES  # (as above)
+
+    return Names(policies=tuple(POLICIES), hardware=tuple(Hardware.names()), dtypes=tuple(zoo.DTYPES),
+                 optimizers=tuple(zoo.OPTIMIZERS))
+
+
+def input_shape(text: str) -> tuple[int, ...]:
+    """One example's shape as typed: '3x224x224', '3,224,224' or '784'."""
+    words = re.split(r"\s*[x,×]\s*", text.strip().lower())
+    if not all(word.isdigit() and int(word) > 0 for word in words):
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a shape: give positive sizes separated by 'x' "
+                                         "or ',', e.g. 3x224x224 or 3,224,224")
+    return tuple(int(word) for word in words)
+
+
+def _parser(names: Names | None = None) -> argparse.ArgumentParser:
+    """The command line; without ``names`` (no command given) the options list no choices."""
+    parser = argparse.ArgumentParser(prog="udnn-lab", description="How much memory a training step needs, from the "
+                                     "shell: analyze a model, write a report at a budget, list the zoo.")
+    parser.add_argument("--debug", action="store_true", help="on an error, print the whole traceback")
+    common = argparse.ArgumentParser(add_help=False)  # --debug after the command too; SUPPRESS keeps one given before
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="on an error, print the whole traceback")
     commands = parser.add_subparsers(dest="command")
-    analyze = commands.add_parser("analyze", help="memory of one training step: breakdown, peak, curve")
-    analyze.add_argument("model", help="a zoo name (see 'udnn-lab zoo') or module.path:factory returning an nn.Module")
-    analyze.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
-    analyze.add_argument("--image-size", type=int, help="side of image inputs (zoo default: 224, 299 for Inception)")
-    analyze.add_argument("--input-shape", help="one example's shape for your own module, e.g. 3,224,224")
-    analyze.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw", "none"])
-    analyze.add_argument("--dtype", default="float32", choices=sorted(zoo.DTYPES))
+    step = argparse.ArgumentParser(add_help=False)
+    step.add_argument("model", help=MODEL_HELP)
+    step.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
+    step.add_argument("--image-size", type=int, help="side of image inputs (zoo default: 224, 299 for Inception)")
+    step.add_argument("--input-shape", type=input_shape,
+                      help="one example's shape, for your own module: 3x224x224 or 3,224,224")
+    step.add_argument("--optimizer", default="sgd", choices=names.optimizers if names else None,
+                      help="optimizer of the step (default sgd; none: forward and backward only)")
+    step.add_argument("--dtype", default="float32", choices=names.dtypes if names else None,
+                      help="dtype of the weights and the batch (default float32)")
+
+    analyze = commands.add_parser("analyze", parents=[step, common], help=COMMANDS["analyze"])
     analyze.add_argument("--device", default="cpu", help="device whose step is predicted: cpu or cuda (default cpu)")
     analyze.add_argument("--out", type=Path, help="write the memory curve to OUT.csv and OUT.json")
     analyze.add_argument("--measure", action="store_true", help="also run the step for real here and compare")
     analyze.set_defaults(run=_analyze)
-    report = commands.add_parser("report", help="an HTML report: peak, breakdown, curve, the plan at a budget")
-    report.add_argument("model", help="a zoo name (see 'udnn-lab zoo')")
-    report.add_argument("--budget", required=True, help="device memory to fit into, e.g. 6GiB, '300 MiB'")
-    report.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
-    report.add_argument("--image-size", type=int, help="side of image inputs (zoo default: 224, 299 for Inception)")
+
+    report = commands.add_parser("report", parents=[step, common], help=COMMANDS["report"])
+    report.add_argument("--budget", required=True,
+                        help="device memory to fit into, e.g. 6GiB, '300 MiB', 339.7MiB, 4GB or bytes")
+    hardware = f" ({', '.join(names.hardware)})" if names else ""
     report.add_argument("--hardware", default="h100-sxm",
-                        help="a hardware profile name (data/hardware/*.json) or a profile .json (default h100-sxm)")
-    report.add_argument("--policy", default="auto", help="planning policy (default auto: the fastest that fits)")
-    report.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw", "none"])
-    report.add_argument("--dtype", default="float32", choices=sorted(zoo.DTYPES))
+                        help=f"a hardware profile name{hardware} or a profile .json (default h100-sxm)")
+    report.add_argument("--policy", default="auto", choices=names.policies if names else None,
+                        help="planning policy (default auto: the fastest that fits)")
     report.add_argument("--out", type=Path, default=Path("report.html"),
                         help="HTML file to write (default report.html)")
     report.set_defaults(run=_report)
-    listing = commands.add_parser("zoo", help="list the models the zoo can build")
+
+    listing = commands.add_parser("zoo", parents=[common], help=COMMANDS["zoo"])
     listing.set_defaults(run=_zoo)
     return parser
 
 
 def _zoo(args: argparse.Namespace) -> int:
+    # startup time: each command loads its stage when it runs (see the module docstring)
+    from udnn_lab import zoo
+
     for name, description in zoo.describe().items():
         print(f"{name:16s} {description}")
     return 0
 
 
 def _analyze(args: argparse.Namespace) -> int:
+    # startup time: each command loads its stage when it runs (see the module docstring)
+    from udnn_lab.analysis import trace
+
     work = _workload(args, device="meta")
     print(f"tracing {work.name} (batch {args.batch}, {args.dtype}, optimizer {args.optimizer}) ...", file=sys.stderr)
     start = time.perf_counter()
     graph = trace(work, device=args.device)
-    elapsed = time.perf_counter() - start
-    _print_summary(graph, elapsed)
+    _print_summary(graph, time.perf_counter() - start)
     if args.out is not None:
         _write_curve(graph, args, args.out)
     if args.measure:
-        real = _workload(args, device=_real_device(args.device))
-        print(f"measuring one real step on {args.device} ...", file=sys.stderr)
-        summary = measure(real, repeats=1).summary(graph)
-        print(f"\nmeasured peak {format_bytes(summary['measured_peak_bytes'])}  predicted "
-              f"{format_bytes(summary['predicted_peak_bytes'])}  (peak error {summary['peak_relative_error']:.3%}, "
-              f"worst step error {summary['max_step_relative_error']:.3%})")
+        _measure_here(args, graph)
     return 0
 
 
+def _measure_here(args: argparse.Namespace, graph) -> None:
+    # startup time: each command loads its stage when it runs (see the module docstring)
+    import torch
+
+    from udnn_lab.measurement import measure  # (as above)
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--measure --device cuda needs a CUDA device, and this machine has none")
+    real = _workload(args, device=args.device)
+    print(f"measuring one real step on {args.device} ...", file=sys.stderr)
+    summary = measure(real, graph=graph).summary(graph)
+    print(f"\nmeasured peak {format_bytes(summary['measured_peak_bytes'])}  predicted "
+          f"{format_bytes(summary['predicted_peak_bytes'])}  (peak error {summary['peak_relative_error']:.3%}, "
+          f"worst step error {summary['max_step_relative_error']:.3%})")
+
+
 def _report(args: argparse.Namespace) -> int:
+    # startup time: each command loads its stage when it runs (see the module docstring)
+    from udnn_lab.report import ReportRequest, write_report
+
     request = ReportRequest(args.model, args.budget, batch=args.batch, hardware=args.hardware, policy=args.policy,
-                            image_size=args.image_size, optimizer=args.optimizer, dtype=args.dtype)
+                            image_size=args.image_size, input_shape=args.input_shape, optimizer=args.optimizer,
+                            dtype=args.dtype)
     write_report(request, args.out, progress=lambda line: print(line, file=sys.stderr))
     return 0
 
 
-def _real_device(device: str) -> str:
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--measure --device cuda needs a CUDA device, and this machine has none")
-    return device
-
-
 def _workload(args: argparse.Namespace, device: str):
-    optimizer = None if args.optimizer == "none" else args.optimizer
-    dtype = zoo.DTYPES[args.dtype]
-    shape = tuple(int(x) for x in args.input_shape.split(",")) if args.input_shape else None
-    if ":" in args.model:
-        module = _import_factory(args.model)
-        if shape is None:
-            raise ValueError("for your own module give --input-shape, e.g. --input-shape 3,224,224")
-        module = module.to(device=device if device != "meta" else "cpu", dtype=dtype)
-        return zoo.get(module, batch=args.batch, input_shape=shape, device=device if device != "meta" else "cpu",
-                       dtype=dtype, optimizer=optimizer)
-    return zoo.get(args.model, batch=args.batch, image_size=args.image_size, input_shape=shape, device=device,
-                   dtype=None if dtype is torch.float32 else dtype, optimizer=optimizer)
+    # startup time: each command loads its stage when it runs (see the module docstring)
+    from udnn_lab import zoo
 
-
-def _import_factory(spec: str) -> torch.nn.Module:
-    module_name, _, attribute = spec.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"cannot load {spec!r}: {err}; give module.path:callable") from err
-    model = factory() if callable(factory) and not isinstance(factory, torch.nn.Module) else factory
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"{spec} gave a {type(model).__name__}, not an nn.Module")
-    return model
+    if ":" in args.model and args.input_shape is None:
+        raise ValueError("for your own module give --input-shape, one example's shape, e.g. --input-shape 3x224x224")
+    return zoo.get(args.model, batch=args.batch, image_size=args.image_size, input_shape=args.input_shape,
+                   device=device, dtype=None if args.dtype == "float32" else zoo.DTYPES[args.dtype],
+                   optimizer=None if args.optimizer == "none" else args.optimizer)
 
 
 def _print_summary(graph, elapsed: float) -> None:

@@ -11,6 +11,10 @@ class UnknownModelError(UdnnLabError, ValueError):
     """A zoo name that is not in the zoo."""
 
 
+class ModelFactoryError(UdnnLabError, RuntimeError):
+    """A 'module.path:factory' that cannot be loaded, or whose factory raised (the cause is chained)."""
+
+
 class ModelInputError(UdnnLabError, ValueError):
     """The example input does not fit the model."""
 
@@ -74,6 +78,10 @@ class UnknownHardwareError(HardwareProfileError):
 
 class HardwareMismatchWarning(UserWarning):
     """A profile made for one device is applied to another."""
+
+
+class LargeMeasurementWarning(UserWarning):
+    """A real measurement that will take long or hold much memory: said before it starts."""
 
 
 class JobFailed(UdnnLabError, RuntimeError):

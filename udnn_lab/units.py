@@ -79,6 +79,35 @@ def format_bytes(nbytes: int | float, digits: int = 2) -> str:
     raise AssertionError("unreachable")
 
 
+def format_budget(nbytes: int) -> str:
+    """A size to type as a budget, at least ``nbytes``: ``356142799 -> '339.7MiB'`` (rounded up, no space)."""
+    if nbytes < 1024:
+        return f"{max(int(nbytes), 0)}B"
+    for unit, scale in (("KiB", 1 << 10), ("MiB", 1 << 20), ("GiB", 1 << 30), ("TiB", 1 << 40)):
+        if nbytes < 1024 * scale or unit == "TiB":
+            tenths = math.ceil(nbytes * 10 / scale)
+            return f"{tenths // 10}.{tenths % 10}{unit}"
+    raise AssertionError("unreachable")
+
+
+class Bytes(int):
+    """A size in bytes that shows its size: ``Bytes(1_707_000_000)`` reads ``1.59 GiB (1,707,000,000 bytes)``.
+
+    Still an int for comparisons, JSON and ``str``; arithmetic on it gives plain ints.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"{format_bytes(self)} ({int(self):,} bytes)"
+
+    def __str__(self) -> str:
+        return int.__repr__(self)
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:  # IPython's display of a cell's value
+        printer.text(repr(self))
+
+
 def format_seconds(seconds: float, digits: int = 3) -> str:
     """``0.0123 -> '12.3 ms'`` with ``digits`` significant figures."""
     if seconds == 0:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Workload:
     """A model with everything needed to run one training step of it."""
 
@@ -20,6 +20,28 @@ class Workload:
     optimizer: torch.optim.Optimizer | None = None
     name: str = ""
     batch_size: int | None = None
+
+    def __repr__(self) -> str:
+        """A summary: the model's class, the shapes and dtypes of the input and target, the loss and the optimizer."""
+        loss = "sum of outputs" if self.loss_fn is None else \
+            getattr(self.loss_fn, "__name__", type(self.loss_fn).__name__)
+        optimizer = "none" if self.optimizer is None else type(self.optimizer).__name__
+        target = "" if self.target is None else f", target={_summary(self.target)}"
+        return (f"Workload({self.name!r}: {type(self.model).__name__}, input={_summary(self.example_input)}{target}, "
+                f"loss={loss}, optimizer={optimizer})")
+
+
+def _summary(value: Any) -> str:
+    """Tensors as dtype[shape] (and the device, when not the CPU), inside whatever holds them."""
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).removeprefix("torch.")
+        device = "" if value.device.type == "cpu" else f" on {value.device}"
+        return f"{dtype}[{', '.join(map(str, value.shape))}]{device}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key}: {_summary(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(_summary(item) for item in value) + ")"
+    return type(value).__name__
 
 
 def as_workload(model: Any, example_input: Any = None, *, loss_fn: Callable | None = None,

@@ -2,12 +2,14 @@
 
 Random weights, never a download. ``get(name, batch=...)`` returns a Workload
 (model, example input, target, loss, optimizer) ready for ``trace`` and ``measure``;
-anywhere a name is accepted an ``nn.Module`` may be passed instead, with ``input_shape``.
+anywhere a name is accepted an ``nn.Module`` may be passed instead, with ``input_shape``, or
+'package.module:factory', a callable there that returns one.
 Build on ``device='meta'`` to analyze without allocating the weights.
 """
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from udnn_lab.errors import MissingDependency, UnknownModelError
+from udnn_lab.errors import MissingDependency, ModelFactoryError, UnknownModelError
 from udnn_lab.workload import Workload
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # by the name users type
@@ -229,8 +231,9 @@ def get(name_or_model: str | nn.Module, batch: int = 8, *, image_size: int | Non
         dtype: torch.dtype | None = None, optimizer: str | None = "sgd", seed: int = 0) -> Workload:
     """A Workload: the model (random weights) on ``device``, a random batch, cross-entropy, an optimizer.
 
-    ``name_or_model``: a zoo name or your own ``nn.Module`` (then give ``input_shape``,
-    one example's shape, and it gets the sum of its outputs as loss). ``image_size``
+    ``name_or_model``: a zoo name, or your own ``nn.Module`` or 'package.module:factory' (then
+    give ``input_shape``, one example's shape, and it gets the sum of its outputs as loss; a
+    factory's module is built on the CPU, or on ``device`` when that is not 'meta'). ``image_size``
     overrides the side of image inputs. ``optimizer``: 'sgd' (momentum 0.9), 'adam',
     'adamw' or None for forward and backward only.
     """
@@ -238,6 +241,9 @@ def get(name_or_model: str | nn.Module, batch: int = 8, *, image_size: int | Non
         raise ValueError(f"batch must be a positive int, got {batch!r}")
     device = torch.device(device)
     generator_seed = torch.Generator().manual_seed(seed)
+    if isinstance(name_or_model, str) and ":" in name_or_model:
+        name_or_model = from_factory(name_or_model).to(device="cpu" if device.type == "meta" else device,
+                                                        dtype=dtype or torch.float32)
     if isinstance(name_or_model, nn.Module):
         if input_shape is None:
             raise ValueError("for your own module, give input_shape: the shape of one example, e.g. (3, 224, 224)")
@@ -257,6 +263,27 @@ def get(name_or_model: str | nn.Module, batch: int = 8, *, image_size: int | Non
         example = _random((batch, *shape), dtype or torch.float32, device, generator_seed)
     target = torch.randint(found.num_classes, (batch,), generator=generator_seed).to(device)
     return Workload(model, example, target, classification_loss, _optimizer(optimizer, model), found.name, batch)
+
+
+def from_factory(spec: str) -> nn.Module:
+    """The module that 'package.module:factory' returns (or the module found there); ModelFactoryError if not."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ModelFactoryError(f"cannot read {spec!r} as a model factory: give package.module:callable")
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ModelFactoryError(f"cannot load the model factory {spec}: {error}") from error
+    if isinstance(factory, nn.Module) or not callable(factory):
+        model = factory
+    else:
+        try:
+            model = factory()
+        except Exception as error:  # whatever the user's code raises is reported as the factory's failure
+            raise ModelFactoryError(f"the model factory {spec} raised {type(error).__name__}: {error}") from error
+    if not isinstance(model, nn.Module):
+        raise ModelFactoryError(f"the model factory {spec} gave a {type(model).__name__}, not an nn.Module")
+    return model
 
 
 def _sample_shape(found: ZooEntry, image_size: int | None, input_shape: tuple[int, ...] | None) -> tuple[int, ...]:

@@ -160,7 +160,8 @@ def test_peak_flops_falls_back_to_fp32_where_the_device_has_no_faster_path():
 
 
 def test_measure_on_cpu_gives_positive_figures_and_the_sweep():
-    profile, sweep = Hardware.measure("cpu", **TINY)
+    profile, sweep = Hardware.measure_with_sweep("cpu", **TINY)
+    assert isinstance(Hardware.measure("cpu", **TINY), Hardware)
     assert profile.measured and profile.device_type == "cpu"
     assert profile.memory_bytes > 0 and profile.memory_bytes_per_s > 0
     assert profile.fp32_flops_per_s > 0 and profile.conv_fp32_achieved_flops_per_s > 0
@@ -187,7 +188,7 @@ def test_profile_of_another_device_warns():
 
 
 def test_same_device_under_another_spelling_matches():
-    profile, _ = Hardware.measure("cpu", **TINY)
+    profile = Hardware.measure("cpu", **TINY)
     renamed = dataclasses.replace(profile, device_names=("  " + device_name(torch.device("cpu")).upper(),))
     assert renamed.check_matches("cpu")
 
@@ -196,7 +197,7 @@ def test_same_device_under_another_spelling_matches():
 def test_measure_on_cuda_sweeps_both_directions_and_both_memory_kinds():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    profile, sweep = Hardware.measure("cuda", sizes=(4096, 1 << 20), repeats=2, matmul_size=256,
+    profile, sweep = Hardware.measure_with_sweep("cuda", sizes=(4096, 1 << 20), repeats=2, matmul_size=256,
                                       conv_size=16, progress=False)
     assert profile.device_type == "cuda" and profile.measured and profile.check_matches("cuda")
     copies = sweep[sweep["direction"].isin(["h2d", "d2h"])]

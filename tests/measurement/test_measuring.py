@@ -4,7 +4,8 @@ import torch
 
 import udnn_lab as ul
 from udnn_lab import zoo
-from udnn_lab.errors import TraceMismatch
+from udnn_lab.errors import LargeMeasurementWarning, TraceMismatch
+from udnn_lab.measurement._estimate import LARGE_SECONDS, estimate
 
 # Every zoo model at a small batch; image sides as small as each architecture takes.
 ZOO_CASES = [
@@ -22,7 +23,7 @@ def test_predicted_curve_matches_measured_on_cpu(name, options):
     if name == "inception_v4":
         pytest.importorskip("timm")
     graph = ul.trace(zoo.get(name, batch=2, device="meta", **options))
-    measured = ul.measure(zoo.get(name, batch=2, **options), repeats=0)
+    measured = ul.measure(zoo.get(name, batch=2, **options), repeats=0, graph=graph)
     summary = measured.summary(graph)
     assert summary["ops"] == len(graph.ops)
     assert summary["peak_relative_error"] <= 0.01, summary
@@ -38,6 +39,68 @@ def test_measurement_is_a_real_run_of_the_same_step():
     curve = measured.curve()
     assert len(curve) == len(measured.ops) and curve["live_bytes"].max() == measured.peak_bytes
     assert "mlp3" in repr(measured)
+
+
+class _CountingMLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.layer(x)
+
+
+def test_by_default_one_warm_up_step_and_one_recorded_step_run():
+    model = _CountingMLP()
+    work = zoo.get(model, batch=2, input_shape=(4,))
+    graph = ul.trace(work)
+    model.calls = 0
+    measured = ul.measure(work, graph=graph)
+    assert model.calls == 2 and measured.step_time_s is None and "untimed" in repr(measured)
+    ul.measure(work, graph=graph, warmup=0, repeats=2)
+    assert model.calls == 2 + 3
+    with pytest.raises(ValueError, match="repeats"):
+        ul.measure(work, graph=graph, repeats=-1)
+
+
+def test_a_small_step_is_measured_without_a_warning_or_a_bar(capsys, recwarn):
+    ul.measure(zoo.get("mlp3", batch=4))
+    assert not [w for w in recwarn if issubclass(w.category, LargeMeasurementWarning)]
+    assert "measuring" not in capsys.readouterr().err
+
+
+def test_progress_can_be_asked_for(capsys):
+    ul.measure(zoo.get("mlp3", batch=4), progress=True, repeats=1)
+    assert "measuring mlp3" in capsys.readouterr().err
+
+
+def test_a_large_cpu_step_is_announced_with_its_time_and_memory():
+    graph = ul.trace(zoo.get("resnet50", batch=64, device="meta"))
+    cost = estimate(graph, plain_steps=1, device=torch.device("cpu"))
+    assert cost.step_flops > 1e12  # ResNet-50 at batch 64: about 3 x 4 GFLOP x 64 a step
+    assert cost.seconds > LARGE_SECONDS and cost.large
+    assert cost.peak_bytes == graph.peak_bytes > 4 << 30
+    message = cost.message()
+    assert "2 real steps" in message and "GFLOP" in message and ul.format_bytes(graph.peak_bytes) in message
+    small = estimate(ul.trace(zoo.get("mlp3", batch=4)), plain_steps=1, device=torch.device("cpu"))
+    assert not small.large and small.seconds < 0.1
+
+
+def test_measure_warns_before_a_large_step_runs():
+    work = zoo.get("mlp3", batch=4)
+    calls = []
+    big = ul.trace(zoo.get("resnet50", batch=64, device="meta"))
+
+    def loss_fn(output, target):
+        calls.append(1)
+        return torch.nn.functional.cross_entropy(output, target)
+
+    # the estimate comes from the graph given (ResNet-50 at batch 64), before any step of mlp3 runs
+    with pytest.warns(LargeMeasurementWarning, match="resnet50"):
+        ul.measure(work, loss_fn=loss_fn, graph=big, warmup=0, progress=False)
+    assert calls  # the step still ran after the warning
 
 
 def test_measure_restores_the_model_and_optimizer():

@@ -5,6 +5,7 @@ import html
 import platform
 import re
 import shlex
+import sys
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 import udnn_lab as ul
 from udnn_lab.cli import _parser, main
 from udnn_lab.report.writing import TEMPLATE, ReportRequest
+from udnn_lab.units import format_budget
 
 pytestmark = pytest.mark.slow
 LOADS_FROM_NETWORK = re.compile(r"\b(src|href)\s*=\s*[\"']?(https?:)?//", re.IGNORECASE)
@@ -23,12 +25,13 @@ def header(page: str) -> dict[str, str]:
     return {html.unescape(label): html.unescape(re.sub(r"<[^>]+>", "", value)) for label, value in rows}
 
 
-def test_report_of_a_plan_at_a_budget(tmp_path, capsys):
+def test_report_of_a_plan_at_a_budget(tmp_path, capfd):
     out = tmp_path / "resnet18.html"
     assert main(["report", "resnet18", "--batch", "16", "--image-size", "96", "--budget", "180MiB",
                  "--hardware", "h100-sxm", "--out", str(out)]) == 0
     page = out.read_text(encoding="utf-8")
-    assert "running the report notebook" in capsys.readouterr().err
+    err = capfd.readouterr().err  # the kernel's own output too: it writes to the terminal's file descriptors
+    assert "running the report notebook" in err and "without encryption" not in err
 
     # header: the command, the versions, the date and the hardware profile
     top = header(page)
@@ -40,6 +43,7 @@ def test_report_of_a_plan_at_a_budget(tmp_path, capsys):
         ("resnet18", 16, 96, "180MiB", out)
     assert (top["udnn_lab"], top["torch"]) == (ul.__version__, torch.__version__)
     assert top["python"].startswith(platform.python_version())
+    assert top["python"].endswith(sys.executable)  # the kernel ran in this interpreter
     today = {datetime.datetime.now(datetime.timezone.utc).date() - datetime.timedelta(days=d) for d in (0, 1)}
     assert datetime.datetime.fromisoformat(top["date"]).date() in today
     assert top["hardware profile"].startswith("h100-sxm: NVIDIA H100")
@@ -68,9 +72,25 @@ def test_an_infeasible_budget_is_reported_with_the_minimum(tmp_path):
     minimum = ul.min_budget(graph, "auto", hardware="h100-sxm")
     assert "Infeasible:" in page and "Fits:" not in page
     assert f"The minimum feasible budget is <b>{ul.format_bytes(minimum)}</b>" in page
-    assert f"<code>--budget {minimum}</code>" in page
+    suggested = format_budget(minimum)  # a size people read, and the command line takes
+    assert f"<code>--budget {suggested}</code>" in page and minimum <= ul.parse_bytes(suggested)
+    assert _parser().parse_args(["report", "mlp3", "--budget", suggested]).budget == suggested
     assert "No plan" in page and page.count("<svg") == 1
     assert "--budget '1 MiB'" in header(page)["reproduce with"]  # the budget as typed, quoted for a shell
+
+
+def test_a_report_of_your_own_module(tmp_path, monkeypatch):
+    (tmp_path / "my_nets.py").write_text(
+        "import torch\n\ndef small():\n    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),\n"
+        "                               torch.nn.Linear(32, 4))\n")
+    monkeypatch.chdir(tmp_path)  # the kernel starts here, and finds my_nets as the command line does
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "mine.html"
+    assert main(["report", "my_nets:small", "--input-shape", "16", "--batch", "4", "--budget", "1MiB",
+                 "--out", str(out)]) == 0
+    page = out.read_text(encoding="utf-8")
+    assert "Memory report: Sequential, batch 4" in page
+    assert "--input-shape 16" in header(page)["reproduce with"]
 
 
 def test_the_template_ships_inside_the_package_with_a_parameters_cell():

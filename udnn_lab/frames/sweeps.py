@@ -48,7 +48,7 @@ def budget_sweep(sweep: pd.DataFrame, graph: Graph | None = None) -> pd.DataFram
 
 def bandwidth(sweep: pd.DataFrame | None = None,
               hardware: Hardware | Iterable[Hardware] | None = None) -> pd.DataFrame:
-    """Copy bandwidth against copy size: Hardware.measure's sweep and/or the model of hardware profiles.
+    """Copy bandwidth against copy size: Hardware.measure_with_sweep's sweep and/or the model of hardware profiles.
 
     Columns: source ('measured' or the profile's name), direction, memory ('pinned' or
     'pageable'), series ('h2d pinned', ...), nbytes, seconds, bytes_per_s. A profile's rows
@@ -58,14 +58,14 @@ def bandwidth(sweep: pd.DataFrame | None = None,
     if sweep is not None and len(sweep):
         missing = [c for c in ("direction", "pinned", "nbytes", "seconds") if c not in sweep]
         if missing:
-            raise ValueError(f"expected the sweep frame of ul.Hardware.measure(); missing columns {missing}")
+            raise ValueError(f"expected the sweep frame of ul.Hardware.measure_with_sweep(); missing columns {missing}")
         measured = sweep[["direction", "pinned", "nbytes", "seconds"]].assign(source="measured")
         parts.append(measured)
     profiles = [hardware] if isinstance(hardware, Hardware) else list(hardware or [])
     for hw in profiles:
         parts.append(_modelled(hw, sweep))
     if not parts:
-        raise ValueError("give a measured sweep (ul.Hardware.measure()[1]) or hardware profiles to model")
+        raise ValueError("give a measured sweep (ul.Hardware.measure_with_sweep()[1]) or hardware profiles to model")
     frame = pd.concat(parts, ignore_index=True)
     frame["pinned"] = frame["pinned"].astype(bool)
     frame["memory"] = np.where(frame["pinned"], "pinned", "pageable")

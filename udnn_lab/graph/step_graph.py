@@ -21,7 +21,7 @@ from typing import Literal
 import pandas as pd
 
 from udnn_lab.graph import liveness
-from udnn_lab.units import cuda_block_bytes, format_bytes
+from udnn_lab.units import Bytes, cuda_block_bytes, format_bytes
 from udnn_lab.vocabulary import PHASES, Category, Phase
 
 # Backend variants of one op: a step traced where CPU kernels stand in for CUDA ones names the
@@ -176,14 +176,14 @@ class Graph:
         return liveness.live_bytes(self)
 
     @property
-    def peak_bytes(self) -> int:
+    def peak_bytes(self) -> Bytes:
         """Most bytes live at once during the step (exact storage sizes)."""
-        return self._live.peak_bytes
+        return Bytes(self._live.peak_bytes)
 
     @property
-    def cuda_peak_bytes(self) -> int:
+    def cuda_peak_bytes(self) -> Bytes:
         """Peak as the CUDA caching allocator would count it (``memory_allocated``)."""
-        return self._live.cuda_peak_bytes
+        return Bytes(self._live.cuda_peak_bytes)
 
     @property
     def peak_step(self) -> int:

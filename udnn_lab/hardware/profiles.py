@@ -181,11 +181,19 @@ class Hardware:
     @classmethod
     def measure(cls, device: str | torch.device | None = None, sizes: Iterable[int | str] | None = None,
                 repeats: int = 5, matmul_size: int | None = None, conv_size: int | None = None,
-                progress: bool = True) -> tuple[Hardware, pd.DataFrame]:
-        """Measure the device (default: CUDA if present, else CPU): a profile and the copy sweep.
+                progress: bool = True) -> Hardware:
+        """Measure the device (default: CUDA if present, else CPU) and return its profile.
 
-        See :func:`udnn_lab.hardware.measuring.measure_hardware`.
+        ``measure_with_sweep`` takes the same arguments and also returns the copy sweep. See
+        :func:`udnn_lab.hardware.measuring.measure_hardware`.
         """
+        return cls.measure_with_sweep(device, sizes, repeats, matmul_size, conv_size, progress)[0]
+
+    @classmethod
+    def measure_with_sweep(cls, device: str | torch.device | None = None, sizes: Iterable[int | str] | None = None,
+                           repeats: int = 5, matmul_size: int | None = None, conv_size: int | None = None,
+                           progress: bool = True) -> tuple[Hardware, pd.DataFrame]:
+        """Measure the device as ``measure`` does: the profile, and the copy sweep (one row per copy size)."""
         figures, sweep = measure_hardware(device, sizes, repeats, matmul_size, conv_size, progress)
         return cls(**figures), sweep
 

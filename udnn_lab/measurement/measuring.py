@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -19,16 +20,19 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
+from tqdm.auto import tqdm
 
 from udnn_lab.analysis._recorder import StepRecorder
 from udnn_lab.analysis._recording import graph_from_recording, record_step
 from udnn_lab.analysis.step import ensure_optimizer_state, map_tensors, preserved, run_step, split_input
+from udnn_lab.analysis.tracing import trace
 from udnn_lab.devices import device_name, model_device
-from udnn_lab.errors import TraceMismatch
+from udnn_lab.errors import LargeMeasurementWarning, TraceMismatch, UdnnLabError
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.measurement import nvml
+from udnn_lab.measurement._estimate import PROGRESS_SECONDS, MeasurementEstimate, estimate
 from udnn_lab.runtime.offload import OffloadRuntime
-from udnn_lab.units import format_bytes
+from udnn_lab.units import Bytes, format_bytes
 from udnn_lab.workload import Workload, as_workload
 
 
@@ -69,9 +73,9 @@ class Measurement:
                 f"peak={format_bytes(self.peak_bytes)}, step={time_text})")
 
     @property
-    def peak_bytes(self) -> int:
+    def peak_bytes(self) -> Bytes:
         """Peak of tracked live bytes (exact storage sizes)."""
-        return int(max(self.baseline_bytes, max(self.live_bytes, default=0)))
+        return Bytes(max(self.baseline_bytes, max(self.live_bytes, default=0)))
 
     @property
     def cuda_peak_allocated(self) -> int | None:
@@ -149,26 +153,41 @@ def _check_ops(predicted: tuple[str, ...], measured: tuple[str, ...]) -> None:
 
 def measure(model: torch.nn.Module | Workload, example_input: Any = None, loss_fn: Callable | None = None,
             optimizer: torch.optim.Optimizer | None = None, *, target: Any = None, plan=None, warmup: int = 1,
-            repeats: int = 3, name: str | None = None) -> Measurement:
+            repeats: int = 0, name: str | None = None, graph: Graph | None = None,
+            progress: bool | None = None) -> Measurement:
     """Run real training steps where the model lives and record the last one op by op.
 
     ``warmup`` steps run first (they create optimizer state and warm caches), then
-    ``repeats`` timed plain steps, then one recorded step; with a ``plan`` every step runs
-    under an OffloadRuntime carrying it out. Parameters, buffers, gradients and optimizer
-    state are restored afterwards.
+    ``repeats`` timed plain steps (``step_time_s`` is their median; untimed with the default
+    0), then one recorded step; with a ``plan`` every step runs under an OffloadRuntime
+    carrying it out. Parameters, buffers, gradients and optimizer state are restored afterwards.
+
+    Before it starts, a step that will take long or hold much memory is announced with a
+    LargeMeasurementWarning saying what it will cost, from ``graph`` (the traced step; traced
+    here under fake tensors when not given and the model is on a CPU). ``progress``: show a
+    progress bar (default: when the measurement is expected to take more than a few seconds).
     """
     work = as_workload(model, example_input, loss_fn=loss_fn, optimizer=optimizer, target=target, name=name)
     device = model_device(work.model)
+    if warmup < 0 or repeats < 0:
+        raise ValueError(f"warmup and repeats count steps: 0 or more, got warmup={warmup}, repeats={repeats}")
     args, kwargs = split_input(map_tensors(lambda t: t.to(device), work.example_input))
     target = map_tensors(lambda t: t.to(device), work.target)
     step = dict(loss_fn=work.loss_fn, target=target, optimizer=work.optimizer)
     runtime = OffloadRuntime(plan)
+    if graph is None and device.type == "cpu":
+        graph = _traced(work)
+    cost = _announce(graph, warmup + repeats, device)
+    show = progress if progress is not None else cost is not None and cost.seconds > PROGRESS_SECONDS
+    bar = tqdm(total=warmup + repeats + 1, desc=f"measuring {work.name}", unit="step", disable=not show, leave=False)
+    per_op = 1 / len(graph.ops) if graph is not None and graph.ops else 0.0
 
     def one_step() -> None:
         with runtime:
             run_step(work.model, args, kwargs, **step)
+        bar.update(1)
 
-    with preserved(work.model, work.optimizer):
+    with bar, preserved(work.model, work.optimizer):
         for _ in range(warmup):
             one_step()
         ensure_optimizer_state(work.optimizer)
@@ -176,11 +195,19 @@ def measure(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         work.model.zero_grad(set_to_none=True)  # the recorded step starts without gradients (allocator baseline)
         before = nvml.read(_index(device)) if device.type == "cuda" else None
         counters = _CudaSampler() if device.type == "cuda" else None
-        recorder = StepRecorder(after_op=counters.sample if counters else None)
+
+        def after_op() -> None:
+            if counters is not None:
+                counters.sample()
+            if per_op:
+                bar.update(per_op)
+
+        recorder = StepRecorder(after_op=after_op)
         if counters:
             counters.start()
         record_step(recorder, work.model, args, kwargs, target, work.loss_fn, work.optimizer, track_saved=False,
                     runtime=runtime if runtime.enabled else None)
+        bar.update(warmup + repeats + 1 - bar.n)
         real = graph_from_recording(recorder, work.name, device.type, fake=False)
         after = nvml.read(_index(device)) if device.type == "cuda" else None
     return Measurement(
@@ -192,6 +219,23 @@ def measure(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         cuda=counters.freeze() if counters else None, nvml_before=before, nvml_after=after, recorded=real,
     )
 
+
+def _traced(work: Workload) -> Graph | None:
+    """The step under fake tensors, for the estimate and the progress bar (a second or so, no real memory)."""
+    try:
+        return trace(work)
+    except UdnnLabError:  # a step fake tensors cannot run can still run for real: measure it without an estimate
+        return None
+
+
+def _announce(graph: Graph | None, plain_steps: int, device: torch.device) -> MeasurementEstimate | None:
+    """Warn before a measurement that will take long or hold much memory; return its estimate (None: unknown)."""
+    if graph is None or device.type not in ("cpu", "cuda"):
+        return None
+    cost = estimate(graph, plain_steps, device)
+    if cost.large:
+        warnings.warn(cost.message(), LargeMeasurementWarning, stacklevel=3)
+    return cost
 
 
 def _timed(fn: Callable[[], Any], device: torch.device) -> float:

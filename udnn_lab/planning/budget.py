@@ -17,7 +17,7 @@ from udnn_lab.planning._candidates import candidates
 from udnn_lab.planning._estimate import CurveEstimate
 from udnn_lab.planning.registry import POLICIES
 from udnn_lab.simulation.simulator import cost_model, simulate_with
-from udnn_lab.units import format_bytes, parse_bytes
+from udnn_lab.units import Bytes, format_bytes, parse_bytes
 
 _RESOLUTION = 1 / 512  # min_budget searches to this fraction of the keep-all peak
 _BUDGET_FREE = ("keep-all", "vdnn-all", "vdnn-conv")  # policies whose plan is the same under any budget
@@ -52,7 +52,7 @@ def plan(graph: Graph, budget: int | str | None = None, policy: str = "auto", ha
 
 def min_budget(graph: Graph, policy: str = "auto", hardware: Hardware | str | None = None,
                profile: Profile | None = None, rates: RateCurve | bool | None = None,
-               cost: CostModel | None = None) -> int:
+               cost: CostModel | None = None) -> Bytes:
     """The smallest budget (bytes) whose plan of ``policy`` simulates within it.
 
     A plan that does not depend on the budget is simulated once with compute waiting for
@@ -66,9 +66,9 @@ def min_budget(graph: Graph, policy: str = "auto", hardware: Hardware | str | No
     if policy in _BUDGET_FREE:
         fixed = choose(graph, cost, None)
         floor = simulate_with(graph, replace(fixed, budget_bytes=0), cost).peak_bytes
-        return int(floor) if simulate_with(graph, replace(fixed, budget_bytes=floor), cost).fits else int(high)
+        return Bytes(floor if simulate_with(graph, replace(fixed, budget_bytes=floor), cost).fits else high)
     if not _fits(graph, cost, choose, high):
-        return int(simulate_with(graph, choose(graph, cost, None), cost).peak_bytes)
+        return Bytes(simulate_with(graph, choose(graph, cost, None), cost).peak_bytes)
     low, step = max(0, _floor(graph) - 1), max(1, int(high * _RESOLUTION))
     while high - low > step:
         middle = (low + high) // 2
@@ -76,7 +76,7 @@ def min_budget(graph: Graph, policy: str = "auto", hardware: Hardware | str | No
             high = middle
         else:
             low = middle
-    return int(high)
+    return Bytes(high)
 
 
 def sweep(graph: Graph, budgets: Iterable[int | str], policies: Iterable[str] = tuple(POLICIES),

@@ -9,13 +9,17 @@ file opens without a network. Its header holds the command that makes it again.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from udnn_lab import zoo
 from udnn_lab.errors import ReportError
@@ -39,17 +43,23 @@ _NETWORK_LOAD = re.compile(r"<(script|link|img|iframe)\b[^>]*\b(src|href)=[\"']?
 class ReportRequest:
     """What a report is about; the names are the template's parameters and the command's options."""
 
-    model: str  # a zoo name (udnn-lab zoo)
+    model: str  # a zoo name (udnn-lab zoo) or 'package.module:factory'
     budget: str | int  # as typed ("6GiB"), so that the header repeats the command that was given
     batch: int = 8
     hardware: str = "h100-sxm"  # a shipped profile name or a profile .json
     policy: str = "auto"
     image_size: int | None = None  # side of image inputs; None: the zoo's default
+    input_shape: tuple[int, ...] | None = None  # one example's shape, for a factory's module
     optimizer: str = "sgd"
     dtype: str = "float32"
 
     def check(self) -> None:
-        """Raise ValueError (or the zoo's and hardware's own errors) before any kernel starts."""
+        """Raise ValueError (or the zoo's and hardware's own errors): the names, then the model itself."""
+        self.check_names()
+        self.check_model()
+
+    def check_names(self) -> None:
+        """Everything but building the model: quick, so it runs before any kernel starts."""
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; the policies are: {', '.join(POLICIES)}")
         if self.dtype not in DTYPES:
@@ -64,12 +74,18 @@ class ReportRequest:
             raise ValueError(f"the budget must be more than 0 bytes, got {self.budget!r}")
         Hardware.load(self.hardware)
         if ":" in self.model:
-            raise ValueError(f"a report is made for a zoo model (udnn-lab zoo lists them), not {self.model!r}; "
-                             "for your own module use 'udnn-lab analyze' or the notebooks")
+            if self.input_shape is None:
+                raise ValueError(f"for your own module ({self.model}) give its input shape, one example's shape, "
+                                 "e.g. --input-shape 3x224x224")
+            return
         kind = zoo.entry(self.model).input_kind
         if self.image_size is not None and kind != "image":
             raise ValueError(f"{self.model} takes {kind} inputs, not images: leave out the image size")
-        zoo.get(self.model, batch=self.batch, image_size=self.image_size, device="meta",
+
+    def check_model(self) -> None:
+        """Build the model on the meta device (a factory's on the CPU): it exists and takes this batch."""
+        zoo.get(self.model, batch=self.batch, image_size=self.image_size, input_shape=self.input_shape,
+                device="meta", dtype=None if self.dtype == "float32" else DTYPES[self.dtype],
                 optimizer=None if self.optimizer == "none" else self.optimizer)
 
     def command(self, out: str | Path) -> str:
@@ -77,6 +93,8 @@ class ReportRequest:
         words = ["udnn-lab", "report", self.model, "--batch", str(self.batch)]
         if self.image_size is not None:
             words += ["--image-size", str(self.image_size)]
+        if self.input_shape is not None:
+            words += ["--input-shape", "x".join(map(str, self.input_shape))]
         words += ["--budget", str(self.budget), "--hardware", self.hardware, "--policy", self.policy,
                   "--optimizer", self.optimizer, "--dtype", self.dtype, "--out", str(out)]
         return shlex.join(words)
@@ -92,9 +110,11 @@ def write_report(request: ReportRequest, out: str | Path, progress: Callable[[st
     """
     say, start = progress or (lambda _: None), time.perf_counter()
     say("checking the model, hardware and budget ...")
-    request.check()
+    request.check_names()
     out = Path(out)
-    notebook = _execute(request, out, say)
+    with _kernel_started() as kernel:  # it loads torch and udnn_lab while the model is checked here
+        request.check_model()
+        notebook = _execute(request, out, say, kernel)
     say("writing HTML ...")
     page = _to_html(notebook, title=f"{request.model} memory report")
     if _NETWORK_LOAD.search(page):
@@ -106,25 +126,67 @@ def write_report(request: ReportRequest, out: str | Path, progress: Callable[[st
     return out
 
 
-def _execute(request: ReportRequest, out: Path, say: Callable[[str], None]):
+def _execute(request: ReportRequest, out: Path, say: Callable[[str], None], kernel):
     # heavy (a second or more): only when a report is written
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
-    parameters = {**asdict(request), "budget": str(request.budget), "command": request.command(out)}
-    say(f"running the report notebook in a new kernel (trace, plan, simulate {request.model}) ...")
+    parameters = {**asdict(request), "budget": str(request.budget), "command": request.command(out),
+                  "input_shape": list(request.input_shape) if request.input_shape else None}
+    say(f"running the report notebook (trace, plan, simulate {request.model}) ...")
     with tempfile.TemporaryDirectory(prefix="udnn-report-") as scratch:
         executed = Path(scratch) / "report.ipynb"
         try:
             # cwd=None: the kernel starts where we are, so a hardware profile given by a relative path is found
             return papermill.execute_notebook(str(TEMPLATE), str(executed), parameters=parameters,
-                                              kernel_name="python3", progress_bar=False, cwd=None)
+                                              kernel_name="python3", km=kernel, progress_bar=False)
         except PapermillExecutionError as error:
             kept = out.with_suffix(".failed.ipynb")
             kept.parent.mkdir(parents=True, exist_ok=True)
             kept.write_bytes(executed.read_bytes())
             raise ReportError(f"the report notebook failed in cell {error.exec_count}: {error.ename}: "
                               f"{error.evalue}. The executed notebook is kept at {kept}") from None
+
+
+# Imported by the kernel as it starts, while the request is still being checked here: the template's first cell
+# then finds them loaded.
+_PRELOAD = ("import torch, torchvision, altair, vl_convert, udnn_lab.zoo, udnn_lab.analysis, udnn_lab.planning, "
+            "udnn_lab.charts, udnn_lab.frames")
+
+
+@contextmanager
+def _kernel_started() -> Iterator[Any]:
+    """A kernel in this interpreter, started now and shut down when done (by error too).
+
+    This interpreter, not whatever 'python3' kernelspec the user has installed: the report runs
+    with the udnn_lab and torch that were asked for it. Local (IPC) sockets on POSIX, so the
+    kernel opens no unencrypted TCP ports (and does not warn about them). It starts in the
+    current directory, so a hardware profile or a factory module given by a relative path is found.
+    """
+    # heavy: jupyter_client comes with papermill and loads only when a report is written
+    from jupyter_client import AsyncKernelManager
+    from jupyter_client.kernelspec import KernelSpec
+    from jupyter_client.utils import run_sync  # (as above)
+    from traitlets import default  # (as above)
+
+    class ThisInterpreterKernel(AsyncKernelManager):
+        @default("transport")
+        def _local_sockets(self) -> str:
+            return "ipc" if os.name == "posix" else "tcp"
+
+        @property
+        def kernel_spec(self) -> KernelSpec:
+            return KernelSpec(argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                              display_name=f"Python {sys.version.split()[0]} ({sys.executable})", language="python",
+                              name="python3")
+
+    kernel = ThisInterpreterKernel(kernel_name="python3")
+    run_sync(kernel.start_kernel)(cwd=os.getcwd(), extra_arguments=[f"--IPKernelApp.exec_lines={_PRELOAD}"])
+    try:
+        yield kernel
+    finally:
+        if kernel.has_kernel:
+            run_sync(kernel.shutdown_kernel)(now=True)
 
 
 def _to_html(notebook, title: str) -> str:

@@ -40,7 +40,7 @@ from udnn_lab.graph.liveness import op_table
 from udnn_lab.graph.plan_ir import Offload, Plan, Recompute
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware.profiles import Hardware
-from udnn_lab.units import format_bytes, format_seconds
+from udnn_lab.units import Bytes, format_bytes, format_seconds
 from udnn_lab.vocabulary import CATEGORIES
 
 _KEPT_SIMULATIONS = 48  # per cost model: enough for one plan() or one budget of a sweep
@@ -381,7 +381,7 @@ class _Run:
             model_name=graph.model_name, policy=self.plan.policy, device=graph.device,
             budget_bytes=self.budget, step_time_s=step, compute_time_s=compute, stall_time_s=self.stall,
             d2h_bytes=d2h, h2d_bytes=h2d, lower_bound_s=bound,
-            peak_bytes=int(max(base, counted.max() if len(counted) else 0)),
+            peak_bytes=Bytes(max(base, counted.max() if len(counted) else 0)),
             timeline=timeline.reset_index(drop=True), curve=curve, released_before=dict(self.released),
         )
 
