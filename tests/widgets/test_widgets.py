@@ -77,11 +77,16 @@ def test_budget_slider_moves_the_rule_and_replans(lab):
 
 def test_the_budget_can_be_typed_and_reads_as_every_size_in_the_app(lab):
     lab.budget_entry.value = "3 MiB"
-    assert lab.budget_bytes == 3 << 20 and lab.budget.value == 3.0
+    assert lab.budget_bytes == 3 << 20 and abs(lab.budget.value - 3.0) <= lab.budget.step / 2  # on the grid
     assert rule_values(lab)["budget"] == pytest.approx(3.0)
     assert lab.budget_entry.value == "3.00 MiB" and f"of budget {format_bytes(3 << 20)}" in lab.summary.value
     texts = {r["text"] for r in rows(lab.memory_chart) if "text" in r}
     assert f"budget {format_bytes(3 << 20)}" in texts  # the chart writes sizes as the text does
+    lab.budget.value = round(lab.budget.value / lab.budget.step) * lab.budget.step  # a browser's slider snaps
+    assert lab.budget_bytes == 3 << 20
+    lab.budget.value += lab.budget.step  # moved off it: the slider's own value
+    assert lab.budget_bytes == int(round(lab.budget.value * 2**20))
+    lab.budget_entry.value = "3 MiB"
     lab.budget_entry.value = "three megabytes"
     assert "ValueError" in lab.status.value and "6 GiB" in lab.status.value
     assert lab.budget_bytes == 3 << 20 and lab.budget_entry.value == "3.00 MiB"

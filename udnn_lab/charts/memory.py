@@ -7,6 +7,8 @@ Every chart is an ordinary altair chart: display it, ``save(chart, "x.html" | ".
 
 from __future__ import annotations
 
+from typing import Literal
+
 import altair as alt
 import pandas as pd
 
@@ -37,11 +39,13 @@ PHASE_LABEL_ROOM = 24  # pixels kept free of data at the top of the plot, where 
 
 
 def memory_curve(frame: pd.DataFrame, budget_bytes: int | None = None, min_budget_bytes: int | None = None,
-                 width: int = 720, height: int = 300, title: str | None = None) -> alt.LayerChart:
+                 width: int = 720, height: int = 300, title: str | None = None,
+                 legends: Literal["right", "bottom"] = "right") -> alt.LayerChart:
     """Live memory over the step (from frames.memory_curve): categories stacked, predicted and measured totals
     as lines (named in the legend by the frame's ``line`` column when it has one), forward | backward |
     optimizer shaded and named in a strip the data never reaches, the budget (and the policy's minimum) as
-    rules labelled right of the plot."""
+    rules labelled right of the plot. ``legends="bottom"`` puts the legends under the plot, for a narrow
+    space."""
     check_columns(frame, ["index", "phase", "module", "op", "series", "category", "bytes"], "frames.memory_curve")
     largest = max([frame["bytes"].max() if len(frame) else 0, budget_bytes or 0, min_budget_bytes or 0])
     unit, scale = byte_unit(largest)
@@ -53,7 +57,8 @@ def memory_curve(frame: pd.DataFrame, budget_bytes: int | None = None, min_budge
     y_scale = alt.Scale(domain=[0, top], nice=False)
     y_title = f"live {unit}"
     marks: dict[str, float | None] = {"budget": budget_bytes, "minimum feasible": min_budget_bytes}
-    legend = alt.Legend(offset=rule_label_room(marks))
+    legend = alt.Legend(offset=rule_label_room(marks), labelLimit=400) if legends == "right" else \
+        alt.Legend(orient="bottom", direction="horizontal", columns=4, labelLimit=400)
     layers = [_phase_bands(data)]
     stacked = data[(data["series"] == "predicted") & (data["category"] != "total")]
     present = [c for c in CATEGORIES if c in set(stacked["category"])]
@@ -71,8 +76,7 @@ def memory_curve(frame: pd.DataFrame, budget_bytes: int | None = None, min_budge
     dashes = alt.Scale(domain=lines, range=[_LINE_DASHES.get(series_of[n], [2, 2]) for n in lines])
     layers.append(alt.Chart(totals).mark_line(interpolate="step-after", strokeWidth=1.5).encode(
         x, alt.Y("value:Q", stack=None, title=y_title, scale=y_scale),
-        stroke=alt.Stroke("line:N", scale=colors, title="total", legend=alt.Legend(offset=legend.offset,
-                                                                                   labelLimit=400)),
+        stroke=alt.Stroke("line:N", scale=colors, title="total", legend=legend),
         strokeDash=alt.StrokeDash("line:N", scale=dashes, legend=None), tooltip=tooltip + ["line:N"]))
     rule_marks = rules(marks, scale, unit)
     if rule_marks is not None:

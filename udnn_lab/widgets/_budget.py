@@ -1,10 +1,13 @@
 """MemoryLab's budget: a slider and a box to type a size in, over one number of bytes.
 
-The slider's grid is a thousandth of the step's peak, so the peak itself is a point of it
-and a budget within half a grid step of the peak is the peak: a budget the user sees as
-the peak plans as the peak, however the slider or a rounded figure typed back lands. The
-box reads sizes as ``units.parse_bytes`` does ("6 GiB", "1500 MiB", bytes) and shows
-them as ``units.format_bytes`` writes every size in the app.
+The slider's grid is a thousandth of the step's peak, and a browser's slider moves any
+value it is given onto its grid. So the budget is exact where it matters: the slider
+stands on the grid point nearest a budget that was typed (or kept across a change of
+the step), and while it stays within half a grid step of that budget or of the peak, the
+budget is that one, to the byte. A budget the user sees as the peak plans as the peak,
+however the slider or a rounded figure typed back lands. The box reads sizes as
+``units.parse_bytes`` does ("6 GiB", "1500 MiB", bytes) and shows them as
+``units.format_bytes`` writes every size in the app.
 """
 
 from __future__ import annotations
@@ -31,17 +34,23 @@ class BudgetControl:
         self.slider = widgets.FloatSlider(value=1.0, min=0.0, max=1.0, step=1.0, readout=False,
                                           continuous_update=True, layout=widgets.Layout(width=width))
         self.peak_bytes = 0
+        self._typed: int | None = None  # a budget given in bytes, exact while the slider stands next to it
         self._quiet = False
         self.slider.observe(self._on_slider, names="value")
         self.entry.observe(self._on_entry, names="value")
 
     @property
     def nbytes(self) -> int:
-        """The budget in bytes; within half a slider step of the peak it is the peak."""
+        """The budget in bytes: the typed budget or the peak while the slider is within half a step of it."""
         nbytes = int(round(self.slider.value * MIB))
-        if self.peak_bytes and abs(nbytes - self.peak_bytes) <= self.slider.step * MIB / 2:
-            return self.peak_bytes
+        for exact in (self._typed, self.peak_bytes):
+            if exact and abs(nbytes - exact) <= self.slider.step * MIB / 2:
+                return exact
         return nbytes
+
+    def _on_grid(self, nbytes: int) -> float:
+        """The slider's value nearest ``nbytes``, on its grid."""
+        return min(round(nbytes / MIB / self.slider.step) * self.slider.step, self.slider.max)
 
     def rescale(self, peak_bytes: int, capacity_bytes: int, reset: bool) -> None:
         """Fit the slider to a step whose peak is ``peak_bytes``.
@@ -54,13 +63,14 @@ class BudgetControl:
         step = peak_bytes / MIB / GRID if peak_bytes else 1.0
         top = step * GRID * ABOVE_PEAK
         wanted = min(peak_bytes, capacity_bytes) if reset or at_peak or not self.peak_bytes else before
+        wanted = min(wanted, int(round(top * MIB)))
         self._quiet = True
         try:
             self.slider.max = max(self.slider.max, top)  # never below min or value while they move
             self.slider.min = 0.0
             self.slider.step = step
-            self.peak_bytes = peak_bytes
-            self.slider.value = min(wanted / MIB, top)
+            self.peak_bytes, self._typed = peak_bytes, wanted
+            self.slider.value = self._on_grid(wanted)
             self.slider.max = top
         finally:
             self._quiet = False
@@ -82,9 +92,13 @@ class BudgetControl:
             return
         if nbytes / MIB > self.slider.max:
             self.slider.max = nbytes / MIB
-        if nbytes / MIB == self.slider.value:
-            self._show()  # the same budget, written as the app writes it
-        self.slider.value = nbytes / MIB  # the slider's observer replans
+        self._typed = nbytes
+        value = self._on_grid(nbytes)
+        if value == self.slider.value:  # the slider does not move: say so and replan here
+            self._show()
+            self.changed()
+        else:
+            self.slider.value = value  # the slider's observer replans
 
     def _show(self) -> None:
         self._quiet, before = True, self._quiet

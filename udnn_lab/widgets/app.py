@@ -87,7 +87,7 @@ class MemoryLab(widgets.AppLayout):
                                              layout=widgets.Layout(min_height="340px"))
         self.timeline_chart = alt.JupyterChart(None,  # type: ignore[arg-type]  # altair's hint omits None
                                                layout=widgets.Layout(min_height="140px"))
-        grows = widgets.Layout(height="auto", width="100%")  # long messages wrap; the footer grows to hold them
+        grows = widgets.Layout(height="auto", width="100%", margin="0")  # long messages wrap; the footer grows
         self.summary = widgets.HTML(layout=grows)
         self.status = widgets.HTML(layout=grows)
         super().__init__(
@@ -209,7 +209,8 @@ class MemoryLab(widgets.AppLayout):
             minimum = None  # the policy's minimum is the profile's device's, not this one's
             title = f"{graph.model_name}, batch {setting.batch}, on this machine's {measured.graph.device}: " \
                     f"{measured.prediction.policy}"
-        self.memory_chart.chart = charts.memory_curve(curve, budget, minimum, width=640, height=260, title=title)
+        self.memory_chart.chart = charts.memory_curve(curve, budget, minimum, width=560, height=260, title=title,
+                                                      legends="bottom")
         self._show_timeline()
         self.summary.value = _summary(sim)
 
@@ -217,7 +218,7 @@ class MemoryLab(widgets.AppLayout):
         parts = [frames.timeline(self.simulation)]
         if self._events is not None:
             parts.append(frames.timeline(self._events, source="measured"))
-        self.timeline_chart.chart = charts.timeline(pd.concat(parts, ignore_index=True), width=640)
+        self.timeline_chart.chart = charts.timeline(pd.concat(parts, ignore_index=True), width=560)
 
     def _show_status(self, message: str | Exception, note: str = "") -> None:
         if isinstance(message, Exception):
