@@ -1,7 +1,10 @@
 """A real browser: JupyterLab on 127.0.0.1, driven by Playwright with the system's chromium.
 
 It opens a copy of the quickstart, runs every cell from the Run menu, moves MemoryLab's
-budget slider from the keyboard and checks that the memory chart was drawn again. Outside
+budget slider from the keyboard and checks that the memory chart was drawn again; then
+types a budget no plan meets and checks the message is whole on screen, measures a real
+step and reads both lines in the legend, trains two steps and checks that another network
+clears the training view. Outside
 CI the test skips when chromium or playwright is missing; with CI set it fails instead
 (``make test`` installs both on Debian).
 """
@@ -139,6 +142,10 @@ def test_quickstart_runs_in_jupyterlab_and_the_budget_slider_redraws_the_chart(c
         summary.filter(has_text=f"of budget {after:.2f} MiB").wait_for()
         assert "fits" in summary.inner_text() and "Error" not in app.inner_text()
 
+        measure_shows_both_lines(app)
+        an_infeasible_budget_is_said_in_full(page, app)
+        another_network_clears_the_training_view(app)
+
         app.scroll_into_view_if_needed()
         screenshot = tmp_path / "memorylab.png"
         page.screenshot(path=screenshot)
@@ -177,7 +184,73 @@ def budget_rule(app) -> float:
     return float(found[0].replace(",", ""))
 
 
+def budget_entry(app):
+    """The box the budget is typed in (a text widget labelled 'budget')."""
+    return app.locator(".widget-text").filter(has=app.page.get_by_text("budget", exact=True)).locator("input")
+
+
 def budget_shown(app) -> float:
-    """MiB of the budget the app displays under its slider ('budget: 181.27 MiB')."""
-    text = app.locator(".widget-html", has_text="budget:").first.inner_text()
-    return float(re.search(r"budget: ([\d,.]+) MiB", text).group(1).replace(",", ""))
+    """MiB of the budget the app displays in its box above the slider ('181.27 MiB')."""
+    text = budget_entry(app).input_value()
+    return float(re.fullmatch(r"([\d,.]+) MiB", text).group(1).replace(",", ""))
+
+
+def legend_of_memory_chart(app) -> str:
+    return app.locator(".vega-embed svg.marks").first.text_content()
+
+
+def measure_shows_both_lines(app) -> None:
+    """Measure: the memory chart's legend names the predicted and the measured line, of one device and plan."""
+    app.get_by_role("button", name="Measure").click()
+    deadline = time.monotonic() + 120
+    while "measured (" not in legend_of_memory_chart(app):
+        assert time.monotonic() < deadline, "Measure drew no measured line"
+        time.sleep(0.5)
+    text = legend_of_memory_chart(app)
+    predicted = re.search(r"predicted \((\w+), ([\w+-]+)\)", text)
+    measured = re.search(r"measured \((\w+), ([\w+-]+)\)", text)
+    assert predicted and measured and predicted.groups() == measured.groups(), text
+
+
+def an_infeasible_budget_is_said_in_full(page, app) -> None:
+    """A budget no plan meets: the message wraps in the footer, which grows to hold it (nothing to scroll)."""
+    entry, fitting = budget_entry(app), budget_entry(app).input_value()
+    entry.fill("1 MiB")
+    entry.press("Enter")
+    message = app.locator(".widget-html", has_text="cannot fit").last
+    message.wait_for(timeout=60_000)
+    clipped = message.evaluate("""element => {
+        const clipped = [];
+        for (let e = element; e && !e.classList.contains('jp-OutputArea-output'); e = e.parentElement) {
+            if (e.scrollHeight > e.clientHeight + 1 || e.scrollWidth > e.clientWidth + 1) {
+                clipped.push(`${e.className}: ${e.scrollWidth}x${e.scrollHeight} in ${e.clientWidth}x` +
+                             `${e.clientHeight}`);
+            }
+        }
+        return clipped;
+    }""")
+    assert clipped == [], f"the message is cut or scrolls in: {clipped}"
+    entry.fill(fitting)  # the budget that fits, again
+    entry.press("Enter")
+    app.locator(".widget-html", has_text="cannot fit").wait_for(state="detached", timeout=60_000)
+
+
+def another_network_clears_the_training_view(app) -> None:
+    """Train two steps, then pick another network: the old run's chart and progress go."""
+    steps = app.locator(".widget-text").filter(has=app.page.get_by_text("steps", exact=True)).locator("input")
+    steps.fill("2")
+    steps.press("Enter")
+    charts_before = app.locator(".vega-embed svg.marks").count()
+    app.get_by_role("button", name="Train").click()
+    app.locator(".widget-html", has_text="trained 2 steps").wait_for(timeout=180_000)
+    assert app.locator(".vega-embed svg.marks").count() == charts_before + 1  # the training chart
+    network = app.locator(".widget-text").filter(has=app.page.get_by_text("network", exact=True)).locator("input")
+    network.click()
+    network.press("Control+a")
+    network.press_sequentially("resnet34")
+    network.press("Tab")  # a combobox sends its value when it loses the focus
+    deadline = time.monotonic() + 60
+    while app.locator(".vega-embed svg.marks").count() > charts_before:
+        assert time.monotonic() < deadline, f"the old run's chart stayed under the new network: {app.inner_text()}"
+        time.sleep(0.25)
+    assert app.locator(".progress-bar").first.evaluate("e => e.style.width") in ("0%", "0px", "")

@@ -41,11 +41,74 @@ def test_memory_curve_encodes_categories_totals_phases_and_the_budget(small):
     tips = {t["field"] for t in area["encoding"]["tooltip"]}
     assert {"op", "module", "phase", "category"} <= tips
     line = next(u for u in units if mark_type(u) == "line")
-    assert line["encoding"]["stroke"]["field"] == "series"
+    assert line["encoding"]["stroke"]["field"] == "line"  # e.g. "predicted (cuda, vdnn-all)"
+    assert line["encoding"]["stroke"]["scale"]["domain"] == ["predicted (cuda, vdnn-all)"]
     assert any(mark_type(u) == "rect" for u in units)  # forward | backward | optimizer bands
     rule = next(u for u in units if mark_type(u) == "rule")
     budgets = {r["label"]: r["value"] for r in rows(spec) if "label" in r}
     assert budgets == {"budget": 40.0, "minimum feasible": 30.0} and rule["encoding"]["y"]["field"] == "value"
+
+
+def test_memory_curve_labels_stay_off_the_data(small):
+    graph, sim = small
+    frame = frames.memory_curve(graph, sim)
+    budget, minimum = sim.peak_bytes, int(sim.peak_bytes * 0.9)
+    spec = charts.memory_curve(frame, budget_bytes=budget, min_budget_bytes=minimum, height=260).to_dict()
+    units = layers_of(spec)
+    texts = {r["text"] for r in rows(spec) if "text" in r}
+    assert {f"budget {ul.format_bytes(budget)}", f"minimum feasible {ul.format_bytes(minimum)}"} <= texts
+    rule_labels = [u for u in units if mark_type(u) == "text" and u["encoding"].get("text", {}).get("field") == "text"]
+    assert len(rule_labels) == 2
+    for unit in rule_labels:  # right of the plot, clear of every op's bytes
+        assert unit["mark"]["x"] == "width" and unit["mark"]["dx"] > 0 and unit["mark"]["align"] == "left"
+    assert {u["mark"]["baseline"] for u in rule_labels} == {"bottom", "top"}  # close rules: one above, one below
+    legends = [u["encoding"][c]["legend"] for u in units for c in ("color", "stroke")
+               if c in u["encoding"] and u["encoding"][c].get("legend")]
+    longest = max(len(t) for t in texts)
+    assert legends and all(legend["offset"] >= longest * 6 for legend in legends)  # legends clear of the labels
+    phase = next(u for u in units if mark_type(u) == "text" and u["encoding"]["text"]["field"] == "phase")
+    assert phase["encoding"]["y"] == {"value": 0} and phase["mark"]["baseline"] == "top"
+    area = next(u for u in units if mark_type(u) == "area")
+    top = area["encoding"]["y"]["scale"]["domain"][1]
+    highest = max(r["value"] for r in rows(spec) if "value" in r and "category" in r)
+    assert highest <= top * (260 - 24) / 260  # the strip the phases are named in stays free of data
+
+
+def test_sizes_on_charts_read_as_format_bytes_writes_them():
+    from udnn_lab.charts.base import byte_unit
+
+    for nbytes in (3 << 10, 1_711_276_032, 5 << 30, 700 << 20):
+        assert ul.format_bytes(nbytes).endswith(byte_unit(nbytes)[0])
+
+
+def test_training_charts_the_loss(small):
+    steps = pd.DataFrame({"step": [0, 1, 2], "loss": [2.0, 1.5, 1.2], "time_s": [0.01] * 3,
+                          "peak_bytes": [3 << 20] * 3})
+    spec = charts.training(frames.training(steps), budget_bytes=4 << 20, predicted_peak_bytes=3 << 20).to_dict()
+    titles = [u["encoding"]["y"].get("title") for u in layers_of(spec) if "y" in u["encoding"]]
+    assert "loss" in titles
+    assert {r["value"] for r in rows(spec) if r.get("measure") == "loss"} == {2.0, 1.5, 1.2}
+
+
+def test_step_times_name_the_stalled_part_in_a_legend(small):
+    graph, sim = small
+    table = frames.simulations({"keep-all": ul.simulate(graph, hardware=HW), "vdnn-all": sim})
+    units = layers_of(charts.step_times(table.assign(hardware=HW)).to_dict())
+    stalls = next(u for u in units if u["encoding"].get("x", {}).get("field") == "stall_ms")
+    color = stalls["encoding"]["color"]
+    assert color["field"] == "part" and color.get("legend", {}) is not None  # a legend of null would hide it
+    assert "stalled" in color["scale"]["domain"][0]
+
+
+def test_published_values_are_named_in_a_legend_not_on_the_bars(small):
+    graph, sim = small
+    table = frames.savings(frames.simulations({"a": ul.simulate(graph, hardware=HW), "b": sim}))
+    published = pd.DataFrame({"model": ["resnet18"], "value": [0.9], "label": ["paper: -90%"]})
+    units = layers_of(charts.policy_savings(table, published=published).to_dict())
+    assert not any(mark_type(u) == "text" for u in units)
+    rule = next(u for u in units if mark_type(u) == "rule")
+    assert rule["encoding"]["strokeDash"]["field"] == "label"
+    assert rule["encoding"]["strokeDash"]["scale"]["domain"] == ["paper: -90%"]
 
 
 @pytest.mark.parametrize("points", [None, 100])

@@ -111,6 +111,20 @@ def test_keep_all_minimum_is_the_peak(graph):
     assert min_budget(graph, "keep-all", hardware=H100) <= graph.cuda_peak_bytes
 
 
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_at_the_peak_every_policy_keeps_everything(graph, policy):
+    cpu = ul.trace(zoo.get("mlp5", batch=8))
+    for traced, peak, hardware in ((graph, graph.cuda_peak_bytes, H100),
+                                   (cpu, cpu.peak_bytes, "cpu-amd-epyc-2cpu")):
+        for budget in (peak, peak + (1 << 20)):  # the peak as MemoryLab shows it, and above it
+            chosen = plan(traced, budget, policy, hardware=hardware)
+            result = simulate(traced, chosen, hardware=hardware)
+            assert (chosen.policy, chosen.offloads, chosen.recomputes) == (policy, (), ()), (traced.device, budget)
+            assert result.stall_time_s == 0 and result.d2h_bytes == 0 and result.peak_bytes == peak
+    below = plan(graph, graph.cuda_peak_bytes - (64 << 20), policy, hardware=H100) if policy != "keep-all" else None
+    assert below is None or below.offloads or below.recomputes  # under the peak each policy acts as it always did
+
+
 def test_sweep_is_a_tidy_table(graph):
     budgets = [int(graph.cuda_peak_bytes * f) for f in (0.6, 1.0)]
     table = sweep(graph, budgets, ["keep-all", "vdnn-all", "auto"], hardware=H100)

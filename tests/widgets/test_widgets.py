@@ -1,6 +1,7 @@
 """MemoryLab driven as altair's JupyterChart tests drive it: set widget values, read the synced chart spec."""
 
 import asyncio
+import html
 
 import altair as alt
 import pandas as pd
@@ -8,6 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+import udnn_lab as ul
+from udnn_lab.units import format_bytes
 from udnn_lab.widgets.app import MemoryLab
 
 
@@ -22,6 +25,22 @@ def predicted_peak(lab: MemoryLab) -> int:
 
 def rule_values(lab: MemoryLab) -> dict[str, float]:
     return {r["label"]: r["value"] for r in rows(lab.memory_chart) if "label" in r}
+
+
+def peak_of(lab: MemoryLab) -> int:
+    graph = lab.session.graph(lab.setting)
+    return graph.cuda_peak_bytes if graph.device == "cuda" else graph.peak_bytes
+
+
+def line_legend(lab: MemoryLab) -> list[str]:
+    """The legend of the memory chart's total lines."""
+    def units(spec):
+        for child in spec.get("layer", []):
+            yield from units(child)
+        if "mark" in spec:
+            yield spec
+    line = next(u for u in units(lab.memory_chart.spec) if u["encoding"].get("stroke", {}).get("field") == "line")
+    return line["encoding"]["stroke"]["scale"]["domain"]
 
 
 @pytest.fixture
@@ -53,12 +72,65 @@ def test_budget_slider_moves_the_rule_and_replans(lab):
     top = lab.budget.value
     lab.budget.value = top * 0.98
     assert rule_values(lab)["budget"] == pytest.approx(top * 0.98, rel=1e-3)
-    assert "budget" in lab.budget_text.value
+    assert lab.budget_entry.value == format_bytes(lab.budget_bytes)
+
+
+def test_the_budget_can_be_typed_and_reads_as_every_size_in_the_app(lab):
+    lab.budget_entry.value = "3 MiB"
+    assert lab.budget_bytes == 3 << 20 and abs(lab.budget.value - 3.0) <= lab.budget.step / 2  # on the grid
+    assert rule_values(lab)["budget"] == pytest.approx(3.0)
+    assert lab.budget_entry.value == "3.00 MiB" and f"of budget {format_bytes(3 << 20)}" in lab.summary.value
+    texts = {r["text"] for r in rows(lab.memory_chart) if "text" in r}
+    assert f"budget {format_bytes(3 << 20)}" in texts  # the chart writes sizes as the text does
+    lab.budget.value = round(lab.budget.value / lab.budget.step) * lab.budget.step  # a browser's slider snaps
+    assert lab.budget_bytes == 3 << 20
+    lab.budget.value += lab.budget.step  # moved off it: the slider's own value
+    assert lab.budget_bytes == int(round(lab.budget.value * 2**20))
+    lab.budget_entry.value = "3 MiB"
+    lab.budget_entry.value = "three megabytes"
+    assert "ValueError" in lab.status.value and "6 GiB" in lab.status.value
+    assert lab.budget_bytes == 3 << 20 and lab.budget_entry.value == "3.00 MiB"
+    assert lab.budget_entry.description == "budget" and lab.budget.description == ""  # no label to cut
+
+
+@pytest.mark.parametrize("policy", ["vdnn++", "vdnn-all", "recompute", "auto"])
+def test_at_the_peak_as_shown_nothing_moves(policy):
+    lab = MemoryLab("mlp5", batch=8, policy=policy, hardware="v100", debounce_s=0)
+    peak = peak_of(lab)
+    assert lab.budget_bytes == peak
+    lab.budget.value = round(lab.budget.value / lab.budget.step) * lab.budget.step  # where a browser's slider snaps
+    assert lab.budget_bytes == peak
+    lab.budget_entry.value = format_bytes(peak)  # the peak as the app writes it, typed back
+    assert lab.budget_bytes == peak
+    assert (lab.plan.offloads, lab.plan.recomputes) == ((), ()) and lab.simulation.stall_time_s == 0
+    assert "copied 0 B out" in lab.summary.value
+
+
+def test_dtype_optimizer_and_hardware_keep_the_users_budget(lab):
+    peak = peak_of(lab)
+    lab.budget.value = lab.budget.max * 0.6
+    chosen = lab.budget_bytes
+    lab.optimizer.value = "adam"  # a larger peak: the budget is in range and stays
+    assert lab.budget_bytes == chosen and peak_of(lab) > peak
+    lab.hardware.value = "a100-sxm-40gb" if "a100-sxm-40gb" in lab.hardware.options else "v100"
+    assert lab.budget_bytes == chosen
+    lab.optimizer.value = "none"
+    lab.dtype.value = "bfloat16"  # a much smaller peak: clamped to the slider's new top
+    assert lab.budget_bytes == int(round(lab.budget.max * 2**20)) < chosen
+    lab.budget.value = peak_of(lab) / 2**20  # a budget at the peak follows the peak
+    lab.dtype.value = "float32"
+    assert lab.budget_bytes == peak_of(lab)
+    lab.budget.value = lab.budget.max * 0.5
+    lab.network.value = "mlp3"  # another network starts at its own peak
+    assert lab.budget_bytes == peak_of(lab)
 
 
 def test_an_infeasible_budget_is_shown_in_the_app(lab):
     lab.budget.value = lab.budget.max * 0.05
     assert "cannot fit" in lab.status.value and "#d62728" in lab.status.value
+    assert "white-space:normal" in lab.status.value and lab.layout.grid_template_rows.endswith("auto")  # wraps, grows
+    title = lab.memory_chart.spec["title"]
+    assert title.endswith(f"vdnn-all cannot fit {format_bytes(lab.budget_bytes)} (shown: every tensor kept)")
     assert lab.budget.style.handle_color == "#d62728"
     assert "does not fit" in lab.summary.value
     lab.budget.value = lab.budget.max
@@ -79,6 +151,16 @@ def test_policy_and_hardware_change_the_plan(lab):
     assert "keep-all" in lab.minimum_text.value
     lab.hardware.value = "cpu-amd-epyc-2cpu"
     assert lab.status.value == "" and lab.setting.device == "cpu"
+    assert lab.device_note.value == ""
+    lab.policy.value = "auto"
+    assert lab.memory_chart.spec["title"].endswith(f"auto (chose {lab.plan.notes[-1].removeprefix('chose ')})") \
+        or lab.memory_chart.spec["title"].endswith(": auto")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has the profile's device")
+def test_the_app_says_when_the_prediction_is_for_a_device_this_machine_lacks(lab):
+    assert lab.setting.device == "cuda" and "no CUDA device" in lab.device_note.value
+    assert "run on its CPU" in lab.device_note.value
 
 
 def test_measure_overlays_a_real_step(lab):
@@ -88,6 +170,36 @@ def test_measure_overlays_a_real_step(lab):
     assert measured and max(r["bytes"] for r in measured) > 0
     lab.batch.value = 4  # another step: the old measurement no longer applies
     assert not [r for r in rows(lab.memory_chart) if r.get("series") == "measured"]
+
+
+def test_measure_compares_like_with_like_and_names_both_lines():
+    lab = MemoryLab("resnet11", batch=16, image_size=32, optimizer="none", policy="vdnn-all", hardware="h100-sxm",
+                    debounce_s=0)
+    here = lab.session.local_device(lab.setting)
+    local = ul.trace(lab.session.workload(lab.setting, here))
+    floor = ul.min_budget(local, "vdnn-all", hardware=lab.session.local_hardware(here, "h100-sxm"))
+    lab.budget_entry.value = str((floor + lab.budget_bytes) // 2)  # under the peak, within reach of the plan here
+    lab.measure()
+    status = html.unescape(lab.status.value)
+    assert "measured on" in status and f"made for this machine's {here}" in status
+    assert line_legend(lab) == [f"predicted ({here}, vdnn-all)", f"measured ({here}, vdnn-all)"]
+    totals = [r for r in rows(lab.memory_chart) if r.get("category") == "total"]
+    predicted_ops = sorted(r["index"] for r in totals if r["series"] == "predicted")
+    assert predicted_ops == sorted(r["index"] for r in totals if r["series"] == "measured")  # one op axis
+    assert predicted_ops[-1] + 1 == len(lab._measured.graph.ops) == len(lab._measured.measurement.ops)
+    assert lab._measured.prediction.d2h_bytes > 0  # the plan was applied there, not every tensor kept
+    assert f"on this machine's {here}" in lab.memory_chart.spec["title"]
+    lab.budget.value = lab.budget.max  # another budget: measured under another plan, so it goes
+    assert line_legend(lab) == [f"predicted ({lab.setting.device}, vdnn-all)"]
+
+
+def test_measure_says_when_the_plan_cannot_be_applied_here(lab):
+    lab.budget.value = lab.budget.max * 0.05
+    lab.measure()
+    status = html.unescape(lab.status.value)
+    assert "cannot be applied on this machine's" in status and "every tensor kept" in status
+    assert [line.split(" (")[0] for line in line_legend(lab)] == ["predicted", "measured"]
+    assert all(line.endswith(", keep-all)") for line in line_legend(lab))
 
 
 def test_your_own_module():
@@ -137,9 +249,39 @@ def test_train_runs_in_the_background_and_charts_each_step():
     run = lab.training.run
     assert run is not None and len(run.steps) == 3 and run.policy == "vdnn-all"
     assert lab.training.progress.value == 3 and not lab.training.running
-    assert {r["measure"] for r in rows(lab.training.chart) if "measure" in r} >= {"peak_bytes", "time_s"}
+    assert {r["measure"] for r in rows(lab.training.chart) if "measure" in r} >= {"peak_bytes", "time_s", "loss"}
     assert not lab.training.train_button.disabled and lab.training.stop_button.disabled
     assert "trained 3 steps" in lab.status.value
+
+
+def test_another_network_clears_the_training_view():
+    lab = MemoryLab("mlp3", batch=8, policy="keep-all", hardware="cpu-amd-epyc-2cpu", debounce_s=0)
+    lab.train(steps=2, wait=True)
+    assert lab.training.chart.spec is not None and lab.training.progress.value == 2
+    lab.batch.value = 16  # the same network: the run stays on screen
+    assert lab.training.chart.spec is not None
+    lab.network.value = "mlp5"
+    assert lab.training.chart.spec is None and lab.training.progress.value == 0 and lab.training.rows == []
+    assert lab.training.progress.description == ""
+
+
+def test_stop_pressed_during_a_step_ends_the_run_after_that_step():
+    lab = MemoryLab("mlp3", batch=8, policy="keep-all", hardware="cpu-amd-epyc-2cpu", debounce_s=0)
+    work = lab.session.trainable(lab.setting)
+    seen = []
+
+    def press_stop_during_step_6(module, inputs):
+        if len(lab.training.rows) == 5 and not seen:  # five steps done: the sixth is running
+            seen.append(lab.status.value)
+            lab.training.stop_button.click()
+    hook = work.model.register_forward_pre_hook(press_stop_during_step_6)
+    try:
+        lab.train(steps=50, wait=True)
+    finally:
+        hook.remove()
+    assert "step 5/50 done" in seen[0] and "step 6 running" in seen[0]  # what the user read when pressing Stop
+    assert len(lab.training.run.steps) == 6 and lab.training.progress.value == 6
+    assert "stopped after step 6 as asked" in lab.status.value
 
 
 def test_stop_ends_training_and_the_model_trains_on():

@@ -12,6 +12,7 @@ from typing import Any, Literal
 import altair as alt
 import pandas as pd
 
+from udnn_lab.units import format_bytes
 from udnn_lab.vocabulary import CATEGORIES
 
 SAVE_FORMATS: tuple[Literal["html", "png", "svg", "pdf", "json"], ...] = ("html", "png", "svg", "pdf", "json")
@@ -82,10 +83,11 @@ def save(chart: alt.TopLevelMixin, path: str | os.PathLike, scale: float = 2.0) 
 
 
 def byte_unit(largest: float) -> tuple[str, int]:
-    """The display unit for sizes up to ``largest`` bytes: ('GiB', 2**30), ('MiB', 2**20) or ('KiB', 2**10)."""
-    if largest >= 2 * 2**30:
+    """The display unit for sizes up to ``largest`` bytes, the one ``units.format_bytes`` writes ``largest`` in:
+    ('GiB', 2**30), ('MiB', 2**20) or ('KiB', 2**10)."""
+    if largest >= 2**30:
         return "GiB", 2**30
-    if largest >= 2 * 2**20:
+    if largest >= 2**20:
         return "MiB", 2**20
     return "KiB", 2**10
 
@@ -105,25 +107,48 @@ def check_columns(frame: pd.DataFrame, columns: list[str], made_by: str) -> None
         raise ValueError(f"this chart needs the columns {columns}; missing {missing}: make the frame with {made_by}")
 
 
+RULE_LABEL_GAP = 6  # pixels between the plot's edge and a rule's label
+
+
+def rule_texts(values: dict[str, float | None]) -> dict[str, str]:
+    """Each rule's label: its name and its size as ``units.format_bytes`` writes sizes everywhere else."""
+    return {label: f"{label} {format_bytes(value)}" for label, value in values.items() if value is not None}
+
+
+def rule_label_room(values: dict[str, float | None]) -> int:
+    """Pixels the labels of horizontal rules take right of the plot (legends there move over by as much)."""
+    texts = rule_texts(values).values()
+    return RULE_LABEL_GAP + max((len(t) for t in texts), default=0) * 7 + 8 if texts else 0
+
+
 def rules(values: dict[str, float | None], scale: int, unit: str,
           orient: str = "y") -> alt.LayerChart | alt.FacetChart | None:
-    """Labelled reference rules (a budget, a minimum), one per non-None value, in display units."""
-    rows = [{"label": label, "value": value / scale, "text": f"{label} {value / scale:,.1f} {unit}"}
-            for label, value in values.items() if value is not None]
-    if not rows:
+    """Labelled reference rules (a budget, a minimum), one per non-None value, in display units.
+
+    Labels sit outside the plot, so they never cover the data: right of the plot for
+    horizontal rules (give legends there ``rule_label_room`` of offset), above it for
+    vertical ones. Of two rules, the label of the higher (or further right) one goes above
+    (or right of) its rule, the other's below (or left), so close rules keep their labels apart.
+    """
+    texts = rule_texts(values)
+    if not texts:
         return None
-    data = pd.DataFrame(rows).assign(end=[i % 2 == 0 for i in range(len(rows))])
+    ranked = sorted(texts, key=lambda label: -float(values[label] or 0))
+    data = pd.DataFrame([{"label": label, "value": float(values[label] or 0) / scale, "text": texts[label],
+                          "first": i % 2 == 0} for i, label in enumerate(ranked)])
     colors = alt.Scale(domain=list(values), range=["#d62728", "#7f7f7f", "#2ca02c"][:len(values)])
     field = alt.Y("value:Q") if orient == "y" else alt.X("value:Q")
     rule = alt.Chart(data).mark_rule(strokeWidth=2, strokeDash=[6, 3]).encode(
         field, color=alt.Color("label:N", scale=colors, title=None, legend=None), tooltip=["text:N"])
     layers = [rule]
-    for end, group in data.groupby("end"):  # labels alternate ends of their rules so close rules stay readable
+    for first, group in data.groupby("first"):
         placement: dict[str, Any]
-        if orient == "y":  # forward starts low, so the left end is usually clear of the curve
-            placement = dict(align="right", x="width", dy=-6) if end else dict(align="left", x=4, dy=-6)
+        if orient == "y":
+            placement = dict(align="left", x="width", dx=RULE_LABEL_GAP, baseline="bottom" if first else "top",
+                             dy=-2 if first else 2)
         else:
-            placement = dict(align="left", dx=4, y=8) if end else dict(align="left", dx=4, y="height", dy=-8)
+            placement = dict(align="left" if first else "right", y=0, baseline="bottom", dy=-RULE_LABEL_GAP,
+                             dx=4 if first else -4)
         layers.append(alt.Chart(group).mark_text(fontWeight="bold", **placement).encode(
             field, text="text:N", color=alt.Color("label:N", scale=colors, legend=None)))
     return alt.layer(*layers)

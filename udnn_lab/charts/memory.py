@@ -7,10 +7,21 @@ Every chart is an ordinary altair chart: display it, ``save(chart, "x.html" | ".
 
 from __future__ import annotations
 
+from typing import Literal
+
 import altair as alt
 import pandas as pd
 
-from udnn_lab.charts.base import PHASE_COLORS, byte_unit, category_scale, check_columns, enable_offline, rules, save
+from udnn_lab.charts.base import (
+    PHASE_COLORS,
+    byte_unit,
+    category_scale,
+    check_columns,
+    enable_offline,
+    rule_label_room,
+    rules,
+    save,
+)
 from udnn_lab.charts.streams import timeline, training
 from udnn_lab.charts.sweeps import bandwidth, batch_sweep, budget_sweep, layer_bars, policy_savings, step_times
 from udnn_lab.vocabulary import CATEGORIES, PHASES
@@ -20,38 +31,56 @@ __all__ = [
     "policy_savings", "predicted_vs_measured", "save", "step_times", "timeline", "training",
 ]
 
-_SERIES_COLORS = alt.Scale(domain=["predicted", "measured"], range=["#222222", "#d62728"])
-_SERIES_DASH = alt.Scale(domain=["predicted", "measured"], range=[[1, 0], [5, 3]])
+_LINE_COLORS = {"predicted": "#222222", "measured": "#d62728"}
+_LINE_DASHES = {"predicted": [1, 0], "measured": [5, 3]}
+_SERIES_COLORS = alt.Scale(domain=list(_LINE_COLORS), range=list(_LINE_COLORS.values()))
+_SERIES_DASH = alt.Scale(domain=list(_LINE_DASHES), range=list(_LINE_DASHES.values()))
+PHASE_LABEL_ROOM = 24  # pixels kept free of data at the top of the plot, where the phases are named
 
 
 def memory_curve(frame: pd.DataFrame, budget_bytes: int | None = None, min_budget_bytes: int | None = None,
-                 width: int = 720, height: int = 300, title: str | None = None) -> alt.LayerChart:
+                 width: int = 720, height: int = 300, title: str | None = None,
+                 legends: Literal["right", "bottom"] = "right") -> alt.LayerChart:
     """Live memory over the step (from frames.memory_curve): categories stacked, predicted and measured totals
-    as lines, forward | backward | optimizer shaded, the budget (and the policy's minimum) as rules."""
+    as lines (named in the legend by the frame's ``line`` column when it has one), forward | backward |
+    optimizer shaded and named in a strip the data never reaches, the budget (and the policy's minimum) as
+    rules labelled right of the plot. ``legends="bottom"`` puts the legends under the plot, for a narrow
+    space."""
     check_columns(frame, ["index", "phase", "module", "op", "series", "category", "bytes"], "frames.memory_curve")
     largest = max([frame["bytes"].max() if len(frame) else 0, budget_bytes or 0, min_budget_bytes or 0])
     unit, scale = byte_unit(largest)
     data = frame.assign(value=frame["bytes"] / scale, time_ms=frame.get("start_s", float("nan")) * 1e3)
+    if "line" not in data:
+        data = data.assign(line=data["series"])
     x = alt.X("index:Q", title="op of the step (forward | backward | optimizer)", scale=alt.Scale(nice=False))
+    top = largest / scale * height / max(height - PHASE_LABEL_ROOM, 1) if largest else 1.0
+    y_scale = alt.Scale(domain=[0, top], nice=False)
     y_title = f"live {unit}"
+    marks: dict[str, float | None] = {"budget": budget_bytes, "minimum feasible": min_budget_bytes}
+    legend = alt.Legend(offset=rule_label_room(marks), labelLimit=400) if legends == "right" else \
+        alt.Legend(orient="bottom", direction="horizontal", columns=4, labelLimit=400)
     layers = [_phase_bands(data)]
     stacked = data[(data["series"] == "predicted") & (data["category"] != "total")]
     present = [c for c in CATEGORIES if c in set(stacked["category"])]
     stacked = stacked.assign(rank=stacked["category"].map({c: i for i, c in enumerate(CATEGORIES)}))
     tooltip = ["index:Q", "phase:N", "module:N", "op:N", alt.Tooltip("value:Q", title=unit, format=",.1f")]
     layers.append(alt.Chart(stacked).mark_area(interpolate="step-after", opacity=0.85).encode(
-        x, alt.Y("value:Q", stack="zero", title=y_title), color=alt.Color("category:N", scale=category_scale(present),
-                                                                          title="category"),
+        x, alt.Y("value:Q", stack="zero", title=y_title, scale=y_scale),
+        color=alt.Color("category:N", scale=category_scale(present), title="category", legend=legend),
         order=alt.Order("rank:Q"), tooltip=tooltip[:4] + ["category:N"] + tooltip[4:] +
         [alt.Tooltip("time_ms:Q", title="starts at ms", format=",.2f")]))
     totals = data[data["category"] == "total"]
+    lines = list(dict.fromkeys(totals.sort_values("series", key=lambda s: s != "predicted", kind="stable")["line"]))
+    series_of = dict(zip(totals["line"], totals["series"]))
+    colors = alt.Scale(domain=lines, range=[_LINE_COLORS.get(series_of[n], "#7f7f7f") for n in lines])
+    dashes = alt.Scale(domain=lines, range=[_LINE_DASHES.get(series_of[n], [2, 2]) for n in lines])
     layers.append(alt.Chart(totals).mark_line(interpolate="step-after", strokeWidth=1.5).encode(
-        x, alt.Y("value:Q", stack=None, title=y_title), stroke=alt.Stroke("series:N", scale=_SERIES_COLORS,
-                                                                         title="total"),
-        strokeDash=alt.StrokeDash("series:N", scale=_SERIES_DASH, legend=None), tooltip=tooltip + ["series:N"]))
-    marks = rules({"budget": budget_bytes, "minimum feasible": min_budget_bytes}, scale, unit)
-    if marks is not None:
-        layers.append(marks)
+        x, alt.Y("value:Q", stack=None, title=y_title, scale=y_scale),
+        stroke=alt.Stroke("line:N", scale=colors, title="total", legend=legend),
+        strokeDash=alt.StrokeDash("line:N", scale=dashes, legend=None), tooltip=tooltip + ["line:N"]))
+    rule_marks = rules(marks, scale, unit)
+    if rule_marks is not None:
+        layers.append(rule_marks)
     chart = alt.layer(*layers).resolve_scale(color="independent").properties(width=width, height=height)
     return chart.properties(title=title) if title else chart
 

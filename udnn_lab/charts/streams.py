@@ -58,8 +58,8 @@ def _track_order(data: pd.DataFrame) -> list[str]:
 
 def training(frame: pd.DataFrame, budget_bytes: int | None = None, predicted_peak_bytes: int | None = None,
              width: int = 640, height: int = 150) -> alt.VConcatChart:
-    """Measured peak memory per step, against the budget and the predicted peak, over step time (from
-    frames.training)."""
+    """Measured peak memory per step against the budget and the predicted peak, then the loss, then step time
+    (from frames.training)."""
     check_columns(frame, ["step", "measure", "value"], "frames.training")
     peaks = frame[frame["measure"] == "peak_bytes"]
     unit, scale = byte_unit(max([peaks["value"].max() if len(peaks) else 0, budget_bytes or 0,
@@ -69,7 +69,12 @@ def training(frame: pd.DataFrame, budget_bytes: int | None = None, predicted_pea
         x, alt.Y("value:Q", title=f"measured peak ({unit})"), tooltip=["step:Q", alt.Tooltip("value:Q", format=",.1f")])
     marks = rules({"budget": budget_bytes, "predicted peak": predicted_peak_bytes}, scale, unit)
     top = alt.layer(memory, marks) if marks is not None else memory
+    losses = frame[frame["measure"] == "loss"]
+    loss = alt.Chart(losses).mark_line(point=True, color="#2ca02c").encode(
+        x, alt.Y("value:Q", title="loss", scale=alt.Scale(zero=False)),
+        tooltip=["step:Q", alt.Tooltip("value:Q", title="loss", format=",.4g")])
     times = frame[frame["measure"] == "time_s"]
     bottom = alt.Chart(times.assign(ms=times["value"] * 1e3)).mark_bar(color="#1f77b4").encode(
         x, alt.Y("ms:Q", title="step time (ms)"), tooltip=["step:Q", alt.Tooltip("ms:Q", format=",.1f")])
-    return alt.vconcat(top.properties(width=width, height=height), bottom.properties(width=width, height=70))
+    return alt.vconcat(top.properties(width=width, height=height), loss.properties(width=width, height=90),
+                       bottom.properties(width=width, height=70))

@@ -177,17 +177,24 @@ def step_times(frame: pd.DataFrame, by: str = "hardware", color: str = "policy",
                alt.Tooltip("stall_ms:Q", format=",.2f")]
     bars = alt.Chart(data).mark_bar().encode(x=alt.X("step_ms:Q", title="step time (ms)"), y=y, yOffset=offset,
                                              color=alt.Color(f"{color}:N"), tooltip=tooltip)
-    stalls = alt.Chart(data).mark_bar(color="black", opacity=0.45).encode(
-        x="stall_ms:Q", y=y, yOffset=offset, tooltip=tooltip)
+    stalled = alt.Scale(domain=["stalled (waiting on copies)"], range=["#000000"])
+    stalls = alt.Chart(data.assign(part=stalled.domain[0])).mark_bar(opacity=0.45).encode(
+        x="stall_ms:Q", y=y, yOffset=offset, tooltip=tooltip,
+        color=alt.Color("part:N", scale=stalled, title="of which"))
     rows = data[[by, color]].drop_duplicates().shape[0]
-    chart = alt.layer(bars, stalls).properties(width=width, height=max(16 * rows, 80))
+    chart = alt.layer(bars, stalls).resolve_scale(color="independent").properties(width=width,
+                                                                                   height=max(16 * rows, 80))
     return chart.properties(title=title) if title else chart
+
+
+_DASHES = [[4, 2], [8, 3], [2, 2], [10, 2, 2, 2]]
 
 
 def policy_savings(frame: pd.DataFrame, measure: str = "average_saved", published: pd.DataFrame | None = None,
                    width: int = 200, height: int = 220, title: str | None = None) -> alt.FacetChart:
     """A fraction per policy, one panel per model (from frames.savings: peak_saved, average_saved, time_paid);
-    ``published`` (columns model, value and label) adds the papers' figures as labelled rules."""
+    ``published`` (columns model, value and label) adds the papers' figures as dashed rules, named in a
+    legend under the panels (a label on the panel would sit on the bars)."""
     check_columns(frame, ["model", "policy", measure], "frames.savings")
     titles = {"average_saved": "average memory saved", "peak_saved": "peak memory saved",
               "time_paid": "time paid (slower than keep-all)", "pinned_saved": "pinned host memory saved",
@@ -207,11 +214,15 @@ def policy_savings(frame: pd.DataFrame, measure: str = "average_saved", publishe
         color=alt.Color("policy:N", sort=policies, legend=None),
         tooltip=["model:N", "policy:N", alt.Tooltip("value:Q", format=".1%")]).transform_filter(
         alt.datum.kind == "predicted")
-    rule = alt.Chart().mark_rule(color="black", strokeDash=[4, 2], strokeWidth=2).encode(
-        y="value:Q", tooltip=["label:N", alt.Tooltip("value:Q", format=".0%")]).transform_filter(
-        alt.datum.kind == "published")
-    text = alt.Chart().mark_text(align="left", dx=2, dy=-6, x=0, fontSize=10).encode(
-        y="value:Q", text="label:N").transform_filter(alt.datum.kind == "published")
-    chart = alt.layer(bars, rule, text, data=data).properties(width=width, height=height).facet(
+    layers: list[alt.Chart] = [bars]
+    labels = list(dict.fromkeys(data.loc[data["kind"] == "published", "label"]))
+    dashes = alt.Scale(domain=labels, range=[_DASHES[i % len(_DASHES)] for i in range(len(labels))])
+    layers += [alt.Chart().mark_rule(color="black", strokeWidth=2).encode(
+        y="value:Q", strokeDash=alt.StrokeDash("label:N", scale=dashes, title="published",
+                                               legend=alt.Legend(orient="bottom", direction="vertical",
+                                                                 labelLimit=500, symbolStrokeColor="black")),
+        tooltip=["label:N", alt.Tooltip("value:Q", format=".0%")]).transform_filter(
+        alt.datum.kind == "published")] if labels else []
+    chart = alt.layer(*layers, data=data).properties(width=width, height=height).facet(
         column=alt.Column("model:N", title=None, sort=models))
     return chart.properties(title=title) if title else chart

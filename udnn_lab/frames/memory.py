@@ -52,14 +52,18 @@ def downsample(curve: pd.DataFrame, points: int | None = DEFAULT_POINTS, value: 
 
 
 def memory_curve(graph: Graph, simulation: Simulation | None = None, measurement: Measurement | None = None,
-                 measured_graph: Graph | None = None, points: int | None = DEFAULT_POINTS) -> pd.DataFrame:
-    """Live bytes over the step, tidy: columns index, phase, module, op, series, category, bytes, start_s, end_s.
+                 measured_graph: Graph | Simulation | None = None,
+                 points: int | None = DEFAULT_POINTS) -> pd.DataFrame:
+    """Live bytes over the step, tidy: columns index, phase, module, op, series, line, category, bytes, start_s,
+    end_s.
 
     ``series='predicted'``: the graph's curve, or ``simulation``'s (under its plan), one row
     per category present plus ``category='total'`` (bytes as the budget counts them: 512-byte
     blocks on CUDA). ``series='measured'``: ``measurement``'s total, compared against
-    ``measured_graph`` (default ``graph``: the traced graph of the measured step). Times
-    are NaN without a simulation.
+    ``measured_graph`` (default ``graph``: the traced graph of the measured step, or the
+    Simulation of the plan it ran under). ``line`` names each total for a legend: the
+    series, the device and the plan's policy, e.g. ``'measured (cpu, vdnn++)'``. Times are
+    NaN without a simulation.
     """
     curve = simulation.memory_curve() if simulation is not None else graph.memory_curve()
     counted = "cuda_live_bytes" if graph.device == "cuda" else "live_bytes"
@@ -70,17 +74,25 @@ def memory_curve(graph: Graph, simulation: Simulation | None = None, measurement
     keys = _KEYS + ["start_s", "end_s"]
     stacked = sampled.melt(id_vars=keys, value_vars=present, var_name="category", value_name="bytes")
     total = sampled[keys].assign(category="total", bytes=sampled[counted])
-    parts = [stacked.assign(series="predicted"), total.assign(series="predicted")]
+    predicted = f"predicted ({graph.device}, {_policy(simulation)})"
+    parts = [stacked.assign(series="predicted", line=predicted), total.assign(series="predicted", line=predicted)]
     if measurement is not None:
-        compared = downsample(measurement.compare(measured_graph or graph), points, "measured_bytes")
+        against = measured_graph or graph
+        compared = downsample(measurement.compare(against), points, "measured_bytes")
+        measured = f"measured ({measurement.device}, {_policy(against)})"
         parts.append(compared[_KEYS].assign(start_s=np.nan, end_s=np.nan, category="total", series="measured",
-                                            bytes=compared["measured_bytes"]))
+                                            line=measured, bytes=compared["measured_bytes"]))
     frame = pd.concat(parts, ignore_index=True)
     frame["bytes"] = frame["bytes"].astype("int64")
-    frame = frame[_KEYS + ["series", "category", "bytes", "start_s", "end_s"]]
+    frame = frame[_KEYS + ["series", "line", "category", "bytes", "start_s", "end_s"]]
     frame.attrs.update(model=graph.model_name, device=graph.device, ops=len(curve),
                        peak_bytes=int(curve[counted].max()) if len(curve) else 0)
     return frame
+
+
+def _policy(prediction: Graph | Simulation | None) -> str:
+    """The plan a prediction is under: a Graph alone keeps every tensor."""
+    return prediction.policy if isinstance(prediction, Simulation) else "keep-all"
 
 
 def memory_by_category(graph: Graph, points: int | None = DEFAULT_POINTS) -> pd.DataFrame:

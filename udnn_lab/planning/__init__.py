@@ -2,8 +2,9 @@
 
 Policies live one family per module (vdnn, pinning, recompute, auto) and register
 themselves in ``registry.POLICIES``; ``plan()``, ``min_budget()`` and ``sweep()`` search
-budgets with the simulator. May import: the Graph and Plan IR, cost, hardware,
-simulation, units and errors.
+budgets with the simulator. Under a budget the step already fits with every tensor kept,
+every policy keeps everything (the registry applies that rule to each). May import: the
+Graph and Plan IR, cost, hardware, simulation, units and errors.
 """
 
 # the policy modules register themselves on import, in this order

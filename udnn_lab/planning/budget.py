@@ -20,7 +20,7 @@ from udnn_lab.simulation.simulator import cost_model, simulate_with
 from udnn_lab.units import Bytes, format_bytes, parse_bytes
 
 _RESOLUTION = 1 / 512  # min_budget searches to this fraction of the keep-all peak
-_BUDGET_FREE = ("keep-all", "vdnn-all", "vdnn-conv")  # policies whose plan is the same under any budget
+_BUDGET_FREE = ("keep-all", "vdnn-all", "vdnn-conv")  # the same plan under any budget below the keep-all peak
 
 
 def plan(graph: Graph, budget: int | str | None = None, policy: str = "auto", hardware: Hardware | str | None = None,

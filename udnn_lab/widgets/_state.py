@@ -17,12 +17,14 @@ from torch import nn
 
 from udnn_lab import zoo
 from udnn_lab.analysis.tracing import trace
+from udnn_lab.errors import PlanInfeasible
 from udnn_lab.graph.plan_ir import Plan
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware.profiles import Hardware
 from udnn_lab.measurement.measuring import Measurement, measure
 from udnn_lab.planning.budget import min_budget, plan
-from udnn_lab.simulation.simulator import Simulation, simulate
+from udnn_lab.simulation.simulator import Simulation, resolve_hardware, simulate
+from udnn_lab.units import format_bytes
 from udnn_lab.workload import Workload
 from udnn_lab.zoo import DTYPES
 
@@ -36,6 +38,17 @@ class Setting:
     dtype: str  # a key of DTYPES
     optimizer: str  # one of OPTIMIZERS
     device: str  # 'cuda' or 'cpu': the device whose memory is predicted (the hardware profile's)
+
+
+@dataclass(frozen=True)
+class MeasuredStep:
+    """A real step on this machine beside its own prediction: same device, same plan, same ops."""
+
+    asked: tuple[Setting, str, int | None, str]  # setting, policy, budget and hardware on screen when it was made
+    measurement: Measurement
+    graph: Graph  # the measured step, traced for the device it ran on
+    prediction: Simulation  # of the plan the step ran under, on that graph
+    note: str  # why this plan: the one on screen, made again for this device, or every tensor kept
 
 
 class _Cache(OrderedDict):
@@ -122,8 +135,41 @@ class LabSession:
         device = "cuda" if setting.device == "cuda" and torch.cuda.is_available() else "cpu"
         return self._trainable.get_or_make((setting, device), lambda: self.workload(setting, device))
 
-    def measure(self, setting: Setting, repeats: int = 1) -> tuple[Measurement, Graph]:
-        """A real step on this machine's CPU (or where your module lives), and the traced graph of that step."""
-        work = self.workload(setting, "cpu")
-        measured = measure(work, repeats=repeats)
-        return measured, trace(work)
+    def local_device(self, setting: Setting) -> str:
+        """Where this machine runs the setting's step: CUDA when the profile is CUDA's and there is one, else CPU."""
+        return "cuda" if setting.device == "cuda" and torch.cuda.is_available() else "cpu"
+
+    def local_hardware(self, device: str, hardware: str) -> Hardware:
+        """The profile to plan a step on this machine's ``device`` with: ``hardware`` when it is of that kind,
+        else the shipped profile of this machine, else ``hardware`` after all (its copy rates are a guess)."""
+        chosen = self.hardware(hardware)
+        if chosen.device_type == device:
+            return chosen
+        try:
+            return resolve_hardware(None, device)
+        except ValueError:
+            return chosen
+
+    def measure(self, setting: Setting, policy: str, budget_bytes: int | None, hardware: str,
+                repeats: int = 1) -> MeasuredStep:
+        """A real step on this machine (on its CPU when it lacks the profile's device; where your module lives
+        when you passed one), under the plan of ``policy`` and the budget made again for that device's step,
+        beside that plan's prediction. When the plan cannot fit there, the step runs with every tensor kept."""
+        work = self.workload(setting, self.local_device(setting))  # your own module stays where it lives
+        graph = trace(work)
+        local = self.local_hardware(graph.device, hardware)
+        where = f"this machine's {graph.device}"
+        try:
+            chosen = plan(graph, budget_bytes, policy, hardware=local)
+            note = f"the {policy} plan at {_budget(budget_bytes)}, made for {where}"
+        except PlanInfeasible as error:
+            chosen = Plan.keep_all(graph, budget_bytes)
+            note = (f"the {policy} plan cannot be applied on {where} ({error}); predicted and measured there with "
+                    "every tensor kept")
+        measured = measure(work, plan=chosen if chosen.offloads or chosen.recomputes else None, repeats=repeats)
+        return MeasuredStep((setting, policy, budget_bytes, hardware), measured, graph,
+                            simulate(graph, chosen, hardware=local), note)
+
+
+def _budget(budget_bytes: int | None) -> str:
+    return format_bytes(budget_bytes) if budget_bytes is not None else "no budget"

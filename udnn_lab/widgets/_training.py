@@ -2,7 +2,11 @@
 
 A thin shell like the rest of the app: the work is ``ul.train`` under the plan the app shows
 (made again for this machine's step, since the plan on screen may be for another device);
-each finished step updates the progress bar and the live memory chart.
+each finished step updates the progress bar and the live chart (memory, loss, time).
+
+Stop asks the loop to end after the step in flight. The loop checks between steps, so a
+step that has begun always finishes; what the panel shows says which step that is (the
+step just finished and the one running), so Stop ends the run after the step it names.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class TrainingPanel:
         self.rows: list[dict] = []
         self.thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._view = 0  # bumped when the view is cleared: a run's late steps no longer draw into it
 
     @property
     def running(self) -> bool:
@@ -58,28 +63,52 @@ class TrainingPanel:
         predicted = simulate(graph, chosen, hardware=hardware).peak_bytes
         self.rows, self.run = [], None
         self._stop.clear()
-        self.progress.max, self.progress.value = steps, 0
+        self.progress.max, self.progress.value, self.progress.description = steps, 0, f"0/{steps}"
         self.train_button.disabled, self.stop_button.disabled = True, False
         batches = ((work.example_input, work.target) for _ in range(steps))
+        self.report(f"step 1/{steps} running")
         self.thread = threading.Thread(target=self._train, daemon=True, name="udnn_lab MemoryLab training",
-                                       args=(work, batches, chosen, steps, budget_bytes, predicted))
+                                       args=(work, batches, chosen, steps, budget_bytes, predicted, self._view))
         self.thread.start()
         return self.thread
 
     def stop(self) -> None:
+        """End the run after the step in flight."""
+        if self.running and not self._stop.is_set():
+            self.report(f"stopping after step {len(self.rows) + 1}, the one running")
         self._stop.set()
+        self.stop_button.disabled = True
 
-    def _train(self, work, batches, chosen, steps: int, budget_bytes, predicted: int) -> None:
-        def step_done(row: dict) -> None:
+    def clear(self, reason: str = "") -> None:
+        """Empty the chart and the progress bar; a run still going is stopped (``reason`` says why)."""
+        if self.running:
+            self._stop.set()
+            self.report(f"{reason}: training stopped" if reason else "training stopped")
+        self._view += 1
+        self.rows = []
+        self.chart.chart = None
+        self.progress.value, self.progress.description = 0, ""
+
+    def _train(self, work, batches, chosen, steps: int, budget_bytes, predicted: int, view: int) -> None:
+        def step_done(row: dict) -> bool:
+            if view != self._view:
+                return False  # the view was cleared: this run is over
             self.rows.append(row)
-            self.progress.value = len(self.rows)
+            done = len(self.rows)
+            self.progress.value, self.progress.description = done, f"{done}/{steps}"
             self.chart.chart = charts.training(frames.training(self.rows), budget_bytes, predicted)
-            self.report(f"step {row['step'] + 1}/{steps}: loss {row['loss']:.4g}, peak "
-                        f"{format_bytes(row['peak_bytes'])}, {format_seconds(row['time_s'])}")
+            after = "; stopping" if self._stop.is_set() else f"; step {done + 1} running" if done < steps else ""
+            self.report(f"step {done}/{steps} done: loss {row['loss']:.4g}, peak "
+                        f"{format_bytes(row['peak_bytes'])}, {format_seconds(row['time_s'])}{after}")
+            return True
         try:
-            self.run = train(work.model, batches, work.optimizer, loss_fn=work.loss_fn, plan=chosen, steps=steps,
-                             callbacks=[step_done], stop=self._stop, progress=False, name=work.name)
-            self.report(f"trained {len(self.run.steps)} steps under {chosen.policy} (stopped: {self.run.stopped})")
+            run = train(work.model, batches, work.optimizer, loss_fn=work.loss_fn, plan=chosen, steps=steps,
+                        callbacks=[step_done], stop=self._stop, progress=False, name=work.name)
+            if view == self._view:
+                self.run = run
+                ended = f"stopped after step {len(run.steps)} as asked" if run.stopped == "stop requested" \
+                    else f"stopped: {run.stopped}"
+                self.report(f"trained {len(run.steps)} steps under {chosen.policy} ({ended})")
         except Exception as error:  # shown in the app; the model stays as the last finished step left it
             self.report(error)
         finally:

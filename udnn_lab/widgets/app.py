@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import html
 from collections.abc import Callable
-from contextlib import contextmanager
 
 import altair as alt
 import ipywidgets as widgets
@@ -20,17 +19,15 @@ from torch import nn
 
 from udnn_lab import charts, frames, zoo
 from udnn_lab.charts.base import enable_offline
-from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware.profiles import Hardware
-from udnn_lab.measurement.measuring import Measurement
 from udnn_lab.planning.budget import PlanInfeasible
 from udnn_lab.planning.registry import POLICIES
 from udnn_lab.simulation.simulator import Simulation
 from udnn_lab.units import format_bytes, format_seconds
-from udnn_lab.widgets._state import LabSession, Setting
+from udnn_lab.widgets._budget import BudgetControl
+from udnn_lab.widgets._state import LabSession, MeasuredStep, Setting
 from udnn_lab.widgets._training import TrainingPanel
 
-_MiB = 2**20
 _GRAPH, _POLICY, _BUDGET = 2, 1, 0  # how much a change invalidates
 
 
@@ -65,7 +62,8 @@ class MemoryLab(widgets.AppLayout):
     ``model``: a zoo name (``ul.zoo.names()``) or your own ``nn.Module`` (then give
     ``input_shape``, one example's shape). ``hardware``: a profile name or a Hardware (e.g.
     from ``ul.Hardware.measure()``). The step is traced with fake tensors for the profile's
-    device; "Measure" runs it for real on this machine and overlays what it measured.
+    device; "Measure" runs it for real on this machine, under the same policy and budget
+    planned again for the device it runs on, and charts it beside that device's prediction.
     """
 
     def __init__(self, model: str | nn.Module = "resnet50", *, input_shape: tuple[int, ...] | None = None,
@@ -76,8 +74,9 @@ class MemoryLab(widgets.AppLayout):
         custom = model if isinstance(model, nn.Module) else None
         self.session = LabSession(custom, input_shape, image_size, extra)
         self.points = points
-        self._dirty, self._quiet = -1, False
-        self._measured: tuple[Setting, Measurement, Graph] | None = None
+        self._dirty = -1
+        self._measured: MeasuredStep | None = None
+        self._network: str | None = None  # the network the charts and the training view are of
         self._events: pd.DataFrame | None = None
         self._minimum: int | None = None  # the policy's smallest budget, once known
         self._debounce = _Debounce(debounce_s, self._update)
@@ -88,15 +87,18 @@ class MemoryLab(widgets.AppLayout):
                                              layout=widgets.Layout(min_height="340px"))
         self.timeline_chart = alt.JupyterChart(None,  # type: ignore[arg-type]  # altair's hint omits None
                                                layout=widgets.Layout(min_height="140px"))
-        self.summary = widgets.HTML()
-        self.status = widgets.HTML()
+        grows = widgets.Layout(height="auto", width="100%", margin="0")  # long messages wrap; the footer grows
+        self.summary = widgets.HTML(layout=grows)
+        self.status = widgets.HTML(layout=grows)
         super().__init__(
             header=widgets.HTML("<b>udnn_lab · MemoryLab</b>: predicted memory of one training step"),
             left_sidebar=widgets.VBox([self.network, self.batch, self.dtype, self.optimizer, self.hardware,
-                                       self.policy, self.budget, self.budget_text, self.minimum_text, self.actions]),
+                                       self.device_note, self.policy, self.budget_entry, self.budget,
+                                       self.minimum_text, self.actions]),
             center=widgets.VBox([self.memory_chart, self.timeline_chart, self.training.chart]),
-            footer=widgets.VBox([self.summary, self.status]),
+            footer=widgets.VBox([self.summary, self.status], layout=widgets.Layout(height="auto")),
             pane_widths=["300px", 1, 0], pane_heights=["30px", 1, "80px"], height="auto")
+        self.layout.grid_template_rows = "30px 1fr auto"  # pane_heights takes no 'auto': the footer fits its text
         self._request(_GRAPH, now=True)
 
     # -- controls ----------------------------------------------------------------------------
@@ -114,9 +116,9 @@ class MemoryLab(widgets.AppLayout):
         self.hardware = widgets.Dropdown(options=self.session.hardware_names(), value=hardware,
                                          description="hardware", layout=wide)
         self.policy = widgets.Dropdown(options=list(POLICIES), value=policy, description="policy", layout=wide)
-        self.budget = widgets.FloatSlider(value=1.0, min=0.0, max=1.0, step=1.0, description="budget (MiB)",
-                                          readout=False, continuous_update=True, layout=wide)
-        self.budget_text = widgets.HTML()
+        self.device_note = widgets.HTML(layout=widgets.Layout(width="290px", height="auto"))
+        self.budget_control = BudgetControl(lambda: self._request(_BUDGET), self._show_status, "290px")
+        self.budget, self.budget_entry = self.budget_control.slider, self.budget_control.entry
         self.minimum_text = widgets.HTML()
         self.measure_button = widgets.Button(description="Measure", icon="play",
                                              tooltip="run one real training step on this machine and overlay it")
@@ -128,17 +130,9 @@ class MemoryLab(widgets.AppLayout):
         for control in (self.network, self.batch, self.dtype, self.optimizer, self.hardware):
             control.observe(lambda _: self._request(_GRAPH), names="value")
         self.policy.observe(lambda _: self._request(_POLICY), names="value")
-        self.budget.observe(self._on_budget, names="value")
         self.measure_button.on_click(lambda _: self.measure())
 
-    def _on_budget(self, change) -> None:
-        self.budget_text.value = f"budget: <b>{format_bytes(change.new * _MiB)}</b>"
-        if not self._quiet:
-            self._request(_BUDGET)
-
     def _request(self, level: int, now: bool = False) -> None:
-        if self._quiet:
-            return
         self._dirty = max(self._dirty, level)
         self._update() if now else self._debounce()
 
@@ -150,7 +144,7 @@ class MemoryLab(widgets.AppLayout):
 
     @property
     def budget_bytes(self) -> int:
-        return int(round(self.budget.value * _MiB))
+        return self.budget_control.nbytes
 
     # -- updates -----------------------------------------------------------------------------
     def _update(self) -> None:
@@ -169,19 +163,20 @@ class MemoryLab(widgets.AppLayout):
             self._show_status(error)
 
     def _load_graph(self) -> None:
-        graph = self.session.graph(self.setting)
+        setting = self.setting
+        graph = self.session.graph(setting)
         peak = graph.cuda_peak_bytes if graph.device == "cuda" else graph.peak_bytes
-        capacity = self.session.hardware(self.hardware.value).memory_bytes
-        high = peak * 1.1 / _MiB
-        with self._quietly():
-            self.budget.max = max(self.budget.max, high)
-            self.budget.min = 0.0
-            self.budget.max = high
-            self.budget.step = max(high / 1000, 0.01)
-            self.budget.value = min(peak, capacity) / _MiB
-        self.budget_text.value = f"budget: <b>{format_bytes(self.budget_bytes)}</b>"
-        if self._measured is not None and self._measured[0] != self.setting:
-            self._measured = None
+        hardware = self.session.hardware(self.hardware.value)
+        another = setting.network != self._network
+        self.budget_control.rescale(peak, hardware.memory_bytes, reset=another)  # keeps the user's budget
+        if another and self._network is not None:
+            self.training.clear("the network changed")
+        self._network = setting.network
+        here = self.session.local_device(setting)
+        self.device_note.value = "" if here == setting.device else (
+            f"<div style='line-height:1.3;color:#8a6d00'>{html.escape(hardware.name)} is a {setting.device.upper()} "
+            f"profile and this machine has no {setting.device.upper()} device: the prediction is for a device "
+            f"it does not have; Measure and Train run on its {here.upper()}.</div>")
 
     def _load_minimum(self) -> None:
         self._minimum = self.session.min_budget(self.setting, self.policy.value, self.hardware.value)
@@ -189,20 +184,33 @@ class MemoryLab(widgets.AppLayout):
                                    f"<b>{format_bytes(self._minimum)}</b>")
 
     def _show_plan(self) -> None:
-        setting, budget, hardware = self.setting, self.budget_bytes, self.hardware.value
+        setting, budget, hardware, policy = self.setting, self.budget_bytes, self.hardware.value, self.policy.value
         feasible = self._minimum is None or budget >= self._minimum
         self.budget.style.handle_color = "#2ca02c" if feasible else "#d62728"
+        infeasible = False
         try:
-            self.plan, sim = self.session.planned(setting, self.policy.value, budget, hardware)
+            self.plan, sim = self.session.planned(setting, policy, budget, hardware)
         except PlanInfeasible as error:
             self.plan, sim = self.session.baseline(setting, budget, hardware)
             self._show_status(error, note=" The chart shows every tensor kept.")
+            infeasible = True
         self.simulation = sim
         graph = self.session.graph(setting)
-        measured, measured_graph = self._measured[1:] if self._measured else (None, None)
-        curve = frames.memory_curve(graph, sim, measured, measured_graph, points=self.points)
-        self.memory_chart.chart = charts.memory_curve(curve, budget, self._minimum, width=640, height=260,
-                                                      title=f"{graph.model_name}, batch {setting.batch}: {sim.policy}")
+        title = f"{graph.model_name}, batch {setting.batch}: {_named(policy, self.plan, infeasible, budget)}"
+        measured = self._measured
+        if measured is not None and measured.asked != (setting, policy, budget, hardware):
+            measured = self._measured = None  # measured for another step, plan or budget
+        if measured is None:
+            curve = frames.memory_curve(graph, sim, points=self.points)
+            minimum = self._minimum
+        else:  # like with like: the measured step's own device, plan and ops
+            curve = frames.memory_curve(measured.graph, measured.prediction, measured.measurement,
+                                        measured.prediction, points=self.points)
+            minimum = None  # the policy's minimum is the profile's device's, not this one's
+            title = f"{graph.model_name}, batch {setting.batch}, on this machine's {measured.graph.device}: " \
+                    f"{measured.prediction.policy}"
+        self.memory_chart.chart = charts.memory_curve(curve, budget, minimum, width=560, height=260, title=title,
+                                                      legends="bottom")
         self._show_timeline()
         self.summary.value = _summary(sim)
 
@@ -210,7 +218,7 @@ class MemoryLab(widgets.AppLayout):
         parts = [frames.timeline(self.simulation)]
         if self._events is not None:
             parts.append(frames.timeline(self._events, source="measured"))
-        self.timeline_chart.chart = charts.timeline(pd.concat(parts, ignore_index=True), width=640)
+        self.timeline_chart.chart = charts.timeline(pd.concat(parts, ignore_index=True), width=560)
 
     def _show_status(self, message: str | Exception, note: str = "") -> None:
         if isinstance(message, Exception):
@@ -218,27 +226,21 @@ class MemoryLab(widgets.AppLayout):
                     f"{html.escape(str(message) + note)}</span>")
         else:
             text = f"<i>{html.escape(message)}</i>" if message else ""
-        self.status.value = text
-
-    @contextmanager
-    def _quietly(self):
-        self._quiet, before = True, self._quiet
-        try:
-            yield
-        finally:
-            self._quiet = before
+        self.status.value = _wrapping(text) if text else ""
 
     # -- actions -----------------------------------------------------------------------------
     def measure(self, repeats: int = 1) -> None:
         """Run one real step of the current setting on this machine and overlay it on the prediction."""
         try:
             self._show_status("measuring a real step on this machine …")
-            measured, graph = self.session.measure(self.setting, repeats=repeats)
-            self._measured = (self.setting, measured, graph)
+            self._measured = self.session.measure(self.setting, self.policy.value, self.budget_bytes,
+                                                  self.hardware.value, repeats=repeats)
             self._show_status("")
             self._show_plan()
-            self._show_status(f"measured on {measured.device_name}: peak {format_bytes(measured.peak_bytes)}, "
-                              f"step {format_seconds(measured.step_time_s or 0.0)}")
+            measured, predicted = self._measured.measurement, self._measured.prediction
+            self._show_status(f"measured on {measured.device_name} under {self._measured.note}: peak "
+                              f"{format_bytes(measured.peak_bytes)} (predicted {format_bytes(predicted.peak_bytes)}),"
+                              f" step {format_seconds(measured.step_time_s or 0.0)}")
         except Exception as error:
             self._show_status(error)
 
@@ -271,10 +273,22 @@ class MemoryLab(widgets.AppLayout):
             self._show_status(error)
 
 
+def _named(policy: str, plan, infeasible: bool, budget_bytes: int) -> str:
+    """The policy the user chose, what auto chose, and whether it fits."""
+    if infeasible:
+        return f"{policy} cannot fit {format_bytes(budget_bytes)} (shown: every tensor kept)"
+    chose = next((n.removeprefix("chose ") for n in plan.notes if n.startswith("chose ")), None)
+    return f"{policy} (chose {chose})" if chose and chose != policy else policy
+
+
+def _wrapping(text: str) -> str:
+    return f"<div style='white-space:normal;overflow-wrap:anywhere;line-height:1.4'>{text}</div>"
+
+
 def _summary(sim: Simulation) -> str:
     budget = format_bytes(sim.budget_bytes) if sim.budget_bytes is not None else "none"
     fits = "<span style='color:#2ca02c'>fits</span>" if sim.fits else "<span style='color:#d62728'>does not fit</span>"
-    return (f"peak <b>{format_bytes(sim.peak_bytes)}</b> of budget {budget} ({fits}) · step "
-            f"<b>{format_seconds(sim.step_time_s)}</b>, stalled {format_seconds(sim.stall_time_s)} · copied "
-            f"{format_bytes(sim.d2h_bytes)} out, {format_bytes(sim.h2d_bytes)} back · "
-            f"policy {html.escape(sim.policy)}")
+    return _wrapping(f"peak <b>{format_bytes(sim.peak_bytes)}</b> of budget {budget} ({fits}) · step "
+                     f"<b>{format_seconds(sim.step_time_s)}</b>, stalled {format_seconds(sim.stall_time_s)} · copied "
+                     f"{format_bytes(sim.d2h_bytes)} out, {format_bytes(sim.h2d_bytes)} back · "
+                     f"policy {html.escape(sim.policy)}")
