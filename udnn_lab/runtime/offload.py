@@ -35,7 +35,9 @@ NOTE [offload runtime]
      check (holding the saved alias until forward lets the tensor go, or an offload's
      release point): if the saved tensor was modified in place after it was saved,
      unpacking raises the error eager PyTorch raises; so does a tensor the plan leaves alone (autograd does
-     not check versions of tensors that went through saved-tensor hooks).
+     not check versions of tensors that went through saved-tensor hooks). Op by op, every
+     write into a planned storage is seen as it happens; followed by hooks, the version is
+     read when the alias goes, which is after every forward write (NOTE [hook points] 3).
   6. Recompute. The ops of a Recompute are recorded in forward (dropped tensors by
      reference into the recording, never by a reference that would keep them alive), with
      the RNG state before a random op; when the op before ``at_op`` ends (autograd unpacks
