@@ -1,12 +1,13 @@
 """The vDNN papers' accounting of a step's memory: every buffer allocated for the whole step, none reused.
 
-Document 002 (SEEDS.md) quotes AlexNet at batch 128 as needing "about 1.1 GB" and VGG-16 at
-batch 128 "about 14 GB", and sorts that memory "by function: parameters, feature maps (forward
-intermediates), gradient maps (backward intermediates), workspace (cuDNN scratch buffers)". Those
-figures are the baseline vDNN compares against: a network-wide allocation, in which every layer's
-feature maps, gradient maps, weights, weight gradients and workspace are allocated for the whole
-iteration and no buffer is reused. PyTorch's accounting (``Graph.peak_bytes``) instead frees each
-tensor after its last use, so the same step peaks lower.
+SEEDS.md on document 002: "Memory is computable before running: AlexNet at batch 128 needs about
+**1.1 GB**; VGG-16 at batch 128 about **14 GB**", and "Memory by function: parameters, feature maps
+(forward intermediates), gradient maps (backward intermediates), workspace (cuDNN scratch buffers,
+freed when the call returns)". It does not say how those figures were counted. We read them
+(assumed, as issue 16 does) as vDNN's baseline, the network-wide allocation: every layer's feature
+maps, gradient maps, weights, weight gradients and workspace allocated for the whole iteration,
+no buffer reused. PyTorch's accounting (``Graph.peak_bytes``) instead frees each tensor after its
+last use, so the same step peaks lower.
 
 How the traced step maps onto the paper's functions (what is assumed is marked so):
 
@@ -17,13 +18,16 @@ How the traced step maps onto the paper's functions (what is assumed is marked s
   pooling's int64 indices included: they are buffers of this step's layers).
 - gradient maps (assumed): one buffer per layer output, the size of that output: each layer
   writes its dX into its own buffer, dY of a layer being dX of the next, as in the paper's layer
-  model. A layer output is a floating-point storage made in forward and returned by a module call;
-  a layer that works in place (an in-place ReLU) shares its input's storage and adds none. The
-  batch gets no gradient map (nothing computes its gradient). PyTorch's own backward makes more
-  gradient storages than this (ReLU's backward writes a new one), which its reuse hides.
+  model. A layer output is a floating-point storage made in forward and returned by a module call
+  (a functional op inside a module's forward makes no layer of its own); a layer that works in
+  place (an in-place ReLU) shares its input's storage and adds none. The batch gets no gradient
+  map (nothing computes its gradient). PyTorch's own backward makes more gradient storages than
+  this (ReLU's backward writes a new one), which its reuse hides.
 - workspace: not counted. cuDNN's scratch buffers are not in a trace under fake tensors, and the
   papers give no per-layer figure to model them from; the network-wide total is therefore a lower
-  bound on the paper's, short by the workspace of every convolution.
+  bound on the paper's, short by the workspace of every convolution. For AlexNet and VGG-16 at
+  batch 128 it already exceeds document 002's figures without them (notebook 02), so workspaces
+  would widen that gap, not close it.
 - optimizer state (assumed excluded): document 002's functions do not list momentum, so it is
   reported apart and left out of the total.
 """
