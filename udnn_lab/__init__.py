@@ -35,12 +35,12 @@ if TYPE_CHECKING:
         UnknownHardwareError,
         UnknownModelError,
     )
-    from udnn_lab.graph import Graph, Offload, Plan, Recompute
+    from udnn_lab.graph import Graph, NetworkWide, Offload, Plan, Recompute, network_wide
     from udnn_lab.hardware import Hardware
     from udnn_lab.measurement import Measurement, measure
     from udnn_lab.planning import min_budget, plan, sweep
     from udnn_lab.runtime import OffloadRuntime, Run, train
-    from udnn_lab.simulation import Simulation, simulate
+    from udnn_lab.simulation import Simulation, network_wide_saving, simulate
     from udnn_lab.units import Bytes, format_bytes, format_seconds, parse_bytes
     from udnn_lab.widgets import MemoryLab
     from udnn_lab.workload import Workload
@@ -53,12 +53,12 @@ _HOMES = {
                      "LargeMeasurementWarning", "MissingDependency", "ModelFactoryError", "ModelInputError",
                      "PlanError", "PlanInfeasible", "PlanMismatch", "TraceMismatch", "UdnnLabError",
                      "UnknownHardwareError", "UnknownModelError"], "udnn_lab.errors"),
-    **dict.fromkeys(["Graph", "Offload", "Plan", "Recompute"], "udnn_lab.graph"),
+    **dict.fromkeys(["Graph", "NetworkWide", "Offload", "Plan", "Recompute", "network_wide"], "udnn_lab.graph"),
     "Hardware": "udnn_lab.hardware",
     **dict.fromkeys(["Measurement", "measure"], "udnn_lab.measurement"),
     **dict.fromkeys(["min_budget", "plan", "sweep"], "udnn_lab.planning"),
     **dict.fromkeys(["OffloadRuntime", "Run", "train"], "udnn_lab.runtime"),
-    **dict.fromkeys(["Simulation", "simulate"], "udnn_lab.simulation"),
+    **dict.fromkeys(["Simulation", "network_wide_saving", "simulate"], "udnn_lab.simulation"),
     **dict.fromkeys(["Bytes", "format_bytes", "format_seconds", "parse_bytes"], "udnn_lab.units"),
     "MemoryLab": "udnn_lab.widgets",  # the app pulls in altair and ipywidgets
     "Workload": "udnn_lab.workload",
@@ -67,10 +67,11 @@ _HOMES = {
 __all__ = [
     "Bytes", "CostModel", "FakeTensorUnsupported", "Graph", "Hardware", "HardwareMismatchWarning",
     "HardwareProfileError", "HostMemoryError", "LargeMeasurementWarning", "Measurement", "MemoryLab",
-    "MissingDependency", "ModelFactoryError", "ModelInputError", "Offload", "OffloadRuntime", "Plan", "PlanError",
-    "PlanInfeasible", "PlanMismatch", "Profile", "RateCurve", "Recompute", "Run", "Simulation", "TraceMismatch",
-    "UdnnLabError", "UnknownHardwareError", "UnknownModelError", "Workload", "format_bytes", "format_seconds",
-    "measure", "min_budget", "parse_bytes", "plan", "profile", "simulate", "sweep", "trace", "train", "zoo",
+    "MissingDependency", "ModelFactoryError", "ModelInputError", "NetworkWide", "Offload", "OffloadRuntime", "Plan",
+    "PlanError", "PlanInfeasible", "PlanMismatch", "Profile", "RateCurve", "Recompute", "Run", "Simulation",
+    "TraceMismatch", "UdnnLabError", "UnknownHardwareError", "UnknownModelError", "Workload", "format_bytes",
+    "format_seconds", "measure", "min_budget", "network_wide", "network_wide_saving", "parse_bytes", "plan",
+    "profile", "simulate", "sweep", "trace", "train", "zoo",
 ]
 assert sorted(__all__) == sorted(_HOMES), "every public name has a home, and only those"
 __version__ = "0.1.0"
