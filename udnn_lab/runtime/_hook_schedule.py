@@ -100,7 +100,8 @@ class HookSchedule:
             f"this step is not the one the plan was made for: after its op {op}{family} {what}, where the plan's "
             f"step {planned} (hook call {ordinal}). The model, its mode (train or "
             "eval), the loss, the optimizer or the input changed since the plan was made: trace this step and plan "
-            "again (ul.plan(ul.trace(...), ...))")
+            "again (ul.plan(ul.trace(...), ...)). If nothing changed, the device's kernels save other tensors than "
+            "the traced ones did: follow the plan op by op with plan.located(graph, on_hooks=False)")
 
 
 # A view's backward node depends on how autograd rebuilds views (NOTE [view replay] 1): a traced step names
