@@ -43,21 +43,25 @@ PHASE_LABEL_ROOM = 24  # pixels kept free of data at the top of the plot, where 
 
 def memory_curve(frame: pd.DataFrame, budget_bytes: int | None = None, min_budget_bytes: int | None = None,
                  width: int = 720, height: int = 300, title: str | None = None,
-                 legends: Literal["right", "bottom"] = "right", select_op: bool = False) -> alt.LayerChart:
+                 legends: Literal["right", "bottom"] = "right", select_op: bool = False,
+                 picked_op: int | None = None) -> alt.LayerChart:
     """Live memory over the step (from frames.memory_curve): categories stacked, predicted and measured totals
     as lines (named in the legend by the frame's ``line`` column when it has one), forward | backward |
     optimizer shaded and named in a strip the data never reaches, the budget (and the policy's minimum) as
     rules labelled right of the plot. ``legends="bottom"`` puts the legends under the plot, for a narrow
     space. ``select_op=True``: a click picks the op nearest to the pointer (the point selection
-    OP_SELECTION, its value the op's ``index``) and a rule marks it; a double click clears it."""
-    layers = memory_curve_layers(frame, budget_bytes, min_budget_bytes, height, legends, select_op)
+    OP_SELECTION, its value the op's ``index``) and a rule marks it; a double click clears it. ``picked_op``:
+    the op picked when the chart is drawn."""
+    layers = memory_curve_layers(frame, budget_bytes, min_budget_bytes, height, legends, select_op,
+                                 picked_op=picked_op)
     chart = alt.layer(*layers).resolve_scale(color="independent").properties(width=width, height=height)
     return chart.properties(title=title) if title else chart
 
 
 def memory_curve_layers(frame: pd.DataFrame, budget_bytes: int | None = None, min_budget_bytes: int | None = None,
                         height: int = 300, legends: Literal["right", "bottom"] = "right",
-                        select_op: bool = False, line_params: tuple[alt.Parameter, ...] = ()) -> list[Layer]:
+                        select_op: bool = False, line_params: tuple[alt.Parameter, ...] = (),
+                        picked_op: int | None = None) -> list[Layer]:
     """memory_curve's layers, for charts that add their own (charts.linked); ``line_params`` (selections) are
     added to the total lines."""
     check_columns(frame, ["index", "phase", "module", "op", "series", "category", "bytes"], "frames.memory_curve")
@@ -95,7 +99,8 @@ def memory_curve_layers(frame: pd.DataFrame, budget_bytes: int | None = None, mi
     if line_params:
         total_lines = total_lines.add_params(*line_params)
     if select_op:
-        picked = alt.selection_point(name=OP_SELECTION, fields=["index"], nearest=True, on="click", empty=False)
+        picked = alt.selection_point(name=OP_SELECTION, fields=["index"], nearest=True, on="click", empty=False,
+                                     value=alt.Undefined if picked_op is None else [{"index": picked_op}])
         total_lines = total_lines.add_params(picked)
         layers.append(total_lines)
         layers.append(alt.Chart(totals).mark_rule(color="#333333", strokeDash=[4, 2]).encode(
