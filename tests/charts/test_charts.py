@@ -208,6 +208,10 @@ def test_memory_curve_can_pick_an_op_and_marks_it(small):
     spec = charts.memory_curve(frame, select_op=True).to_dict()
     picked = _params(spec)[charts.OP_SELECTION]
     assert picked["select"] == {"type": "point", "fields": ["index"], "nearest": True, "on": "click"}
+    picker = next(layer for layer in _layers(spec) if layer.get("name") in picked["views"])
+    assert picker["mark"]["type"] == "point"  # vega-lite's nearest works on point marks only
+    assert _params(charts.memory_curve(frame, select_op=True, picked_op=7).to_dict())[charts.OP_SELECTION][
+        "value"] == [{"index": 7}]
     marked = [layer for layer in _layers(spec)
               if layer.get("transform", [{}])[0].get("filter") == {"param": charts.OP_SELECTION, "empty": False}]
     assert len(marked) == 1 and marked[0]["mark"]["type"] == "rule" and marked[0]["encoding"]["x"]["field"] == "index"

@@ -98,15 +98,15 @@ def memory_curve_layers(frame: pd.DataFrame, budget_bytes: int | None = None, mi
         strokeDash=alt.StrokeDash("line:N", scale=dashes, legend=None), tooltip=tooltip + ["line:N"])
     if line_params:
         total_lines = total_lines.add_params(*line_params)
-    if select_op:
+    layers.append(total_lines)
+    if select_op:  # vega-lite finds the nearest point only for point marks: invisible ones on the totals
         picked = alt.selection_point(name=OP_SELECTION, fields=["index"], nearest=True, on="click", empty=False,
                                      value=alt.Undefined if picked_op is None else [{"index": picked_op}])
-        total_lines = total_lines.add_params(picked)
-        layers.append(total_lines)
+        layers.append(alt.Chart(totals).mark_point(opacity=0).encode(
+            x, alt.Y("value:Q", stack=None, title=y_title, scale=y_scale), tooltip=tooltip + ["line:N"],
+        ).add_params(picked))
         layers.append(alt.Chart(totals).mark_rule(color="#333333", strokeDash=[4, 2]).encode(
             x, tooltip=tooltip + ["line:N"]).transform_filter(picked))
-    else:
-        layers.append(total_lines)
     rule_marks = rules(marks, scale, unit)
     if rule_marks is not None:
         layers.append(rule_marks)

@@ -104,5 +104,5 @@ def _row(row) -> str:
     lives = f"{row.lifetime_ops} ops" + ("" if pd.isna(row.lifetime_s) else f", {format_seconds(row.lifetime_s)}")
     values = [html.escape(row.tensor), format_bytes(int(row.nbytes)), html.escape(row.category), row.state, producer,
               html.escape(row.module or "(model)"), f"{first} → {free}", lives]
-    cells = "".join(f"<td style='padding:1px 6px'>{v}</td>" for v in values)
+    cells = "".join(f"<td style='padding:1px 6px;white-space:nowrap'>{v}</td>" for v in values)
     return f"<tr class='udnn-live-tensor'>{cells}</tr>"
