@@ -92,7 +92,8 @@ def _table(frame: pd.DataFrame) -> str:
     more = f"<div><i>… and {len(frame) - len(shown)} smaller</i></div>" if len(frame) > len(shown) else ""
     columns = ["tensor", "size", "category", "state", "produced by", "module", "live ops", "lives"]
     header = "".join(f"<th style='text-align:left;padding:1px 6px'>{c}</th>" for c in columns)
-    return (f"<div class='udnn-live-tensors' style='line-height:1.3;font-size:12px'><div>{head}</div>"
+    scrolls = "line-height:1.3;font-size:12px;max-width:100%;overflow-x:auto"  # a wide table scrolls, never cut
+    return (f"<div class='udnn-live-tensors' style='{scrolls}'><div>{head}</div>"
             f"<table style='border-collapse:collapse'><thead><tr>{header}</tr></thead><tbody>{cells}</tbody></table>"
             f"{more}</div>")
 
