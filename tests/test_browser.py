@@ -1,12 +1,12 @@
 """A real browser: JupyterLab on 127.0.0.1, driven by Playwright with the system's chromium.
 
 It opens a copy of the quickstart, runs every cell from the Run menu, moves MemoryLab's
-budget slider from the keyboard and checks that the memory chart was drawn again; then
-types a budget no plan meets and checks the message is whole on screen, measures a real
-step and reads both lines in the legend, trains two steps and checks that another network
-clears the training view. Outside
-CI the test skips when chromium or playwright is missing; with CI set it fails instead
-(``make test`` installs both on Debian).
+budget slider from the keyboard and checks that the memory chart was drawn again; clicks
+the memory curve and reads the table of the tensors live at the op clicked; then types a
+budget no plan meets and checks the message is whole on screen, measures a real step and
+reads both lines in the legend, trains two steps and checks that another network clears
+the training view. Outside CI the test skips when chromium or playwright is missing; with
+CI set it fails instead (``make test`` installs both on Debian).
 """
 
 import json
@@ -142,6 +142,7 @@ def test_quickstart_runs_in_jupyterlab_and_the_budget_slider_redraws_the_chart(c
         summary.filter(has_text=f"of budget {after:.2f} MiB").wait_for()
         assert "fits" in summary.inner_text() and "Error" not in app.inner_text()
 
+        a_click_on_the_memory_curve_lists_the_live_tensors(app)
         measure_shows_both_lines(app)
         an_infeasible_budget_is_said_in_full(page, app)
         another_network_clears_the_training_view(app)
@@ -197,6 +198,35 @@ def budget_shown(app) -> float:
 
 def legend_of_memory_chart(app) -> str:
     return app.locator(".vega-embed svg.marks").first.text_content()
+
+
+def inspected_op(app) -> int:
+    """The op the live-tensors table is of ('live at op 123 (...)')."""
+    text = app.locator(".udnn-live-tensors").inner_text()
+    return int(re.search(r"live at op (\d+)", text).group(1))
+
+
+def a_click_on_the_memory_curve_lists_the_live_tensors(app) -> None:
+    """The table lists the tensors at the peak; a click on the curve lists those at the op nearest the click."""
+    app.locator(".udnn-live-tensors").wait_for()
+    before = inspected_op(app)
+    chart = app.locator(".vega-embed svg.marks").first
+    chart.scroll_into_view_if_needed()
+    line = chart.locator(".mark-line path").first.bounding_box()
+    for at in (0.1, 0.6):  # a second place, should the first be nearest the op already shown
+        app.page.mouse.click(line["x"] + at * line["width"], line["y"] + 0.5 * line["height"])
+        deadline = time.monotonic() + 15
+        while inspected_op(app) == before and time.monotonic() < deadline:
+            time.sleep(0.25)
+        if inspected_op(app) != before:
+            break
+    clicked = inspected_op(app)
+    assert clicked != before, "a click on the memory curve did not pick an op"
+    rows = app.locator(".udnn-live-tensor")
+    assert rows.count() > 0 and re.search(r"\d", rows.first.inner_text())
+    assert f"live at op {clicked}" in app.locator(".udnn-live-tensors").inner_text()
+    assert app.locator(".widget-text").filter(has=app.page.get_by_text("inspect op", exact=True)).locator(
+        "input").input_value() == str(clicked)
 
 
 def measure_shows_both_lines(app) -> None:

@@ -186,3 +186,54 @@ def test_save_html_png_svg_offline(small, tmp_path):
     assert "<svg" in charts.save(charts.timeline(frames.timeline(sim)), tmp_path / "streams.svg").read_text()
     with pytest.raises(ValueError, match=".png"):
         charts.save(chart, tmp_path / "curve.gif")
+
+
+def _params(spec: dict) -> dict[str, dict]:
+    return {param["name"]: param for param in spec.get("params", [])}
+
+
+def _layers(spec: dict) -> list[dict]:
+    """Every unit spec under ``spec``, depth first."""
+    found = []
+    for key in ("layer", "vconcat", "hconcat"):
+        for child in spec.get(key, []):
+            found += _layers(child) if any(k in child for k in ("layer", "vconcat", "hconcat")) else [child]
+    return found
+
+
+def test_memory_curve_can_pick_an_op_and_marks_it(small):
+    graph, sim = small
+    frame = frames.memory_curve(graph, sim)
+    assert charts.OP_SELECTION not in _params(charts.memory_curve(frame).to_dict())
+    spec = charts.memory_curve(frame, select_op=True).to_dict()
+    picked = _params(spec)[charts.OP_SELECTION]
+    assert picked["select"] == {"type": "point", "fields": ["index"], "nearest": True, "on": "click"}
+    picker = next(layer for layer in _layers(spec) if layer.get("name") in picked["views"])
+    assert picker["mark"]["type"] == "point"  # vega-lite's nearest works on point marks only
+    assert _params(charts.memory_curve(frame, select_op=True, picked_op=7).to_dict())[charts.OP_SELECTION][
+        "value"] == [{"index": 7}]
+    marked = [layer for layer in _layers(spec)
+              if layer.get("transform", [{}])[0].get("filter") == {"param": charts.OP_SELECTION, "empty": False}]
+    assert len(marked) == 1 and marked[0]["mark"]["type"] == "rule" and marked[0]["encoding"]["x"]["field"] == "index"
+
+
+def test_linked_memory_and_streams_selects_across_the_op_and_time_axes(small):
+    graph, sim = small
+    spec = charts.linked_memory_and_streams(frames.memory_curve(graph, sim), frames.timeline(sim),
+                                            budget_bytes=sim.peak_bytes).to_dict()
+    params = _params(spec)
+    assert params[charts.OP_RANGE]["select"] == {"type": "interval", "encodings": ["x"]}
+    assert params[charts.TIME_RANGE]["select"] == {"type": "interval", "encodings": ["x"]}
+    assert charts.OP_SELECTION in params
+    memory, streams = spec["vconcat"]
+    assert params[charts.OP_RANGE]["views"] == params[charts.OP_SELECTION]["views"]
+    assert params[charts.TIME_RANGE]["views"] != params[charts.OP_RANGE]["views"]
+    bars = next(layer for layer in streams["layer"] if layer["mark"]["type"] == "bar")
+    faded = bars["encoding"]["opacity"]["condition"]["test"]
+    assert f"{charts.OP_RANGE}.index" in faded and "datum.op" in faded and "datum.last_op" in faded
+    assert bars["name"] in params[charts.TIME_RANGE]["views"]
+    marked = [layer for layer in memory["layer"] if "transform" in layer
+              and f"{charts.TIME_RANGE}.start_ms" in str(layer["transform"][0].get("filter"))]
+    assert len(marked) == 1 and marked[0]["encoding"]["x"]["field"] == "index"
+    with pytest.raises(ValueError, match="frames.timeline"):
+        charts.linked_memory_and_streams(frames.memory_curve(graph, sim), frames.memory_curve(graph, sim))

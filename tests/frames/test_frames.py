@@ -156,3 +156,45 @@ def test_simulations_and_savings(small):
     assert labelled.loc[0, "hardware"] == HW and labelled.loc[0, "batch"] == 2
     with pytest.raises(ValueError, match="baseline"):
         frames.savings(table[table["policy"] != "keep-all"])
+
+
+def test_live_tensors_at_an_op_sum_to_the_curve_kept_all_and_under_a_plan(small):
+    graph, sim = small
+    kept, planned = graph.memory_curve(), sim.memory_curve()
+    states = set()
+    for i in range(len(graph.ops)):
+        alone = frames.live_tensors(graph, i)
+        assert alone["on_device"].all() and alone["nbytes"].sum() == kept["live_bytes"].iloc[i]
+        assert alone["cuda_nbytes"].sum() == kept["cuda_live_bytes"].iloc[i]
+        under = frames.live_tensors(graph, i, sim)
+        on = under[under["on_device"]]
+        assert on["nbytes"].sum() == planned["live_bytes"].iloc[i]
+        assert on["cuda_nbytes"].sum() == planned["cuda_live_bytes"].iloc[i]
+        states |= set(under["state"])
+    assert {"on device", "offloaded"} <= states and states <= {"on device", "offloading", "prefetching",
+                                                                 "offloaded", "dropped"}
+
+
+def test_live_tensors_name_their_producer_module_and_life(small):
+    graph, sim = small
+    peak = int(graph.memory_curve()["live_bytes"].idxmax())
+    frame = frames.live_tensors(graph, peak, sim)
+    assert list(frame.columns) == frames.LIVE_TENSOR_COLUMNS
+    on = frame[frame["on_device"]]
+    assert on["nbytes"].is_monotonic_decreasing
+    for row in frame.itertuples():
+        t = graph.tensors[row.id]
+        assert (row.tensor, row.nbytes, row.category, row.module) == (t.name, t.nbytes, t.category, t.module)
+        assert row.alloc_op <= peak and (pd.isna(row.free_op) or row.free_op >= peak)
+        if t.producer is None:
+            assert row.producer == -1
+        else:
+            assert (row.producer, row.producer_op) == (t.producer, graph.ops[t.producer].name)
+        last = len(graph.ops) - 1 if pd.isna(row.free_op) else row.free_op
+        assert row.lifetime_ops == last - max(row.alloc_op, 0) + 1
+        starts, ends = sim.curve["start_s"], sim.curve["end_s"]
+        assert row.lifetime_s == pytest.approx(ends.iloc[last] - starts.iloc[max(row.alloc_op, 0)])
+    assert frames.live_tensors(graph, peak)["lifetime_s"].isna().all()
+    assert frame.attrs["op"] == graph.ops[peak].name
+    with pytest.raises(IndexError, match="op_index"):
+        frames.live_tensors(graph, len(graph.ops))

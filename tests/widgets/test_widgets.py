@@ -304,3 +304,42 @@ def test_train_errors_are_shown_not_raised():
     lab.budget.value = 0.001  # far below anything that fits
     lab.train(steps=2, wait=True)
     assert "PlanInfeasible" in lab.status.value and lab.training.run is None
+
+
+def click_on_op(chart: alt.JupyterChart, op: int) -> None:
+    """What the chart's JavaScript syncs when a click picks the op ``op`` on the memory curve."""
+    chart._vl_selections = {ul.charts.OP_SELECTION: {"value": {"vlPoint": {"or": [{"index": op}]}},
+                                                     "store": [{"unit": "view", "fields": [], "values": [op]}]}}
+
+
+def picked_in_chart(lab: MemoryLab) -> list:
+    params = {p["name"]: p for p in lab.memory_chart.spec.get("params", [])}
+    return params[ul.charts.OP_SELECTION].get("value")
+
+
+def test_the_live_tensors_at_the_peak_are_listed_until_an_op_is_picked(lab):
+    sim, graph = lab.simulation, lab.session.graph(lab.setting)
+    peak = int(sim.curve["live_bytes"].to_numpy().argmax())  # mlp5 on h100-sxm: a CUDA step
+    peak = int(sim.curve["cuda_live_bytes"].to_numpy().argmax()) if graph.device == "cuda" else peak
+    assert lab.drill.op.value == peak and not lab.drill.picked
+    assert f"live at op {peak}" in lab.drill.table.value
+    on = lab.drill.frame[lab.drill.frame["on_device"]]
+    assert on["nbytes"].sum() == sim.curve["live_bytes"].iloc[peak]
+    assert picked_in_chart(lab) == [{"index": peak}]
+
+
+def test_a_click_on_the_memory_curve_lists_the_tensors_live_at_that_op(lab):
+    graph, sim = lab.session.graph(lab.setting), lab.simulation
+    click_on_op(lab.memory_chart, 3)
+    assert lab.drill.op.value == 3 and lab.drill.picked
+    expected = ul.frames.live_tensors(graph, 3, sim)
+    pd.testing.assert_frame_equal(lab.drill.frame, expected)
+    table = lab.drill.table.value
+    assert f"live at op 3</b> ({html.escape(graph.ops[3].name)}" in table
+    assert table.count("class='udnn-live-tensor'") == min(len(expected), 20)
+    assert html.escape(expected["tensor"].iloc[0]) in table and format_bytes(int(expected["nbytes"].iloc[0])) in table
+    lab.budget.value = lab.budget.value * 0.9  # another plan: the same op, under it, marked on the new chart
+    assert lab.drill.op.value == 3 and lab.drill.frame.attrs["policy"] == lab.simulation.policy
+    assert picked_in_chart(lab) == [{"index": 3}]
+    lab.drill.op.value = 5  # the box picks an op too
+    assert "live at op 5</b>" in lab.drill.table.value

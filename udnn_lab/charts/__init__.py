@@ -2,7 +2,9 @@
 
 May import: frames' column names and the vocabulary; never a Graph, Plan or Simulation."""
 
+from udnn_lab.charts.linked import OP_RANGE, TIME_RANGE, linked_memory_and_streams  # noqa: F401
 from udnn_lab.charts.memory import (  # noqa: F401
+    OP_SELECTION,
     bandwidth,
     batch_sweep,
     budget_sweep,
@@ -19,6 +21,7 @@ from udnn_lab.charts.memory import (  # noqa: F401
 )
 
 __all__ = [
-    "bandwidth", "batch_sweep", "budget_sweep", "enable_offline", "layer_bars", "memory_by_category",
-    "memory_curve", "policy_savings", "predicted_vs_measured", "save", "step_times", "timeline", "training",
+    "OP_RANGE", "OP_SELECTION", "TIME_RANGE", "bandwidth", "batch_sweep", "budget_sweep", "enable_offline",
+    "layer_bars", "linked_memory_and_streams", "memory_by_category", "memory_curve", "policy_savings",
+    "predicted_vs_measured", "save", "step_times", "timeline", "training",
 ]

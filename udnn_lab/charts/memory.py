@@ -27,25 +27,43 @@ from udnn_lab.charts.sweeps import bandwidth, batch_sweep, budget_sweep, layer_b
 from udnn_lab.vocabulary import CATEGORIES, PHASES
 
 __all__ = [
-    "bandwidth", "batch_sweep", "budget_sweep", "enable_offline", "layer_bars", "memory_by_category", "memory_curve",
-    "policy_savings", "predicted_vs_measured", "save", "step_times", "timeline", "training",
+    "OP_SELECTION", "bandwidth", "batch_sweep", "budget_sweep", "enable_offline", "layer_bars", "memory_by_category",
+    "memory_curve", "memory_curve_layers", "policy_savings", "predicted_vs_measured", "save", "step_times",
+    "timeline", "training",
 ]
 
 _LINE_COLORS = {"predicted": "#222222", "measured": "#d62728"}
 _LINE_DASHES = {"predicted": [1, 0], "measured": [5, 3]}
 _SERIES_COLORS = alt.Scale(domain=list(_LINE_COLORS), range=list(_LINE_COLORS.values()))
 _SERIES_DASH = alt.Scale(domain=list(_LINE_DASHES), range=list(_LINE_DASHES.values()))
+Layer = alt.Chart | alt.LayerChart | alt.FacetChart
+OP_SELECTION = "drill_op"  # the op picked on a memory curve: a point selection of its ``index``
 PHASE_LABEL_ROOM = 24  # pixels kept free of data at the top of the plot, where the phases are named
 
 
 def memory_curve(frame: pd.DataFrame, budget_bytes: int | None = None, min_budget_bytes: int | None = None,
                  width: int = 720, height: int = 300, title: str | None = None,
-                 legends: Literal["right", "bottom"] = "right") -> alt.LayerChart:
+                 legends: Literal["right", "bottom"] = "right", select_op: bool = False,
+                 picked_op: int | None = None) -> alt.LayerChart:
     """Live memory over the step (from frames.memory_curve): categories stacked, predicted and measured totals
     as lines (named in the legend by the frame's ``line`` column when it has one), forward | backward |
     optimizer shaded and named in a strip the data never reaches, the budget (and the policy's minimum) as
     rules labelled right of the plot. ``legends="bottom"`` puts the legends under the plot, for a narrow
-    space."""
+    space. ``select_op=True``: a click picks the op nearest to the pointer (the point selection
+    OP_SELECTION, its value the op's ``index``) and a rule marks it; a double click clears it. ``picked_op``:
+    the op picked when the chart is drawn."""
+    layers = memory_curve_layers(frame, budget_bytes, min_budget_bytes, height, legends, select_op,
+                                 picked_op=picked_op)
+    chart = alt.layer(*layers).resolve_scale(color="independent").properties(width=width, height=height)
+    return chart.properties(title=title) if title else chart
+
+
+def memory_curve_layers(frame: pd.DataFrame, budget_bytes: int | None = None, min_budget_bytes: int | None = None,
+                        height: int = 300, legends: Literal["right", "bottom"] = "right",
+                        select_op: bool = False, line_params: tuple[alt.Parameter, ...] = (),
+                        picked_op: int | None = None) -> list[Layer]:
+    """memory_curve's layers, for charts that add their own (charts.linked); ``line_params`` (selections) are
+    added to the total lines."""
     check_columns(frame, ["index", "phase", "module", "op", "series", "category", "bytes"], "frames.memory_curve")
     largest = max([frame["bytes"].max() if len(frame) else 0, budget_bytes or 0, min_budget_bytes or 0])
     unit, scale = byte_unit(largest)
@@ -59,7 +77,7 @@ def memory_curve(frame: pd.DataFrame, budget_bytes: int | None = None, min_budge
     marks: dict[str, float | None] = {"budget": budget_bytes, "minimum feasible": min_budget_bytes}
     legend = alt.Legend(offset=rule_label_room(marks), labelLimit=400) if legends == "right" else \
         alt.Legend(orient="bottom", direction="horizontal", columns=4, labelLimit=400)
-    layers = [_phase_bands(data)]
+    layers: list[Layer] = [_phase_bands(data)]
     stacked = data[(data["series"] == "predicted") & (data["category"] != "total")]
     present = [c for c in CATEGORIES if c in set(stacked["category"])]
     stacked = stacked.assign(rank=stacked["category"].map({c: i for i, c in enumerate(CATEGORIES)}))
@@ -74,15 +92,25 @@ def memory_curve(frame: pd.DataFrame, budget_bytes: int | None = None, min_budge
     series_of = dict(zip(totals["line"], totals["series"]))
     colors = alt.Scale(domain=lines, range=[_LINE_COLORS.get(series_of[n], "#7f7f7f") for n in lines])
     dashes = alt.Scale(domain=lines, range=[_LINE_DASHES.get(series_of[n], [2, 2]) for n in lines])
-    layers.append(alt.Chart(totals).mark_line(interpolate="step-after", strokeWidth=1.5).encode(
+    total_lines = alt.Chart(totals).mark_line(interpolate="step-after", strokeWidth=1.5).encode(
         x, alt.Y("value:Q", stack=None, title=y_title, scale=y_scale),
         stroke=alt.Stroke("line:N", scale=colors, title="total", legend=legend),
-        strokeDash=alt.StrokeDash("line:N", scale=dashes, legend=None), tooltip=tooltip + ["line:N"]))
+        strokeDash=alt.StrokeDash("line:N", scale=dashes, legend=None), tooltip=tooltip + ["line:N"])
+    if line_params:
+        total_lines = total_lines.add_params(*line_params)
+    layers.append(total_lines)
+    if select_op:  # vega-lite finds the nearest point only for point marks: invisible ones on the totals
+        picked = alt.selection_point(name=OP_SELECTION, fields=["index"], nearest=True, on="click", empty=False,
+                                     value=alt.Undefined if picked_op is None else [{"index": picked_op}])
+        layers.append(alt.Chart(totals).mark_point(opacity=0).encode(
+            x, alt.Y("value:Q", stack=None, title=y_title, scale=y_scale), tooltip=tooltip + ["line:N"],
+        ).add_params(picked))
+        layers.append(alt.Chart(totals).mark_rule(color="#333333", strokeDash=[4, 2]).encode(
+            x, tooltip=tooltip + ["line:N"]).transform_filter(picked))
     rule_marks = rules(marks, scale, unit)
     if rule_marks is not None:
         layers.append(rule_marks)
-    chart = alt.layer(*layers).resolve_scale(color="independent").properties(width=width, height=height)
-    return chart.properties(title=title) if title else chart
+    return layers
 
 
 def _phase_bands(data: pd.DataFrame) -> alt.LayerChart | alt.FacetChart:

@@ -23,6 +23,19 @@ def timeline(frame: pd.DataFrame, width: int = 720, lane_height: int = 28,
     waits for memory, prefetches or a synchronization, are red and also ticked above the
     lane so that the shortest stay visible.
     """
+    layers, tracks = timeline_layers(frame, lane_height)
+    chart = alt.layer(*layers).properties(width=width, height=max(lane_height * tracks, 60))
+    return chart.properties(title=title) if title else chart
+
+
+def timeline_layers(frame: pd.DataFrame, lane_height: int = 28, op_range: str | None = None,
+                    time_range: alt.Parameter | None = None) -> tuple[list[alt.Chart], int]:
+    """timeline's layers and its number of tracks, for charts that link it to others (charts.linked).
+
+    ``op_range``: the name of an interval selection over op ``index`` elsewhere in the chart;
+    while it holds a range, the bars of the ops outside it fade. ``time_range``: an interval
+    selection over time, added to the bars so that dragging across them selects a span.
+    """
     check_columns(frame, ["source", "lane", "kind", "stall", "start_s", "end_s", "name", "module", "nbytes", "count"],
                   "frames.timeline")
     several = frame["source"].nunique() > 1
@@ -37,13 +50,19 @@ def timeline(frame: pd.DataFrame, width: int = 720, lane_height: int = 28,
     tooltip = ["track:N", "kind:N", "name:N", "module:N", "op:Q", "count:Q",
                alt.Tooltip("start_ms:Q", format=",.3f"), alt.Tooltip("duration_ms:Q", format=",.3f"),
                alt.Tooltip("MiB:Q", format=",.2f")]
+    encoding: dict = {"x2": "end_ms:Q", "y": y, "color": alt.Color("kind:N", scale=colors, title="event"),
+                      "tooltip": tooltip}
+    if op_range is not None:  # a bar overlaps the range when its first op is before its end and its last op after
+        inside = (f"!isValid({op_range}.index) || "
+                  f"(datum.last_op >= {op_range}.index[0] && datum.op <= {op_range}.index[1])")
+        encoding["opacity"] = alt.condition({"test": inside}, alt.value(1.0), alt.value(0.15))
     bars = alt.Chart(data).mark_bar(height={"band": 0.8}).encode(
-        x=alt.X("start_ms:Q", title="time in the step (ms)"), x2="end_ms:Q", y=y,
-        color=alt.Color("kind:N", scale=colors, title="event"), tooltip=tooltip)
+        x=alt.X("start_ms:Q", title="time in the step (ms)"), **encoding)
+    if time_range is not None:
+        bars = bars.add_params(time_range)
     stalls = alt.Chart(data[data["stall"]]).mark_tick(thickness=2, bandSize=lane_height, color="#d62728").encode(
         x="start_ms:Q", y=y, tooltip=tooltip)
-    chart = alt.layer(bars, stalls).properties(width=width, height=max(lane_height * len(order), 60))
-    return chart.properties(title=title) if title else chart
+    return [bars, stalls], len(order)
 
 
 def _track_order(data: pd.DataFrame) -> list[str]:

@@ -65,6 +65,10 @@ class Simulation:
     timeline: pd.DataFrame  # one row per op, copy and stall (TIMELINE_COLUMNS)
     curve: pd.DataFrame  # Graph.memory_curve()'s columns, plus start_s and end_s
     released_before: Mapping[int, int] = field(default_factory=dict)  # offloaded tensor -> op it was freed before
+    # what the plan changes of the analyzer's liveness: (first op it holds for, +1 back on / -1 off the device,
+    # tensor id), in the order they happened; a tensor is on the device at op i when the graph has it live there
+    # plus the signs of its changes from ops <= i is 1 (how frames.live_tensors lists the tensors at an op)
+    device_changes: tuple[tuple[int, int, int], ...] = ()
 
     def __repr__(self) -> str:
         budget = format_bytes(self.budget_bytes) if self.budget_bytes is not None else "none"
@@ -383,6 +387,7 @@ class _Run:
             d2h_bytes=d2h, h2d_bytes=h2d, lower_bound_s=bound,
             peak_bytes=Bytes(max(base, counted.max() if len(counted) else 0)),
             timeline=timeline.reset_index(drop=True), curve=curve, released_before=dict(self.released),
+            device_changes=tuple(self.changes),
         )
 
     def _curve(self, spans: list[tuple[float, float]]) -> pd.DataFrame:

@@ -2,8 +2,9 @@
 
 A thin shell: the controls are ipywidgets, the work is LabSession's calls into the library
 (widgets_state.py), the pictures are udnn_lab.charts.memory in two alt.JupyterChart widgets whose
-chart is replaced in place (never new output widgets). Changes are debounced; errors are
-shown in the app, never raised into the kernel.
+chart is replaced in place (never new output widgets). A click on the memory curve reaches
+Python through the chart's selections and lists the tensors live at that op (widgets/_drill.py).
+Changes are debounced; errors are shown in the app, never raised into the kernel.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from udnn_lab.planning.registry import POLICIES
 from udnn_lab.simulation.simulator import Simulation
 from udnn_lab.units import format_bytes, format_seconds
 from udnn_lab.widgets._budget import BudgetControl
+from udnn_lab.widgets._drill import DrillPanel
 from udnn_lab.widgets._state import LabSession, MeasuredStep, Setting
 from udnn_lab.widgets._training import TrainingPanel
 
@@ -85,6 +87,8 @@ class MemoryLab(widgets.AppLayout):
                              hardware.name if isinstance(hardware, Hardware) else hardware, policy)
         self.memory_chart = alt.JupyterChart(None,  # type: ignore[arg-type]  # altair's hint omits None
                                              layout=widgets.Layout(min_height="340px"))
+        self.drill = DrillPanel()  # the tensors live at the op clicked on the memory curve
+        self.memory_chart.observe(self.drill.on_selections, names="_vl_selections")  # what a click in the page sets
         self.timeline_chart = alt.JupyterChart(None,  # type: ignore[arg-type]  # altair's hint omits None
                                                layout=widgets.Layout(min_height="140px"))
         grows = widgets.Layout(height="auto", width="100%", margin="0")  # long messages wrap; the footer grows
@@ -95,7 +99,7 @@ class MemoryLab(widgets.AppLayout):
             left_sidebar=widgets.VBox([self.network, self.batch, self.dtype, self.optimizer, self.hardware,
                                        self.device_note, self.policy, self.budget_entry, self.budget,
                                        self.minimum_text, self.actions]),
-            center=widgets.VBox([self.memory_chart, self.timeline_chart, self.training.chart]),
+            center=widgets.VBox([self.memory_chart, self.drill.box, self.timeline_chart, self.training.chart]),
             footer=widgets.VBox([self.summary, self.status], layout=widgets.Layout(height="auto")),
             pane_widths=["300px", 1, 0], pane_heights=["30px", 1, "80px"], height="auto")
         self.layout.grid_template_rows = "30px 1fr auto"  # pane_heights takes no 'auto': the footer fits its text
@@ -203,14 +207,16 @@ class MemoryLab(widgets.AppLayout):
         if measured is None:
             curve = frames.memory_curve(graph, sim, points=self.points)
             minimum = self._minimum
+            self.drill.show(graph, sim, _peak_op(sim))
         else:  # like with like: the measured step's own device, plan and ops
             curve = frames.memory_curve(measured.graph, measured.prediction, measured.measurement,
                                         measured.prediction, points=self.points)
+            self.drill.show(measured.graph, measured.prediction, _peak_op(measured.prediction))
             minimum = None  # the policy's minimum is the profile's device's, not this one's
             title = f"{graph.model_name}, batch {setting.batch}, on this machine's {measured.graph.device}: " \
                     f"{measured.prediction.policy}"
         self.memory_chart.chart = charts.memory_curve(curve, budget, minimum, width=560, height=260, title=title,
-                                                      legends="bottom")
+                                                      legends="bottom", select_op=True, picked_op=self.drill.op.value)
         self._show_timeline()
         self.summary.value = _summary(sim)
 
@@ -279,6 +285,11 @@ def _named(policy: str, plan, infeasible: bool, budget_bytes: int) -> str:
         return f"{policy} cannot fit {format_bytes(budget_bytes)} (shown: every tensor kept)"
     chose = next((n.removeprefix("chose ") for n in plan.notes if n.startswith("chose ")), None)
     return f"{policy} (chose {chose})" if chose and chose != policy else policy
+
+
+def _peak_op(sim: Simulation) -> int:
+    counted = sim.curve["cuda_live_bytes" if sim.device == "cuda" else "live_bytes"]
+    return int(counted.to_numpy().argmax()) if len(counted) else 0
 
 
 def _wrapping(text: str) -> str:
