@@ -1,15 +1,26 @@
-"""Named models with an example batch: torchvision, timm (optional) and synthetic ultra-deep nets.
+"""Named models with an example batch: torchvision, timm (optional), Hugging Face (optional), synthetic nets.
 
 Random weights, never a download. ``get(name, batch=...)`` returns a Workload
 (model, example input, target, loss, optimizer) ready for ``trace`` and ``measure``;
 anywhere a name is accepted an ``nn.Module`` may be passed instead, with ``input_shape``, or
 'package.module:factory', a callable there that returns one.
 Build on ``device='meta'`` to analyze without allocating the weights.
+
+Hugging Face models (``pip install 'udnn_lab[hf]'``) are named 'hf:<model>', e.g.
+``get("hf:llama-3-8b", batch=1, seq_len=4096, device="meta")``: the published architecture
+(``hf_configs``, each with its source) built from its config. The input is the model's own dict,
+``{"input_ids", "labels"}`` (``{"pixel_values", "labels"}`` for ViT), the loss is the one the model
+returns, the optimizer AdamW unless you ask for another. ``small=True`` keeps the family at
+2 layers, hidden size 64 and a 1000-token vocabulary; ``config_overrides`` sets any config field
+(``{"num_hidden_layers": 4}``, ``{"attn_implementation": "eager"}``).
+Your own transformers model works as any module: ``ul.Workload(model, {"input_ids": ..., "labels": ...},
+loss_fn=hf.output_loss, optimizer=...)``.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +32,7 @@ from torch import nn
 
 from udnn_lab.errors import MissingDependency, ModelFactoryError, UnknownModelError
 from udnn_lab.workload import Workload
+from udnn_lab.zoo import hf, hf_configs
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # by the name users type
 OPTIMIZERS = ("sgd", "adam", "adamw", "none")  # what get(optimizer=...) builds; 'none': forward and backward only
@@ -198,13 +210,15 @@ _PATTERNS = {
 
 
 def names() -> list[str]:
-    """Every fixed zoo name, then the parametric families (``resnet1001``, ``mlp50``)."""
-    return list(_FIXED) + ["resnet1001", "mlp5"] + list(_PATTERNS)
+    """Every fixed zoo name, the parametric families (``resnet1001``, ``mlp50``), then 'hf:' ones with transformers."""
+    huggingface = hf_configs.names() if importlib.util.find_spec("transformers") is not None else []
+    return list(_FIXED) + ["resnet1001", "mlp5"] + list(_PATTERNS) + huggingface
 
 
 def describe() -> dict[str, str]:
     """Name -> one-line description, families included."""
-    return {**{name: entry.description for name, entry in _FIXED.items()}, **_PATTERNS}
+    huggingface = {hf_configs.PREFIX + name: spec.description for name, spec in hf_configs.SPECS.items()}
+    return {**{name: entry.description for name, entry in _FIXED.items()}, **_PATTERNS, **huggingface}
 
 
 def entry(name: str) -> ZooEntry:
@@ -228,18 +242,30 @@ def entry(name: str) -> ZooEntry:
 
 def get(name_or_model: str | nn.Module, batch: int = 8, *, image_size: int | None = None,
         input_shape: tuple[int, ...] | None = None, device: str | torch.device = "cpu",
-        dtype: torch.dtype | None = None, optimizer: str | None = "sgd", seed: int = 0) -> Workload:
+        dtype: torch.dtype | None = None, optimizer: str | None = "default", seed: int = 0,
+        seq_len: int | None = None, small: bool = False, config_overrides: dict[str, Any] | None = None) -> Workload:
     """A Workload: the model (random weights) on ``device``, a random batch, cross-entropy, an optimizer.
 
     ``name_or_model``: a zoo name, or your own ``nn.Module`` or 'package.module:factory' (then
     give ``input_shape``, one example's shape, and it gets the sum of its outputs as loss; a
     factory's module is built on the CPU, or on ``device`` when that is not 'meta'). ``image_size``
     overrides the side of image inputs. ``optimizer``: 'sgd' (momentum 0.9), 'adam',
-    'adamw' or None for forward and backward only.
+    'adamw' or None for forward and backward only; by default 'sgd', and 'adamw' for 'hf:' models.
+    ``seq_len`` (default 512), ``small`` and ``config_overrides`` are for 'hf:' models (see the module's doc).
     """
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be a positive int, got {batch!r}")
     device = torch.device(device)
+    if isinstance(name_or_model, str) and name_or_model.lower().startswith(hf_configs.PREFIX):
+        model, inputs = hf.build(name_or_model, batch, seq_len=seq_len, small=small,
+                                 config_overrides=config_overrides, device=device, dtype=dtype, seed=seed)
+        kind = "adamw" if optimizer == "default" else optimizer
+        label = hf_configs.spec(name_or_model).name + ("-small" if small else "")
+        return Workload(model, inputs, None, hf.output_loss, _optimizer(kind, model), hf_configs.PREFIX + label, batch)
+    if seq_len is not None or small or config_overrides is not None:
+        raise ValueError("seq_len, small and config_overrides are for Hugging Face models ('hf:<name>'); "
+                         "for the others use input_shape")
+    optimizer = "sgd" if optimizer == "default" else optimizer
     generator_seed = torch.Generator().manual_seed(seed)
     if isinstance(name_or_model, str) and ":" in name_or_model:
         name_or_model = from_factory(name_or_model).to(device="cpu" if device.type == "meta" else device,

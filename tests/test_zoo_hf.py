@@ -1,0 +1,120 @@
+"""Hugging Face models in the zoo: the published numbers, and small configs of each family predicted exactly."""
+
+import sys
+
+import pytest
+import torch
+
+import udnn_lab as ul
+from udnn_lab import zoo
+from udnn_lab.errors import MissingDependency, ModelInputError, UnknownModelError
+from udnn_lab.zoo import hf_configs
+
+transformers = pytest.importorskip("transformers", reason="Hugging Face models need udnn_lab[hf] (transformers)")
+
+DENSE = ["hf:gpt2", "hf:llama-3-8b", "hf:llama-3-70b", "hf:mistral-7b", "hf:qwen2.5-7b", "hf:bert-base",
+         "hf:vit-b-16"]
+MOE = ["hf:qwen1.5-moe-a2.7b", "hf:mixtral-8x7b"]
+
+
+def _small(name, **options):
+    length = {} if "vit" in name else {"seq_len": 32}
+    return {"batch": 2, "small": True, **length, **options}
+
+
+def _predicted_against_measured(name, **options):
+    graph = ul.trace(zoo.get(name, device="meta", **_small(name, **options)))
+    summary = ul.measure(zoo.get(name, **_small(name, **options)), repeats=0, graph=graph).summary(graph)
+    assert summary["ops"] == len(graph.ops)
+    return summary
+
+
+@pytest.mark.parametrize("name", DENSE)
+def test_small_config_of_each_family_is_predicted_exactly_on_cpu(name):
+    summary = _predicted_against_measured(name)
+    assert summary["peak_relative_error"] == 0 and summary["max_step_relative_error"] == 0, summary
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_small_moe_in_bfloat16_is_predicted_exactly_on_cpu(name):
+    summary = _predicted_against_measured(name, dtype=torch.bfloat16)
+    assert summary["peak_relative_error"] == 0 and summary["max_step_relative_error"] == 0, summary
+
+
+@pytest.mark.xfail(strict=True, raises=ModelInputError,
+                   reason="torch's meta kernel of aten._grouped_mm (transformers' default MoE experts) accepts "
+                          "only bfloat16/float16, as the CUDA kernel does, so a float32 MoE cannot run on fake "
+                          "tensors although the CPU kernel runs it")
+def test_small_moe_in_float32_traces():
+    ul.trace(zoo.get("hf:mixtral-8x7b", device="meta", **_small("hf:mixtral-8x7b")))
+
+
+def test_eager_attention_is_predicted_exactly_too():
+    summary = _predicted_against_measured("hf:llama-3-8b", config_overrides={"attn_implementation": "eager"})
+    assert summary["peak_relative_error"] == 0, summary
+
+
+def test_the_published_numbers_reach_the_built_model():
+    work = zoo.get("hf:llama-3-8b", batch=1, seq_len=4096, device="meta")
+    config = work.model.config
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+            config.num_key_value_heads, config.intermediate_size, config.vocab_size) == (32, 4096, 32, 8, 14336, 128256)
+    rope = getattr(config, "rope_parameters", None) or {"rope_theta": config.rope_theta}
+    assert rope["rope_theta"] == 500000.0
+    assert sum(p.numel() for p in work.model.parameters()) == 8_030_261_248  # Llama-3-8B's published count
+    assert work.example_input["input_ids"].shape == (1, 4096) and work.example_input["labels"].shape == (1, 4096)
+    assert isinstance(work.optimizer, torch.optim.AdamW) and work.name == "hf:llama-3-8b"
+    gpt2 = zoo.get("hf:gpt2", batch=1, seq_len=8, device="meta").model
+    assert sum(p.numel() for p in gpt2.parameters()) == 124_439_808
+
+
+def test_every_model_builds_on_meta_with_its_input_dict():
+    for name in hf_configs.names():
+        work = zoo.get(name, batch=2, small=True, device="meta")
+        assert set(work.example_input) in ({"input_ids", "labels"}, {"pixel_values", "labels"}), name
+        assert all(p.device.type == "meta" for p in work.model.parameters()) and work.model.training
+        assert hf_configs.spec(name).source.startswith("huggingface.co/")
+
+
+def test_small_keeps_the_family_and_shrinks_it():
+    config = zoo.get("hf:qwen2.5-7b", batch=1, seq_len=8, small=True, device="meta").model.config
+    assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (2, 64, hf_configs.SMALL_VOCABULARY)
+    assert config.num_attention_heads % config.num_key_value_heads == 0 and config.num_key_value_heads > 1
+    assert type(zoo.get("hf:qwen2.5-7b", batch=1, seq_len=8, small=True, device="meta").model).__name__ == \
+        "Qwen2ForCausalLM"
+
+
+def test_vit_takes_pixels_and_class_labels():
+    work = zoo.get("hf:vit-b-16", batch=3, device="meta")
+    assert work.example_input["pixel_values"].shape == (3, 3, 224, 224) and work.example_input["labels"].shape == (3,)
+    with pytest.raises(ValueError, match="takes images"):
+        zoo.get("hf:vit-b-16", batch=1, seq_len=16, device="meta")
+
+
+def test_names_list_the_hf_models_and_bad_requests_say_what_to_do():
+    assert set(hf_configs.names()) <= set(zoo.names()) and "hf:mistral-7b" in zoo.describe()
+    assert zoo.get("HF:Llama_3_8B", batch=1, seq_len=4, small=True, device="meta").name == "hf:llama-3-8b-small"
+    with pytest.raises(UnknownModelError, match="hf:gpt2"):
+        zoo.get("hf:gpt-5", batch=1)
+    with pytest.raises(ValueError, match="between 1 and 1024"):
+        zoo.get("hf:gpt2", batch=1, seq_len=2048, device="meta")
+    with pytest.raises(ValueError, match="Hugging Face"):
+        zoo.get("mlp2", batch=1, seq_len=8)
+
+
+def test_missing_transformers_is_reported_clearly(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(MissingDependency, match="pip install 'udnn_lab\\[hf\\]'"):
+        zoo.get("hf:gpt2", batch=1, seq_len=8, device="meta")
+
+
+def test_your_own_transformers_model_works_through_its_input_dict():
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=64)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(100, (2, 16))
+    work = ul.Workload(model, {"input_ids": ids, "labels": ids.clone()}, loss_fn=zoo.hf.output_loss,
+                       optimizer=torch.optim.AdamW(model.parameters()))
+    graph = ul.trace(work)
+    summary = ul.measure(work, repeats=0, graph=graph).summary(graph)
+    assert summary["peak_relative_error"] == 0, summary
