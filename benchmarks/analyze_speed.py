@@ -6,6 +6,12 @@ in the process (fake-mode start-up included), 'warm' the second. Prints a table 
 writes JSON with the machine, versions, date and every timing.
 
     python benchmarks/analyze_speed.py [--repeats 3] [--out data/benchmarks/analyze_speed.json]
+
+``--suite hf`` times udnn_lab alone on full-size Hugging Face models built on the meta device
+(float32, AdamW, SDPA attention): the model's build from its config, then its trace, cold and warm,
+against the targets of issue 14; it writes data/benchmarks/analyze_speed_hf.json (needs udnn_lab[hf]).
+
+    python benchmarks/analyze_speed.py --suite hf [--repeats 3]
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ CASES = {  # name: (zoo name, batch)
     "resnet1001": ("resnet1001", 64),
 }
 MEMTRACKER_REPEATS = {"resnet1001": 1}  # MemTracker's cost grows with the module count: one run is minutes
+HF_CASES = {  # name: (zoo name, batch, sequence length, target seconds for the trace)
+    "llama-3-8b@4096": ("hf:llama-3-8b", 1, 4096, 10.0),
+    "llama-3-70b@8192": ("hf:llama-3-70b", 1, 8192, 30.0),
+}
 TARGET_SPEEDUP = 6.0
 TARGET_RESNET1001_S = 5.0
 
@@ -51,6 +61,53 @@ def worker(tool: str, case: str) -> dict:
         peak, detail = _memtracker(name, batch, timings)
     return {"tool": tool, "case": case, "cold_s": timings[0], "warm_s": timings[1], "peak_bytes": peak,
             "rows_of_detail": detail}
+
+
+def hf_worker(case: str) -> dict:
+    import torch
+
+    import udnn_lab as ul
+
+    torch.set_num_threads(2)
+    name, batch, seq_len, _ = HF_CASES[case]
+    start = time.perf_counter()
+    work = ul.zoo.get(name, batch=batch, seq_len=seq_len, device="meta")
+    build_s = time.perf_counter() - start
+    timings = []
+    for _ in range(2):
+        start = time.perf_counter()
+        graph = ul.trace(work)
+        graph.memory_curve()
+        timings.append(time.perf_counter() - start)
+    return {"tool": "udnn_lab", "case": case, "build_s": build_s, "cold_s": timings[0], "warm_s": timings[1],
+            "peak_bytes": graph.peak_bytes, "ops": len(graph.ops)}
+
+
+def run_hf(repeats: int, out: Path) -> dict:
+    rows = []
+    for case in HF_CASES:
+        for repeat in range(repeats):
+            print(f"  {case:18s} run {repeat + 1}/{repeats} ...", file=sys.stderr, flush=True)
+            done = subprocess.run([sys.executable, __file__, "--hf-worker", case], check=True, capture_output=True,
+                                  text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    summary = []
+    for case, (name, batch, seq_len, target) in HF_CASES.items():
+        runs = [r for r in rows if r["case"] == case]
+        summary.append({"case": case, "model": name, "batch": batch, "seq_len": seq_len, "target_trace_s": target,
+                        **{key: statistics.median(r[key] for r in runs) for key in ("build_s", "cold_s", "warm_s")},
+                        "peak_bytes": runs[0]["peak_bytes"], "ops": runs[0]["ops"]})
+    document = {"benchmark": "analyze_speed_hf", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "machine": _machine(), "repeats": repeats, "summary": summary, "runs": rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(document, indent=1))
+    print(f"\n{'model':18s} {'ops':>7s} {'build':>7s} {'trace cold':>11s} {'trace warm':>11s} {'target':>7s} "
+          f"{'peak':>10s}")
+    for row in summary:
+        print(f"{row['case']:18s} {row['ops']:7d} {row['build_s']:6.1f}s {row['cold_s']:10.1f}s {row['warm_s']:10.1f}s "
+              f"{row['target_trace_s']:6.0f}s {row['peak_bytes'] / 2**30:7.1f}GiB")
+    print(f"\nwrote {out}")
+    return document
 
 
 def _memtracker(name: str, batch: int, timings: list) -> tuple[int, int]:
@@ -159,10 +216,17 @@ def main() -> None:
                         / "analyze_speed.json")
     parser.add_argument("--tools", nargs="+", default=["udnn_lab", "memtracker"], choices=["udnn_lab", "memtracker"],
                         help="tools to time now; the others' runs are kept from --out")
+    parser.add_argument("--suite", choices=["zoo", "hf"], default="zoo",
+                        help="zoo: udnn_lab against MemTracker; hf: full-size Hugging Face models, udnn_lab alone")
     parser.add_argument("--worker", nargs=2, metavar=("TOOL", "CASE"), help=argparse.SUPPRESS)
+    parser.add_argument("--hf-worker", metavar="CASE", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(*args.worker)))
+    elif args.hf_worker:
+        print(json.dumps(hf_worker(args.hf_worker)))
+    elif args.suite == "hf":
+        run_hf(args.repeats, args.out.with_name("analyze_speed_hf.json"))
     else:
         run(args.repeats, args.out, args.tools)
 
