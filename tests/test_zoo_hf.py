@@ -98,6 +98,10 @@ def test_names_list_the_hf_models_and_bad_requests_say_what_to_do():
         zoo.get("hf:gpt-5", batch=1)
     with pytest.raises(ValueError, match="between 1 and 1024"):
         zoo.get("hf:gpt2", batch=1, seq_len=2048, device="meta")
+    with pytest.raises(ValueError, match="LlamaConfig has no field num_hiden_layers"):
+        zoo.get("hf:llama-3-8b", batch=1, config_overrides={"num_hiden_layers": 2}, device="meta")
+    with pytest.raises(ValueError, match="seq_len must be between 1 and 1024"):
+        zoo.get("hf:gpt2", batch=1, seq_len=0, device="meta")
     with pytest.raises(ValueError, match="Hugging Face"):
         zoo.get("mlp2", batch=1, seq_len=8)
 

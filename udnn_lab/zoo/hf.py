@@ -34,7 +34,7 @@ def build(name: str, batch: int, *, seq_len: int | None, small: bool, config_ove
                                                                                     dtype=dtype or torch.float32)
         labels = torch.randint(config.num_labels, (batch,), generator=generator).to(device)
         return model, {"pixel_values": pixels, "labels": labels}
-    length = seq_len or DEFAULT_SEQ_LEN
+    length = DEFAULT_SEQ_LEN if seq_len is None else seq_len
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if length < 1 or (limit is not None and length > limit):
         raise ValueError(f"seq_len must be between 1 and {limit}, the positions {name} has; got {length}")

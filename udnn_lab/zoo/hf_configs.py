@@ -18,6 +18,7 @@ from udnn_lab.errors import MissingDependency, UnknownModelError
 
 PREFIX = "hf:"
 SMALL_VOCABULARY = 1000
+_SET_AT_BUILD = {"experts_implementation"}  # config arguments transformers keeps under another, private name
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,10 @@ def config(name: str, *, small: bool = False, attn_implementation: str | None = 
                                 "pip install 'udnn_lab[hf]' (or pip install transformers)") from error
     found = spec(name)
     config_class = getattr(transformers, found.config_class)
+    unknown = sorted(key for key in overrides if key not in _SET_AT_BUILD and not hasattr(config_class(), key))
+    if unknown:
+        raise ValueError(f"{found.config_class} has no field {', '.join(unknown)}: config_overrides takes the "
+                         f"config's own names, e.g. {', '.join(list(found.numbers)[:3])}")
     numbers = {**found.numbers, **(found.small if small else {}), **overrides}
     if found.rope_theta is not None and "rope_theta" not in numbers and "rope_parameters" not in numbers:
         numbers.update(_rope(config_class, found.rope_theta))
