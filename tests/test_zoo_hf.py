@@ -68,6 +68,19 @@ def test_the_published_numbers_reach_the_built_model():
     assert sum(p.numel() for p in gpt2.parameters()) == 124_439_808
 
 
+# parameter counts as the model cards give them (Mixtral's paper: 46.7B; Qwen1.5-MoE's card: 14.3B)
+PUBLISHED_PARAMETERS = {"hf:llama-3-70b": 70.6e9, "hf:mistral-7b": 7.24e9, "hf:qwen2.5-7b": 7.61e9,
+                        "hf:qwen1.5-moe-a2.7b": 14.3e9, "hf:mixtral-8x7b": 46.7e9, "hf:bert-base": 110e6,
+                        "hf:vit-b-16": 86.6e6}
+
+
+@pytest.mark.parametrize("name", PUBLISHED_PARAMETERS)
+def test_full_size_models_have_their_published_parameter_count(name):
+    length = {} if "vit" in name else {"seq_len": 8}
+    model = zoo.get(name, batch=1, device="meta", optimizer=None, **length).model
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(PUBLISHED_PARAMETERS[name], rel=0.005)
+
+
 def test_every_model_builds_on_meta_with_its_input_dict():
     for name in hf_configs.names():
         work = zoo.get(name, batch=2, small=True, device="meta")
