@@ -28,6 +28,14 @@ def test_analyze_prints_breakdown_and_peak_and_writes_the_curve(tmp_path, capsys
     assert len(curve) == len(document["curve"]) > 100
     assert document["peak_bytes"] == curve["live_bytes"].max()
     assert document["breakdown"]["total"]["bytes_at_peak"] == document["peak_bytes"]
+    assert document["optimizer"] == "SGD"  # the zoo's own for a CNN
+
+
+def test_the_default_optimizer_is_the_zoo_s_own(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    out = tmp_path / "gpt2"
+    assert main(["analyze", "hf:gpt2", "--batch", "1", "--out", str(out)]) == 0
+    assert json.loads(out.with_suffix(".json").read_text())["optimizer"] == "AdamW"
 
 
 def test_analyze_takes_your_own_module(tmp_path, monkeypatch, capsys):
@@ -101,7 +109,7 @@ def test_the_options_list_the_names_they_accept(capsys):
     with pytest.raises(SystemExit):
         main(["report", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for names in ("{sgd,adam,adamw,none}", "{float32,float16,bfloat16}", "vdnn++", "pin-dp", "h100-sxm",
+    for names in ("{default,sgd,adam,adamw,none}", "{float32,float16,bfloat16}", "vdnn++", "pin-dp", "h100-sxm",
                   "a100"):
         assert names in text
     with pytest.raises(SystemExit):

@@ -99,8 +99,9 @@ def _parser(names: Names | None = None) -> argparse.ArgumentParser:
     step.add_argument("--image-size", type=int, help="side of image inputs (zoo default: 224, 299 for Inception)")
     step.add_argument("--input-shape", type=input_shape,
                       help="one example's shape, for your own module: 3x224x224 or 3,224,224")
-    step.add_argument("--optimizer", default="sgd", choices=names.optimizers if names else None,
-                      help="optimizer of the step (default sgd; none: forward and backward only)")
+    step.add_argument("--optimizer", default="default", choices=("default", *names.optimizers) if names else None,
+                      help="optimizer of the step (default: the zoo's own, SGD with momentum, AdamW for hf: models; "
+                           "none: forward and backward only)")
     step.add_argument("--dtype", default="float32", choices=names.dtypes if names else None,
                       help="dtype of the weights and the batch (default float32)")
 
@@ -141,12 +142,13 @@ def _analyze(args: argparse.Namespace) -> int:
     from udnn_lab.analysis import trace
 
     work = _workload(args, device="meta")
-    print(f"tracing {work.name} (batch {args.batch}, {args.dtype}, optimizer {args.optimizer}) ...", file=sys.stderr)
+    optimizer = type(work.optimizer).__name__ if work.optimizer is not None else "none"
+    print(f"tracing {work.name} (batch {args.batch}, {args.dtype}, optimizer {optimizer}) ...", file=sys.stderr)
     start = time.perf_counter()
     graph = trace(work, device=args.device)
     _print_summary(graph, time.perf_counter() - start)
     if args.out is not None:
-        _write_curve(graph, args, args.out)
+        _write_curve(graph, args, args.out, optimizer)
     if args.measure:
         _measure_here(args, graph)
     return 0
@@ -183,7 +185,8 @@ def _workload(args: argparse.Namespace, device: str):
     # startup time: each command loads its stage when it runs (see the module docstring)
     from udnn_lab import zoo
 
-    if ":" in args.model and args.input_shape is None:
+    own_module = ":" in args.model and not args.model.lower().startswith(zoo.hf_configs.PREFIX)
+    if own_module and args.input_shape is None:
         raise ValueError("for your own module give --input-shape, one example's shape, e.g. --input-shape 3x224x224")
     return zoo.get(args.model, batch=args.batch, image_size=args.image_size, input_shape=args.input_shape,
                    device=device, dtype=None if args.dtype == "float32" else zoo.DTYPES[args.dtype],
@@ -209,13 +212,13 @@ def _print_summary(graph, elapsed: float) -> None:
           f"({graph.cuda_peak_bytes} bytes)")
 
 
-def _write_curve(graph, args: argparse.Namespace, out: Path) -> None:
+def _write_curve(graph, args: argparse.Namespace, out: Path, optimizer: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     curve = graph.memory_curve()
     curve.to_csv(out.with_suffix(".csv"), index=False)
     document = {
         "model": graph.model_name, "batch": args.batch, "device": graph.device, "dtype": args.dtype,
-        "optimizer": args.optimizer, "torch_version": graph.torch_version, "notes": list(graph.notes),
+        "optimizer": optimizer, "torch_version": graph.torch_version, "notes": list(graph.notes),
         "peak_bytes": graph.peak_bytes, "cuda_peak_bytes": graph.cuda_peak_bytes, "peak_step": graph.peak_step,
         "baseline_bytes": graph.baseline_bytes,
         "breakdown": {k: {c: (v.item() if hasattr(v, "item") else v) for c, v in row.items()}

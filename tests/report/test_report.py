@@ -111,8 +111,15 @@ def test_the_template_ships_inside_the_package_with_a_parameters_cell():
     ({"budget": "0"}, "more than 0 bytes"),
     ({"policy": "fastest"}, "unknown policy 'fastest'"),
     ({"model": "mlp3", "image_size": 32}, "not images"),
+    ({"model": "hf:gpt2", "image_size": 32}, "leave out the image size"),
+    ({"optimizer": "lion"}, "unknown optimizer 'lion'; use one of default,"),
 ])
 def test_a_bad_request_is_refused_before_any_kernel_starts(change, message):
     fields = {"model": "resnet18", "budget": "6GiB", **change}
     with pytest.raises(ValueError, match=re.escape(message)):
         ReportRequest(**fields).check()
+
+
+def test_a_request_for_a_hugging_face_model_or_the_default_optimizer_passes_its_checks():
+    ReportRequest("hf:gpt2", "6GiB").check()
+    ReportRequest("resnet18", "6GiB", optimizer="default").check()

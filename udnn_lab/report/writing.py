@@ -50,7 +50,7 @@ class ReportRequest:
     policy: str = "auto"
     image_size: int | None = None  # side of image inputs; None: the zoo's default
     input_shape: tuple[int, ...] | None = None  # one example's shape, for a factory's module
-    optimizer: str = "sgd"
+    optimizer: str = "default"  # the zoo's own: SGD with momentum, AdamW for hf: models
     dtype: str = "float32"
 
     def check(self) -> None:
@@ -64,8 +64,8 @@ class ReportRequest:
             raise ValueError(f"unknown policy {self.policy!r}; the policies are: {', '.join(POLICIES)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; use one of {', '.join(DTYPES)}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {self.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+        if self.optimizer not in ("default", *OPTIMIZERS):
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; use one of default, {', '.join(OPTIMIZERS)}")
         try:
             budget_bytes = parse_bytes(self.budget)
         except (TypeError, ValueError) as error:
@@ -73,6 +73,11 @@ class ReportRequest:
         if budget_bytes <= 0:
             raise ValueError(f"the budget must be more than 0 bytes, got {self.budget!r}")
         Hardware.load(self.hardware)
+        if self.model.lower().startswith(zoo.hf_configs.PREFIX):
+            if self.image_size is not None:
+                raise ValueError(f"{self.model} is built from its config, with its own input size: leave out the "
+                                 "image size")
+            return
         if ":" in self.model:
             if self.input_shape is None:
                 raise ValueError(f"for your own module ({self.model}) give its input shape, one example's shape, "
