@@ -51,7 +51,7 @@ class HookSchedule:
         # compared as cheaply as it can be: this runs for every saved tensor of the step
         if expected is None or expected.kind != "pack" or tensor.shape != expected.shape \
                 or str(tensor.dtype) != expected.dtype \
-                or _VIEW_NODES.get(expected.node, expected.node) != _VIEW_NODES.get(name, name):
+                or (name != expected.node and _view_family(expected.node) != _view_family(name)):
             seen = (name, str(tensor.dtype), tuple(tensor.shape))
             self._mismatch(ordinal, expected, "it saves a {1} tensor of shape {2} made by {0}".format(*_named(seen)))
         assert expected is not None  # _mismatch raised otherwise
@@ -108,6 +108,10 @@ class HookSchedule:
 # it ViewBackward0 where the real step may name it ReshapeAliasBackward0 or AsStridedBackward0.
 _VIEW_NODES = dict.fromkeys(("ViewBackward0", "ReshapeAliasBackward0", "AsStridedBackward0", "AsStridedBackward1",
                              "UnsafeViewBackward0", "AliasBackward0"), "a view")
+
+
+def _view_family(node: str) -> str:
+    return _VIEW_NODES.get(node, node)
 
 
 def _named(seen: tuple[str, str, tuple[int, ...]]) -> tuple[str, str, list[int]]:
