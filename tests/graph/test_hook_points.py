@@ -33,6 +33,34 @@ def test_the_trace_logs_module_calls_and_saved_tensors_in_order():
     assert {e.tensor for e in graph.hook_events if e.kind == "pack"} == saved
 
 
+def test_each_unpack_names_its_pack_and_each_module_call_its_mode():
+    graph = _graph()
+    events = graph.hook_events
+    for event in events:
+        if event.kind == "unpack":
+            assert events[event.packed_at].kind == "pack" and events[event.packed_at].tensor == event.tensor
+    assert all(e.training and e.own_hooks for e in events if e.kind in ("enter", "exit"))
+
+
+class _CheckpointedMiddle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.middle, self.last = nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), \
+            nn.Linear(8, 2)
+
+    def forward(self, x):
+        x = torch.utils.checkpoint.checkpoint(self.middle, self.first(x), use_reentrant=False)
+        return self.last(x)
+
+
+def test_module_calls_under_hooks_pushed_inside_the_step_are_marked():
+    graph = ul.trace(_CheckpointedMiddle(), torch.randn(4, 8), optimizer=None)
+    own = {(e.kind, e.node, e.boundary): e.own_hooks for e in graph.hook_events if e.kind in ("enter", "exit")}
+    inside = {key for key, free in own.items() if not free}  # checkpoint's own hooks were on top
+    assert inside and {node for _, node, _ in inside} <= {"Sequential", "Linear", "Tanh"}
+    assert own[("enter", "_CheckpointedMiddle", 0)]
+
+
 def test_moved_offloads_lie_on_hook_points_and_keep_their_order():
     graph = _graph()
     points = set(hook_points(graph.hook_events))

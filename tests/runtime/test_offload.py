@@ -335,6 +335,47 @@ def test_an_offload_plan_is_followed_by_hooks_alone_and_a_recompute_plan_op_by_o
         assert torch.equal(loss, loss_b) and all(torch.equal(a, b) for a, b in zip(grads, grads_b))
 
 
+def test_hook_windows_saved_tensor_hooks_are_on_only_in_the_windows_that_hold_planned_tensors():
+    work = zoo.get("resnet18", batch=2, image_size=32)
+    graph = ul.trace(work)
+    everything = plan(graph, None, "vdnn-all", hardware=CPU)
+    chosen = dataclasses.replace(everything, offloads=everything.offloads[:3]).located(graph)
+    runtime = OffloadRuntime(chosen)
+    schedule = runtime.hook_schedule()
+    assert schedule is not None and not schedule.whole_step
+    traced_packs = sum(event.kind == "pack" for event in graph.hook_events)
+    window_packs = sum(event.kind == "pack" for event in schedule.events)
+    assert 0 < window_packs < traced_packs / 2
+    planned = {o.tensor for o in chosen.offloads}
+    assert {e.tensor for e in graph.hook_events if e.kind == "pack" and e.tensor in planned} == \
+        {e.tensor for e in schedule.events if e.kind == "pack" and e.tensor in planned}
+    outside = []  # packs that reach the hooks beneath the runtime's: those outside its windows
+
+    def count(tensor):
+        outside.append(tensor.shape)
+        return tensor
+
+    loss, grads, _ = _step(copy.deepcopy(work.model), work)
+    with torch.autograd.graph.saved_tensors_hooks(count, lambda tensor: tensor):
+        loss_b, grads_b, _ = _step(copy.deepcopy(work.model), work, runtime)
+    assert runtime.last_step.by_hook_events and runtime._schedule.seen == len(schedule.events)
+    assert len(outside) + window_packs == traced_packs
+    assert torch.equal(loss, loss_b) and all(torch.equal(a, b) for a, b in zip(grads, grads_b))
+
+
+def test_hook_windows_hooks_pushed_inside_the_step_are_refused_and_the_runtime_stays_usable():
+    work = zoo.get("resnet18", batch=2, image_size=32)
+    runtime = OffloadRuntime(plan(ul.trace(work), None, "vdnn-all", hardware=CPU))
+    model = copy.deepcopy(work.model)
+    with pytest.raises(PlanMismatch, match="saved-tensor hooks were pushed inside the step"):
+        with runtime, torch.autograd.graph.save_on_cpu():
+            work.loss_fn(model(work.example_input), work.target).backward()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    loss, grads, _ = _step(copy.deepcopy(work.model), work)
+    loss_b, grads_b, _ = _step(copy.deepcopy(work.model), work, runtime)
+    assert torch.equal(loss, loss_b) and all(torch.equal(a, b) for a, b in zip(grads, grads_b))
+
+
 def test_an_offload_plan_followed_op_by_op_is_exact_too():
     work = zoo.get("resnet18", batch=2, image_size=32)
     graph = ul.trace(work)

@@ -249,7 +249,7 @@ class StepRecorder(TorchDispatchMode):
         return self.ops[forward_op].module, forward_op
 
     # -- saved tensors -------------------------------------------------------------------
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor | tuple[int, torch.Tensor]:
         """saved_tensors_hooks pack hook: note which storage autograd keeps for backward, and when."""
         if self.recording:
             sid = self.sid_of(tensor)
@@ -260,16 +260,18 @@ class StepRecorder(TorchDispatchMode):
             self.hook_events.append(("pack", len(self.ops), -1 if sid is None else sid,
                                       type(node).__name__ if node is not None else "", str(tensor.dtype),
                                       tuple(tensor.shape)))
+            return (len(self.hook_events) - 1, tensor)  # its unpack names this pack
         return tensor
 
-    def unpack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def unpack(self, packed: torch.Tensor | tuple[int, torch.Tensor]) -> torch.Tensor:
         """saved_tensors_hooks unpack hook: a backward node starts before op ``len(self.ops)``."""
+        packed_at, tensor = packed if isinstance(packed, tuple) else (-1, packed)
         if self.recording:
             try:
                 sid = self._live.get(id(tensor.untyped_storage()), -1)
             except (RuntimeError, NotImplementedError):
                 sid = -1
-            self.hook_events.append(("unpack", len(self.ops), sid, "", "", ()))
+            self.hook_events.append(("unpack", len(self.ops), sid, "", "", (), packed_at))
         return tensor
 
     def forward_op_of_node(self, sequence: int) -> int | None:
@@ -281,13 +283,18 @@ class StepRecorder(TorchDispatchMode):
         """Log every module call of this thread as hook events (NOTE [hook points]), as a runtime will see them."""
         thread = threading.get_ident()
 
-        def entered(module, args) -> None:
+        def logged(kind: str, module: torch.nn.Module) -> None:
             if self.recording and threading.get_ident() == thread:
-                self.hook_events.append(("enter", len(self.ops), -1, type(module).__name__, "", ()))
+                top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+                own = top is not None and top[0] == self.pack  # no hooks pushed inside the step in force
+                self.hook_events.append((kind, len(self.ops), -1, type(module).__name__, "", (), -1, own,
+                                         module.training))
+
+        def entered(module, args) -> None:
+            logged("enter", module)
 
         def exited(module, args, output) -> None:
-            if self.recording and threading.get_ident() == thread:
-                self.hook_events.append(("exit", len(self.ops), -1, type(module).__name__, "", ()))
+            logged("exit", module)
 
         handles = (register_module_forward_pre_hook(entered), register_module_forward_hook(exited))
         try:

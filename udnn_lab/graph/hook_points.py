@@ -20,8 +20,25 @@ NOTE [hook points]
      raise memory: ``ul.plan`` keeps a moved plan only when its simulation still fits the
      budget (with no budget: when its peak is no higher), else it keeps the plan as made.
      The simulation of the moved plan is what the runtime does.
+  3. A planned tensor's release point comes after its last use in forward, so every
+     forward write into it comes before the runtime lets go of the alias autograd saved
+     and reads its version (NOTE [offload runtime] 5).
   4. A plan with recomputations, or with an offload that has no hook point where one is
      needed, is not moved: the runtime follows it op by op, with a dispatch mode.
+  5. Windows. A saved-tensor hook is a Python call for every tensor autograd saves, which
+     costs about what the step's own host work per op does; so the runtime keeps its hooks
+     on only in windows: the module calls that hold a pack of a planned tensor (innermost
+     first), and the stretches between calls made outside every module (the loss, after
+     the forward). Module calls are followed throughout. A window opens at a call's enter
+     and closes at its exit (or at the next top-level enter, or the step's end), so the
+     runtime's hooks go on and off at the top of autograd's stack of hooks, and only where
+     the trace saw no hooks pushed inside the step in force (``HookEvent.own_hooks``). The
+     runtime then sees the module calls, the packs inside windows and their unpacks, in the
+     traced order; an acting boundary with none of those gets the window of one of its
+     packs (of an unpack's pack in backward). Where no window can hold what is needed, the
+     hooks stay on for the whole step. Outside windows the step is checked by its module
+     calls only (class and mode): a change between modules, other than in the loss, goes
+     unseen there.
 """
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ class HookEvent:
     for backward (an op's inputs before it runs, its outputs after); 'unpack': a backward node
     starts and takes a saved tensor back. Each comes after op ``boundary - 1`` and before op
     ``boundary``. The module class of enter and exit, and a pack's node, dtype and shape, are
-    the step's fingerprint.
+    the step's fingerprint, with each module's mode (train or eval).
     """
 
     kind: Literal["enter", "exit", "pack", "unpack"]
@@ -133,6 +133,10 @@ class HookEvent:
     node: str = ""  # enter, exit: the module's class; pack: the saved tensor's autograd node ('' for leaves)
     dtype: str = ""  # pack: str(torch dtype), e.g. 'torch.float32'
     shape: tuple[int, ...] = ()  # pack: the saved view's shape
+    packed_at: int = -1  # unpack: the position in the step's hook events of the pack it takes back
+    # enter, exit: no saved-tensor hooks pushed inside the step were in force (NOTE [hook points] 5)
+    own_hooks: bool = True
+    training: bool = True  # enter, exit: the module's mode
 
 
 @dataclass(frozen=True)

@@ -7,39 +7,47 @@ import torch
 from udnn_lab.errors import PlanMismatch
 from udnn_lab.graph.step_graph import HookEvent
 
+WHOLE_STEP = "the whole step"
+
 
 class HookSchedule:
     """Counts a step's module calls and autograd's pack and unpack calls against the traced ones.
 
-    Each call is checked against the trace's (a module by its class, a pack by the saved
-    tensor's autograd node, dtype and shape): the first that differs raises PlanMismatch. At
-    the call that stands for a boundary where the plan acts it says so.
+    Saved-tensor hooks are in force only inside the plan's windows (NOTE [hook points] 5), so
+    the calls counted are the step's module calls and the packs and unpacks of those windows.
+    Each is checked against the trace's (a module by its class and mode, a pack by the saved
+    tensor's autograd node, dtype and shape): the first that differs raises PlanMismatch. At the
+    call that stands for a boundary where the plan acts it says so.
     """
 
-    def __init__(self, events: tuple[HookEvent, ...], acting: set[int], op_families: tuple[str, ...]) -> None:
-        self.events = events
+    def __init__(self, events: tuple[HookEvent, ...], acting: set[int], op_families: tuple[str, ...],
+                 planned: set[int] = frozenset()) -> None:  # type: ignore[assignment]
         self.op_families = op_families
         self.seen = 0
-        # forward: the last call at a boundary (every tensor packed there is met); backward: the first unpack
-        last_forward: dict[int, int] = {}
-        first_unpack: dict[int, int] = {}
-        for ordinal, event in enumerate(events):
-            if event.kind == "unpack":
-                first_unpack.setdefault(event.boundary, ordinal)
-            else:
-                last_forward[event.boundary] = ordinal
-        self.triggers: dict[int, int] = {}  # event ordinal -> the boundary it stands for
-        for boundary in acting:
-            at = first_unpack.get(boundary, last_forward.get(boundary))
-            if at is None:
-                raise ValueError(f"boundary {boundary} is not a hook point (NOTE [hook points])")
-            self.triggers[at] = boundary
+        windows = _windows_for(events, acting, planned)
+        self.whole_step = windows is None  # hooks in force from start to finish
+        shown, on = ([True] * len(events), [True] * len(events)) if windows is None else _walk(events, windows)
+        self.events = tuple(event for event, visible in zip(events, shown) if visible)
+        # module events (by position in self.events) where hooks go on (+1) or off (-1)
+        self.switches: dict[int, int] = {}
+        position, before = -1, False
+        for event, visible, after in zip(events, shown, on):
+            position += visible
+            if windows is not None and event.kind in ("enter", "exit") and after != before:
+                self.switches[position] = 1 if after else -1
+            before = after
+        self.triggers = _triggers(self.events, acting)  # position -> the boundary it stands for
         self.last_trigger = max(self.triggers, default=-1)
 
     @staticmethod
     def covers(events: tuple[HookEvent, ...], acting: set[int]) -> bool:
         """Whether every boundary the plan acts at is a hook point of ``events``."""
         return acting <= {event.boundary for event in events}
+
+    @property
+    def windows(self) -> str:
+        """Where hooks are in force, in words: for a table of steps."""
+        return WHOLE_STEP if self.whole_step else f"{sum(v > 0 for v in self.switches.values())} windows"
 
     def packed(self, tensor: torch.Tensor) -> tuple[HookEvent, int | None]:
         """A pack call: the traced event it is, and the boundary to act at now (None: none)."""
@@ -48,7 +56,7 @@ class HookSchedule:
         expected = self.events[ordinal] if ordinal < len(self.events) else None
         node = tensor.grad_fn
         name = type(node).__name__ if node is not None else ""
-        # compared as cheaply as it can be: this runs for every saved tensor of the step
+        # compared as cheaply as it can be: this runs for every saved tensor inside the windows
         if expected is None or expected.kind != "pack" or tensor.shape != expected.shape \
                 or str(tensor.dtype) != expected.dtype \
                 or (name != expected.node and _view_family(expected.node) != _view_family(name)):
@@ -57,15 +65,18 @@ class HookSchedule:
         assert expected is not None  # _mismatch raised otherwise
         return expected, self.triggers.get(ordinal)
 
-    def module_called(self, kind: str, module: torch.nn.Module) -> int | None:
-        """A module's forward starts ('enter') or returns ('exit'): the boundary to act at now (None: none)."""
+    def module_called(self, kind: str, module: torch.nn.Module) -> tuple[int | None, int]:
+        """A module's forward starts ('enter') or returns ('exit'): the boundary to act at now (None: none),
+        and whether saved-tensor hooks go on (1), off (-1) or stay as they are (0) (NOTE [hook points] 5)."""
         ordinal = self.seen
         self.seen += 1
         name = type(module).__name__
         expected = self.events[ordinal] if ordinal < len(self.events) else None
-        if expected is None or expected.kind != kind or expected.node != name:
-            self._mismatch(ordinal, expected, f"it {'enters' if kind == 'enter' else 'leaves'} a {name}")
-        return self.triggers.get(ordinal)
+        if expected is None or expected.kind != kind or expected.node != name or expected.training != module.training:
+            mode = "" if expected is None or expected.training == module.training else \
+                f" in {'training' if module.training else 'eval'} mode"
+            self._mismatch(ordinal, expected, f"it {'enters' if kind == 'enter' else 'leaves'} a {name}{mode}")
+        return self.triggers.get(ordinal), self.switches.get(ordinal, 0)
 
     def unpacked(self) -> int | None:
         """An unpack call: the boundary to act at before it (None: none)."""
@@ -79,7 +90,7 @@ class HookSchedule:
     def check_complete(self) -> None:
         if self.seen <= self.last_trigger:
             raise PlanMismatch(
-                f"the step made {self.seen} saved-tensor calls but the plan acts at call {self.last_trigger + 1} of "
+                f"the step made {self.seen} hook calls but the plan acts at call {self.last_trigger + 1} of "
                 f"{len(self.events)}: run forward and backward inside the runtime, and plan again if the model, batch "
                 "or optimizer changed")
 
@@ -90,7 +101,8 @@ class HookSchedule:
         elif expected.kind == "unpack":
             planned = "starts a backward node"
         elif expected.kind in ("enter", "exit"):
-            planned = f"{'enters' if expected.kind == 'enter' else 'leaves'} a {expected.node}"
+            mode = "" if expected.training else " in eval mode"
+            planned = f"{'enters' if expected.kind == 'enter' else 'leaves'} a {expected.node}{mode}"
         else:
             planned = "saves a {1} tensor of shape {2} made by {0}".format(*_named((expected.node, expected.dtype,
                                                                                    expected.shape)))
@@ -102,6 +114,108 @@ class HookSchedule:
             "eval), the loss, the optimizer or the input changed since the plan was made: trace this step and plan "
             "again (ul.plan(ul.trace(...), ...)). If nothing changed, the device's kernels save other tensors than "
             "the traced ones did: follow the plan op by op with plan.located(graph, on_hooks=False)")
+
+
+# -- windows (NOTE [hook points] 5) -------------------------------------------------------------
+# A window is named by the position of the event that opens it: a module call's 'enter' (it closes at
+# that call's 'exit'), or the 'exit' of a call made outside every module (it closes at the next such
+# call's 'enter', or at the end of the step).
+
+def _windows_for(events: tuple[HookEvent, ...], acting: set[int], planned: set[int]) -> set[int] | None:
+    """The windows that show every pack of a planned tensor, every top-level pack (the loss: the
+    step's fingerprint), and a call at each acting boundary; None when one cannot be opened."""
+    calls = _calls(events)
+    chosen = {start for start, (kind, _) in calls.items() if kind == "gap"}
+    for ordinal, event in enumerate(events):
+        if event.kind == "pack" and event.tensor in planned:
+            if not _add_window(ordinal, calls, chosen):
+                return None
+    visible, _ = _walk(events, chosen)
+    for boundary in acting:  # a call that stands for it must be seen
+        at_boundary = [i for i, e in enumerate(events) if e.boundary == boundary]
+        if any(visible[i] for i in at_boundary):
+            continue
+        unpacks = [i for i in at_boundary if events[i].kind == "unpack"]
+        needed = events[unpacks[0]].packed_at if unpacks else at_boundary[-1] if at_boundary else -1
+        if needed < 0 or not _add_window(needed, calls, chosen):
+            return None
+        visible, _ = _walk(events, chosen)
+    return chosen
+
+
+def _calls(events: tuple[HookEvent, ...]) -> dict[int, tuple[str, int]]:
+    """The windows that can be opened: start -> ('call', its end) or ('gap', its end; len(events): the step's).
+
+    Only where no hooks pushed inside the step are in force (``own_hooks``), so that the
+    runtime's hooks go on and off at the top of autograd's stack of hooks."""
+    calls: dict[int, tuple[str, int]] = {}
+    stack: list[int] = []
+    gap: int | None = None
+    for ordinal, event in enumerate(events):
+        if event.kind == "enter":
+            if not stack and gap is not None and event.own_hooks:
+                calls[gap] = ("gap", ordinal)
+                gap = None
+            stack.append(ordinal)
+        elif event.kind == "exit" and stack:
+            start = stack.pop()
+            if events[start].own_hooks and event.own_hooks:
+                calls[start] = ("call", ordinal)
+            if not stack and event.own_hooks and gap is None:
+                gap = ordinal
+    if gap is not None:
+        calls[gap] = ("gap", len(events))
+    return calls
+
+
+def _add_window(pack: int, calls: dict[int, tuple[str, int]], chosen: set[int]) -> bool:
+    """Open the innermost window that holds event ``pack``; False when none can."""
+    holder = max((start for start, (_, end) in calls.items() if start < pack < end), default=None)
+    if holder is None:
+        return False
+    chosen.add(holder)
+    return True
+
+
+def _walk(events: tuple[HookEvent, ...], windows: set[int]) -> tuple[list[bool], list[bool]]:
+    """With hooks in force inside ``windows``: which events a runtime sees (every module call, the
+    packs inside a window, the unpacks of those packs), and whether hooks are on after each event."""
+    calls = _calls(events)
+    ends = {start: calls[start][1] for start in windows}
+    shown, on = [False] * len(events), [False] * len(events)
+    open_until: list[int] = []  # ends of the open windows, innermost last (windows nest)
+    for ordinal, event in enumerate(events):
+        while open_until and open_until[-1] <= ordinal:
+            open_until.pop()
+        if event.kind in ("enter", "exit"):
+            shown[ordinal] = True
+            if ordinal in ends:
+                open_until.append(ends[ordinal])
+        elif event.kind == "pack":
+            shown[ordinal] = bool(open_until)
+        else:
+            shown[ordinal] = event.packed_at >= 0 and shown[event.packed_at]
+        on[ordinal] = bool(open_until)
+    return shown, on
+
+
+def _triggers(events: tuple[HookEvent, ...], acting: set[int]) -> dict[int, int]:
+    """Position -> the boundary it stands for: in forward the last call at the boundary (every tensor
+    packed there is met), in backward the first unpack (before any node at it runs)."""
+    last_forward: dict[int, int] = {}
+    first_unpack: dict[int, int] = {}
+    for ordinal, event in enumerate(events):
+        if event.kind == "unpack":
+            first_unpack.setdefault(event.boundary, ordinal)
+        else:
+            last_forward[event.boundary] = ordinal
+    triggers: dict[int, int] = {}
+    for boundary in acting:
+        at = first_unpack.get(boundary, last_forward.get(boundary))
+        if at is None:
+            raise ValueError(f"boundary {boundary} is not a hook point (NOTE [hook points])")
+        triggers[at] = boundary
+    return triggers
 
 
 # A view's backward node depends on how autograd rebuilds views (NOTE [view replay] 1): a traced step names

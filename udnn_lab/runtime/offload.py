@@ -215,7 +215,8 @@ class OffloadRuntime:
                 | {o.release_op for o in plan.offloads} \
                 | {o.wait_before for o in plan.offloads if o.wait_before is not None}
             if HookSchedule.covers(plan.hook_events, acting):
-                self._schedule = HookSchedule(plan.hook_events, acting, plan.op_families)
+                self._schedule = HookSchedule(plan.hook_events, acting, plan.op_families,
+                                              {o.tensor for o in plan.offloads})
         if self._schedule is not None:
             self._schedule.seen = 0
         return self._schedule
@@ -281,31 +282,58 @@ class _Step:
         self.events = runtime.hook_schedule()
         self._mode = _OpByOp(self) if self.events is None else None
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks_on = False
+        self._top_at_start: tuple | None = None  # autograd's innermost saved-tensor hooks when the step started
         self._module_hooks: tuple = ()
         self._views = view_replay()
 
     # -- lifetime ----------------------------------------------------------------------------
     def start(self) -> None:
         self._views.__enter__()  # NOTE [view replay] 2: the ops the trace saw
-        self._hooks.__enter__()
+        self._top_at_start = torch._C._autograd._top_saved_tensors_default_hooks(False)
         try:
             if self._mode is not None:
+                self._switch_hooks(True)
                 self._mode.__enter__()
             else:
+                assert self.events is not None  # no mode: the step is followed by its hook calls
+                if self.events.whole_step:
+                    self._switch_hooks(True)
                 thread = threading.get_ident()  # module hooks are global: follow this thread's step only
                 self._module_hooks = (
                     register_module_forward_pre_hook(lambda m, a: self._module_event(thread, "enter", m)),
                     register_module_forward_hook(lambda m, a, o: self._module_event(thread, "exit", m)))
         except BaseException:
-            self._hooks.__exit__(None, None, None)
+            self._switch_hooks(False)
             self._views.__exit__(None, None, None)
             raise
 
     def _module_event(self, thread: int, kind: str, module: torch.nn.Module) -> None:
         if threading.get_ident() == thread and self.events is not None:
-            boundary = self.events.module_called(kind, module)
+            boundary, switch = self.events.module_called(kind, module)
+            if switch < 0:
+                self._switch_hooks(False)
             if boundary is not None:
                 self._at_boundary(boundary)
+            if switch > 0:
+                self._switch_hooks(True)
+
+    def _switch_hooks(self, on: bool) -> None:
+        """Saved-tensor hooks on or off, at the top of autograd's stack of them (NOTE [hook points] 5)."""
+        if on == self._hooks_on:
+            return
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        expected = self._top_at_start if on else (self._hooks.pack_hook, self._hooks.unpack_hook)
+        if top != expected:
+            raise PlanMismatch(
+                "saved-tensor hooks were pushed inside the step where the traced step had none (e.g. "
+                "torch.autograd.graph.save_on_cpu or a checkpoint around part of the model): trace the step as it "
+                "runs, with them, and plan again")
+        if on:
+            self._hooks.__enter__()
+        else:
+            self._hooks.__exit__(None, None, None)
+        self._hooks_on = on
 
     def finish(self, completed: bool) -> StepStats:
         """NOTE [offload runtime] 9: mode and hooks off, copies waited for, every reference dropped."""
@@ -315,7 +343,9 @@ class _Step:
             for handle in self._module_hooks:
                 handle.remove()
         finally:
-            self._hooks.__exit__(None, None, None)
+            if self._hooks_on:  # NOTE [hook points] 5: on at the end of the step, or left on by an error
+                self._hooks.__exit__(None, None, None)
+                self._hooks_on = False
             self._views.__exit__(None, None, None)
         copies = self.copies
         for slot in self.slots.values():
