@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -52,7 +53,7 @@ def _run(venv: Path, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 def test_the_wheel_carries_the_data_and_the_report_template(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "udnn_lab/report/template.ipynb" in names
-    for folder in ("hardware", "rates"):
+    for folder in ("hardware", "rates", "published"):
         shipped = {p.name for p in (ROOT / "data" / folder).glob("*.json")}
         assert shipped and {f"udnn_lab/data/{folder}/{name}" for name in shipped} <= names, folder
 
@@ -61,13 +62,15 @@ def test_the_installed_package_reads_its_own_data(installed, tmp_path):
     code = ("import udnn_lab as ul, pathlib; from udnn_lab.cost import RateCurve\n"
             "print(pathlib.Path(ul.__file__).resolve())\n"
             "print(RateCurve.for_hardware(ul.Hardware.load('cpu-amd-epyc-2cpu')) is not None)\n"
-            "print(len(ul.Hardware.names()))")
+            "print(len(ul.Hardware.names()))\n"
+            "from udnn_lab.zoo import published_fine_tune_peaks; print(len(published_fine_tune_peaks()))")
     done = _run(installed, [str(installed / "bin" / "python"), "-c", code], tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    location, has_rates, profiles = done.stdout.split()
+    location, has_rates, profiles, published = done.stdout.split()
     assert Path(location).is_relative_to(installed.resolve()), location  # the wheel's copy, not the checkout
     assert has_rates == "True"
     assert int(profiles) == len(list((ROOT / "data" / "hardware").glob("*.json")))
+    assert int(published) == len(json.loads((ROOT / "data" / "published" / "fine_tune_peaks.json").read_text()))
 
 
 def test_udnn_lab_analyze_and_report_run_from_the_installed_wheel(installed, tmp_path):

@@ -80,6 +80,10 @@ class HardwareMismatchWarning(UserWarning):
     """A profile made for one device is applied to another."""
 
 
+class PublishedDataError(UdnnLabError, ValueError):
+    """A record of published measurements that is malformed, unsourced or inconsistent."""
+
+
 class LargeMeasurementWarning(UserWarning):
     """A real measurement that will take long or hold much memory: said before it starts."""
 

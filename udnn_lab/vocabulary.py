@@ -46,6 +46,14 @@ TIMELINE_KINDS: tuple[TimelineKind, ...] = get_args(TimelineKind)
 Direction = Literal["h2d", "d2h"]  # host-to-device and device-to-host copies
 DIRECTIONS: tuple[Direction, ...] = get_args(Direction)
 
+FineTuneMethod = Literal["full", "lora", "qlora"]  # qlora: LoRA on quantized base weights
+FINE_TUNE_METHODS: tuple[FineTuneMethod, ...] = get_args(FineTuneMethod)
+
+# what a published peak counted: torch.cuda.max_memory_allocated / max_memory_reserved, or the device's used
+# memory as nvidia-smi (NVML) reports it, CUDA context included
+PeakCounter = Literal["max_memory_allocated", "max_memory_reserved", "nvml_used"]
+PEAK_COUNTERS: tuple[PeakCounter, ...] = get_args(PeakCounter)
+
 
 def memory_kind(pinned: bool) -> str:
     """Host memory a copy reads or writes: page-locked ('pinned') or ordinary ('pageable')."""

@@ -19,7 +19,8 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-REQUIRED_PROFILES = ["a100", "gtx-1080-ti", "h100-sxm", "h200", "k40c", "titan-x-maxwell", "v100"]
+REQUIRED_PROFILES = ["a100", "a100-40gb", "gtx-1080-ti", "h100-sxm", "h200", "k40c", "l4", "l40s", "mi300x", "rtx-4090",
+                     "titan-x-maxwell", "v100"]
 TINY = dict(sizes=(4096, 65536), repeats=2, matmul_size=64, conv_size=8, progress=False)
 
 
@@ -60,6 +61,38 @@ def test_shipped_figures_match_datasheets():
     assert Hardware.load("k40c").fp32_flops_per_s == 4.29e12
     assert Hardware.load("titan-x-maxwell").h2d_pinned_bytes_per_s == 12.8e9
     assert Hardware.load("gtx-1080-ti").tf32_flops_per_s is None
+
+
+# name: (capacity GiB, memory bandwidth, fp32, tf32, bf16, fp16 peaks), dense tensor-core rates, from each source
+DATASHEETS = {
+    "rtx-4090": (24, 1008e9, 82.6e12, 82.6e12, 165.2e12, 165.2e12),
+    "l4": (24, 300e9, 30.3e12, 60e12, 121e12, 121e12),
+    "l40s": (48, 864e9, 91.6e12, 183e12, 362.05e12, 362.05e12),
+    "a100-40gb": (40, 1555e9, 19.5e12, 156e12, 312e12, 312e12),
+    "mi300x": (192, 5.3e12, 163.4e12, 653.7e12, 1307.4e12, 1307.4e12),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DATASHEETS))
+def test_newer_profiles_carry_their_datasheet_figures(name):
+    hardware = Hardware.load(name)
+    gib, bandwidth, fp32, tf32, bf16, fp16 = DATASHEETS[name]
+    assert hardware.device_type == "cuda" and not hardware.measured
+    assert hardware.memory_bytes == gib * 2**30 and hardware.memory_bytes_per_s == bandwidth
+    assert hardware.peak_flops_per_s(torch.float32) == fp32
+    assert hardware.peak_flops_per_s(torch.float32, tf32=True) == tf32
+    assert hardware.peak_flops_per_s(torch.bfloat16) == bf16 and hardware.peak_flops_per_s(torch.float16) == fp16
+    # the host link is a typical value, not a datasheet figure: its source must say so
+    assert all("estimate" in hardware.sources[f"{d}_pinned_bytes_per_s"] for d in ("h2d", "d2h"))
+    assert all("http" in hardware.sources[f] for f in ("memory_bytes", "memory_bytes_per_s", "fp32_flops_per_s"))
+
+
+def test_the_40_gb_a100_differs_from_the_80_gb_part_only_in_memory():
+    small, large = Hardware.load("a100-40gb"), Hardware.load("a100")
+    assert small.memory_bytes * 2 == large.memory_bytes and small.memory_bytes_per_s < large.memory_bytes_per_s
+    assert [small.peak_flops_per_s(k) for k in ("fp32", "tf32", "bf16")] == [
+        large.peak_flops_per_s(k) for k in ("fp32", "tf32", "bf16")]
+    assert "NVIDIA A100-SXM4-40GB" in small.device_names and not set(small.device_names) & set(large.device_names)
 
 
 @pytest.mark.parametrize("spelling", ["h100-sxm", "H100_SXM", "h100 sxm", "H100SXM"])

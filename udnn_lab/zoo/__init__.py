@@ -15,6 +15,9 @@ returns, the optimizer AdamW unless you ask for another. ``small=True`` keeps th
 (``{"num_hidden_layers": 4}``, ``{"attn_implementation": "eager"}``).
 Your own transformers model works as any module: ``ul.Workload(model, {"input_ids": ..., "labels": ...},
 loss_fn=hf.output_loss, optimizer=...)``.
+
+``published_fine_tune_peaks()`` (``zoo.published``) gives published peak-memory figures of fine-tuning runs
+(Hugging Face docs, LitGPT, torchtune, PEFT), each with its setup and source, to set against predictions.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from torch import nn
 from udnn_lab.errors import MissingDependency, ModelFactoryError, UnknownModelError
 from udnn_lab.workload import Workload
 from udnn_lab.zoo import hf, hf_configs
+from udnn_lab.zoo.published import PublishedPeak as PublishedPeak
+from udnn_lab.zoo.published import published_fine_tune_peaks as published_fine_tune_peaks
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # by the name users type
 OPTIMIZERS = ("sgd", "adam", "adamw", "none")  # what get(optimizer=...) builds; 'none': forward and backward only
