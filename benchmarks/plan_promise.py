@@ -68,6 +68,8 @@ def print_summary(rows: list[dict]) -> None:
     print(f"{'failure kind':26s} {'checks':>6s} {'models':>6s}  description")
     for line in kinds_table(rows):
         print(f"{line['kind']:26s} {line['checks']:6d} {line['models']:6d}  {line['description']}")
+    followed = Counter(_how(r["followed_by"]) for r in rows if r.get("followed_by"))
+    print("\nplans carried out " + "; ".join(f"{how}: {n}" for how, n in followed.most_common()))
     print(f"\n{'model':28s} {'ok':>7s}  failures (policy@budget)")
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
@@ -79,6 +81,11 @@ def print_summary(rows: list[dict]) -> None:
         text = "; ".join(f"{kind}: {_short(where)}" for kind, where in by_kind.items())
         known = CORPUS[model].known_failure
         print(f"{model:28s} {ok:>7s}  {text}" + (f"  [expected: {known}]" if known else ""))
+
+
+def _how(followed_by: str) -> str:
+    """The runtime's way of following a plan, without its window count."""
+    return "by hooks, in windows" if followed_by.rstrip(")").endswith(("window", "windows")) else followed_by
 
 
 def _short(where: list[str]) -> str:

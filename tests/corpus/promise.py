@@ -105,7 +105,7 @@ def check(entry: Entry, policy: str, budget_kind: str) -> dict[str, Any]:
     row: dict[str, Any] = {"model": entry.name, "policy": policy, "budget_kind": budget_kind, "budget_bytes": None,
                            "status": "ok", "measured_peak_bytes": None, "second_peak_bytes": None,
                            "simulated_peak_bytes": None, "over_budget_ratio": None, "sim_error": None,
-                           "exact": None, "offloads": None, "recomputes": None, "error": ""}
+                           "exact": None, "offloads": None, "recomputes": None, "followed_by": None, "error": ""}
     kinds: list[str] = []
     stage = "trace"
     with _isolated():
@@ -119,7 +119,9 @@ def check(entry: Entry, policy: str, budget_kind: str) -> dict[str, Any]:
                        recomputes=len(chosen.recomputes), keep_all_peak_bytes=found.graph.peak_bytes,
                        eager_peak_bytes=found.eager.peaks[0] if found.eager.peaks else None)
             stage = "runtime"
-            kinds += _judge(row, found, run(found.work, ul.OffloadRuntime(chosen)), budget, simulated)
+            runtime = ul.OffloadRuntime(chosen)
+            row["followed_by"] = runtime.follows
+            kinds += _judge(row, found, run(found.work, runtime), budget, simulated)
         except Exception as err:  # every failure is a finding, not a crash
             kinds.append(error_kind(err, stage))
             row["error"] = describe(err)

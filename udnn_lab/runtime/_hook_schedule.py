@@ -47,7 +47,8 @@ class HookSchedule:
     @property
     def windows(self) -> str:
         """Where hooks are in force, in words: for a table of steps."""
-        return WHOLE_STEP if self.whole_step else f"{sum(v > 0 for v in self.switches.values())} windows"
+        opened = sum(change > 0 for change in self.switches.values())
+        return WHOLE_STEP if self.whole_step else f"{opened} window{'' if opened == 1 else 's'}"
 
     def packed(self, tensor: torch.Tensor) -> tuple[HookEvent, int | None]:
         """A pack call: the traced event it is, and the boundary to act at now (None: none)."""

@@ -207,6 +207,16 @@ class OffloadRuntime:
             pool, self.pool = self.pool, None
             pool.release()
 
+    @property
+    def follows(self) -> str:
+        """How the runtime follows the step, in words: nothing to do, op by op, or by hooks (in how many windows)."""
+        if not self.enabled:
+            return "nothing (no plan to carry out)"
+        schedule = self.hook_schedule()
+        if schedule is None:
+            return "op by op (a dispatch mode)"
+        return f"by module and saved-tensor hooks ({schedule.windows})"
+
     def hook_schedule(self) -> HookSchedule | None:
         """A fresh count of the step's hook calls, when the plan can be followed by them (NOTE [hook points])."""
         plan = self.plan
