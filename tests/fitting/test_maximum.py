@@ -72,6 +72,20 @@ def test_a_callable_builds_the_step_of_your_own_model():
     assert _peak(step(found.size)) <= budget < _peak(step(found.size + 1))
 
 
+def test_a_callable_builds_the_step_at_each_sequence_length():
+    def step(seq_len: int) -> ul.Workload:
+        with torch.device("meta"):
+            model = torch.nn.Sequential(torch.nn.Embedding(100, 32), torch.nn.Linear(32, 100))
+        return ul.Workload(model, torch.zeros(2, seq_len, dtype=torch.long, device="meta"))
+
+    budget = _peak(step(500))
+    found = ul.max_seq_len(step, budget, multiple_of=10, progress=False)
+    assert found.model_name == "step" and found.dimension == "seq_len" and found.size >= 500
+    assert _peak(step(found.size)) <= budget < _peak(step(found.size + 10))
+    with pytest.raises(TypeError, match="batch is for a zoo name"):
+        ul.max_seq_len(step, budget, batch=4)
+
+
 def test_the_longest_sequence_of_an_hf_model_fits_and_the_next_does_not():
     pytest.importorskip("transformers")
 

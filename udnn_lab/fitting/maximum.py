@@ -52,10 +52,13 @@ def max_seq_len(model: str | Callable[[int], Workload], budget: int | str | None
     """The longest sequence whose training step at ``batch`` fits ``budget``; as ``max_batch``, for 'hf:' text models.
 
     The search stops at the model's positions (its ``max_position_embeddings``) when every
-    length up to them fits. ``model`` may also be a callable ``seq_len -> Workload``.
+    length up to them fits. ``model`` may also be a callable ``seq_len -> Workload`` (that
+    builds its batch itself: ``batch`` and ``options`` are for zoo names).
     """
     if "seq_len" in options:
         raise TypeError("max_seq_len searches the sequence length: leave seq_len out of its options")
+    if not isinstance(model, str) and batch != 1:
+        raise TypeError("batch is for a zoo name: a callable seq_len -> Workload builds its batch itself")
     why = "the limit given"
     if isinstance(model, str):
         positions = _text_model_positions(model, options)
@@ -90,7 +93,7 @@ def _search(build: StepFactory, label: str, dimension: Dimension, budget: int | 
     if budget_bytes > profile.memory_bytes:
         notes += (f"the budget is more than the {format_bytes(profile.memory_bytes)} {profile.name} holds",)
     return FitSearch(
-        model_name=prober.model_name, dimension=dimension, size=bracket.fitting.size if bracket.fitting else 0,
+        model_name=prober.model_name or label, dimension=dimension, size=bracket.fitting.size if bracket.fitting else 0,
         peak_bytes=bracket.fitting.peak_bytes if bracket.fitting else None,
         failed_size=bracket.failed.size if bracket.failed else None,
         failed_peak_bytes=bracket.failed.peak_bytes if bracket.failed else None,
