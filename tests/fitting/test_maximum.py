@@ -124,6 +124,13 @@ def test_a_limit_that_fits_is_the_answer():
     assert found.size == 10 and found.failed_size is None and "the limit given" in found.stopped
 
 
+def test_a_budget_above_the_hardware_s_memory_is_noted():
+    found = ul.max_batch("mlp3", "100 GiB", hardware="l4", limit=2, progress=False)
+    assert found.hardware == "l4" and any("more than the" in note and "l4 holds" in note for note in found.notes)
+    whole = ul.max_batch("mlp3", hardware="l4", limit=2, progress=False)  # the budget: all the L4 holds
+    assert whole.budget_bytes == ul.Hardware.load("l4").memory_bytes and not any("holds" in n for n in whole.notes)
+
+
 def test_when_even_the_smallest_batch_does_not_fit_it_says_what_it_needs():
     weights = 7_454_760  # mlp3's parameters, fp32
     found = ul.max_batch("mlp3", weights + (4 << 20), progress=False)  # the weights fit, with gradients they do not
