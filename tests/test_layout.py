@@ -148,6 +148,7 @@ ABOVE = {  # what each subpackage may import besides BASICS: the table in udnn_l
     "measurement": {"graph", "analysis", "runtime"}, "allocator": {"graph", "simulation"},
     "frames": {"graph", "hardware", "cost", "simulation", "measurement"}, "charts": set(),
     "report": {"hardware", "planning", "zoo"},
+    "fitting": {"graph", "analysis", "hardware", "simulation", "planning", "zoo"},
 }
 
 

@@ -2,7 +2,7 @@
 
 The stages, in the order data flows through them (each a subpackage; see udnn_lab/README.md):
 analysis (trace) -> graph (Graph, liveness, Plan IR) -> hardware, cost -> simulation ->
-planning -> runtime, measurement -> frames -> charts -> widgets, report; sharing uses them all.
+planning -> fitting, runtime, measurement -> frames -> charts -> widgets, report; sharing uses them all.
 
 Every public name loads on first use: ``import udnn_lab`` costs no torch import, so the
 ``udnn-lab`` command answers ``--help`` at once and only the stage a command needs is loaded.
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from udnn_lab.analysis import trace
     from udnn_lab.cost import CostModel, Profile, RateCurve, profile
     from udnn_lab.errors import (
+        BudgetTooSmall,
         FakeTensorUnsupported,
         HardwareMismatchWarning,
         HardwareProfileError,
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
         UnknownHardwareError,
         UnknownModelError,
     )
+    from udnn_lab.fitting import FitSearch, max_batch, max_seq_len
     from udnn_lab.graph import Graph, NetworkWide, Offload, Plan, Recompute, network_wide
     from udnn_lab.hardware import Hardware
     from udnn_lab.measurement import Measurement, measure
@@ -54,6 +56,8 @@ _HOMES = {
                      "PlanError", "PlanInfeasible", "PlanMismatch", "TraceMismatch", "UdnnLabError",
                      "UnknownHardwareError", "UnknownModelError"], "udnn_lab.errors"),
     **dict.fromkeys(["Graph", "NetworkWide", "Offload", "Plan", "Recompute", "network_wide"], "udnn_lab.graph"),
+    **dict.fromkeys(["FitSearch", "max_batch", "max_seq_len"], "udnn_lab.fitting"),
+    "BudgetTooSmall": "udnn_lab.errors",
     "Hardware": "udnn_lab.hardware",
     **dict.fromkeys(["Measurement", "measure"], "udnn_lab.measurement"),
     **dict.fromkeys(["min_budget", "plan", "sweep"], "udnn_lab.planning"),
@@ -72,6 +76,7 @@ __all__ = [
     "TraceMismatch", "UdnnLabError", "UnknownHardwareError", "UnknownModelError", "Workload", "format_bytes",
     "format_seconds", "measure", "min_budget", "network_wide", "network_wide_saving", "parse_bytes", "plan",
     "profile", "simulate", "sweep", "trace", "train", "zoo",
+    "BudgetTooSmall", "FitSearch", "max_batch", "max_seq_len",
 ]
 assert sorted(__all__) == sorted(_HOMES), "every public name has a home, and only those"
 __version__ = "0.1.0"

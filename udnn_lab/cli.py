@@ -24,6 +24,8 @@ COMMANDS = {
     "analyze": "memory of one training step: breakdown, peak, curve",
     "report": "an HTML report: peak, breakdown, curve, the plan at a budget",
     "zoo": "list the models the zoo can build",
+    "max-batch": "the largest batch size whose training step fits a budget",
+    "max-seq-len": "the longest sequence (hf: models) whose training step fits a budget",
 }
 MODEL_HELP = "a zoo name (see 'udnn-lab zoo') or package.module:factory, a callable returning your nn.Module"
 
@@ -125,7 +127,38 @@ def _parser(names: Names | None = None) -> argparse.ArgumentParser:
 
     listing = commands.add_parser("zoo", parents=[common], help=COMMANDS["zoo"])
     listing.set_defaults(run=_zoo)
+    _add_fit_commands(commands, common, names)
     return parser
+
+
+def _add_fit_commands(commands, common: argparse.ArgumentParser, names: Names | None) -> None:
+    """max-batch and max-seq-len: the same search over the batch size or the sequence length."""
+    fit = argparse.ArgumentParser(add_help=False)
+    fit.add_argument("model", help=MODEL_HELP)
+    fit.add_argument("--budget", help="device memory to fit into, e.g. 80GiB or bytes (default: all the hardware's)")
+    hardware = f" ({', '.join(names.hardware)})" if names else ""
+    fit.add_argument("--hardware", default="h100-sxm",
+                     help=f"a hardware profile name{hardware} or a profile .json (default h100-sxm)")
+    fit.add_argument("--policy", default="keep-all", choices=names.policies if names else None,
+                     help="fit with every tensor kept (keep-all, the default) or under a planning policy")
+    fit.add_argument("--optimizer", default="default", choices=("default", *names.optimizers) if names else None,
+                     help="optimizer of the step (default: the zoo's own)")
+    fit.add_argument("--dtype", default="float32", choices=names.dtypes if names else None,
+                     help="dtype of the weights and the batch (default float32)")
+    fit.add_argument("--start", type=int, default=1, help="the first size to try (default 1)")
+    fit.add_argument("--limit", type=int, help="the largest size to try")
+    fit.add_argument("--multiple-of", type=int, default=1, help="try only multiples of this (default 1)")
+
+    batch = commands.add_parser("max-batch", parents=[fit, common], help=COMMANDS["max-batch"])
+    batch.add_argument("--seq-len", type=int, help="sequence length of an hf: model (default 512)")
+    batch.add_argument("--image-size", type=int, help="side of image inputs (zoo default: 224, 299 for Inception)")
+    batch.add_argument("--input-shape", type=input_shape,
+                       help="one example's shape, for your own module: 3x224x224 or 3,224,224")
+    batch.set_defaults(run=_max_size, dimension="batch")
+
+    length = commands.add_parser("max-seq-len", parents=[fit, common], help=COMMANDS["max-seq-len"])
+    length.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    length.set_defaults(run=_max_size, dimension="seq_len")
 
 
 def _zoo(args: argparse.Namespace) -> int:
@@ -178,6 +211,37 @@ def _report(args: argparse.Namespace) -> int:
                             image_size=args.image_size, input_shape=args.input_shape, optimizer=args.optimizer,
                             dtype=args.dtype)
     write_report(request, args.out, progress=lambda line: print(line, file=sys.stderr))
+    return 0
+
+
+def _max_size(args: argparse.Namespace) -> int:
+    # startup time: each command loads its stage when it runs (see the module docstring)
+    from udnn_lab import zoo
+    from udnn_lab.fitting import max_batch, max_seq_len  # (as above)
+
+    options = {key: value for key, value in (("seq_len", getattr(args, "seq_len", None)),
+                                             ("image_size", getattr(args, "image_size", None)),
+                                             ("input_shape", getattr(args, "input_shape", None))) if value is not None}
+    own_module = ":" in args.model and not args.model.lower().startswith(zoo.hf_configs.PREFIX)
+    if own_module and "input_shape" not in options:
+        raise ValueError("for your own module give --input-shape, one example's shape, e.g. --input-shape 3x224x224")
+    if args.dtype != "float32":
+        options["dtype"] = zoo.DTYPES[args.dtype]
+    options["optimizer"] = None if args.optimizer == "none" else args.optimizer
+    search = dict(budget=args.budget, policy=args.policy, hardware=args.hardware, start=args.start, limit=args.limit,
+                  multiple_of=args.multiple_of, progress=None)
+    found = max_batch(args.model, **search, **options) if args.dimension == "batch" else \
+        max_seq_len(args.model, batch=args.batch, **search, **options)
+    print(f"{args.dimension:>8s} {'peak':>12s} {'traced peak':>12s}  fits")
+    for probe in sorted(found.probes, key=lambda p: p.size):
+        print(f"{probe.size:8d} {format_bytes(probe.peak_bytes):>12s} {format_bytes(probe.traced_peak_bytes):>12s}  "
+              f"{'yes' if probe.fits else 'no'}")
+    for note in found.notes:
+        print(f"note: {note}")
+    what = "batch size" if args.dimension == "batch" else "sequence length"
+    answer = f"largest {what}: {found.size}" if found.fits else f"no {what} fits"
+    print(f"\n{answer} ({found.model_name}, {format_bytes(found.budget_bytes)}, {found.policy} on {found.hardware}); "
+          f"{found.stopped}; {len(found.probes)} probes")
     return 0
 
 

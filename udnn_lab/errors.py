@@ -52,6 +52,14 @@ class PlanInfeasible(UdnnLabError, ValueError):
         self.fitting_policy = fitting_policy
 
 
+class BudgetTooSmall(UdnnLabError, ValueError):
+    """A budget below what the model's weights alone take: no batch of it can fit."""
+
+    def __init__(self, message: str, weights_bytes: int) -> None:
+        super().__init__(message)
+        self.weights_bytes = weights_bytes
+
+
 class PlanError(UdnnLabError, ValueError):
     """A plan that breaks a rule, or that was made for another graph."""
 

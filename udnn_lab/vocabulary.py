@@ -58,3 +58,6 @@ PEAK_COUNTERS: tuple[PeakCounter, ...] = get_args(PeakCounter)
 def memory_kind(pinned: bool) -> str:
     """Host memory a copy reads or writes: page-locked ('pinned') or ordinary ('pageable')."""
     return "pinned" if pinned else "pageable"
+
+Dimension = Literal["batch", "seq_len"]  # what a fit search grows: the batch size, or the sequence length
+DIMENSIONS: tuple[Dimension, ...] = get_args(Dimension)

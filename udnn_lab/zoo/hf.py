@@ -35,13 +35,23 @@ def build(name: str, batch: int, *, seq_len: int | None, small: bool, config_ove
         labels = torch.randint(config.num_labels, (batch,), generator=generator).to(device)
         return model, {"pixel_values": pixels, "labels": labels}
     length = DEFAULT_SEQ_LEN if seq_len is None else seq_len
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    limit = positions(config)
     if length < 1 or (limit is not None and length > limit):
         raise ValueError(f"seq_len must be between 1 and {limit}, the positions {name} has; got {length}")
     input_ids = torch.randint(config.vocab_size, (batch, length), generator=generator).to(device)
     labels = input_ids.clone() if found.task == "causal-lm" else \
         torch.randint(config.vocab_size, (batch, length), generator=generator).to(device)
     return model, {"input_ids": input_ids, "labels": labels}
+
+
+def max_positions(name: str, *, small: bool = False, config_overrides: dict[str, Any] | None = None) -> int | None:
+    """The longest sequence 'hf:<name>' takes (its position embeddings); None for a config that sets no limit."""
+    return positions(hf_configs.config(name, small=small, **(config_overrides or {})))
+
+
+def positions(config: Any) -> int | None:
+    """A transformers config's number of positions, whichever name it gives them (GPT-2: n_positions)."""
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 
 def output_loss(output: Any) -> torch.Tensor:

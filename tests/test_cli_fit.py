@@ -1,0 +1,44 @@
+"""The max-batch and max-seq-len commands of cli.py (beside test_cli.py, which covers the others)."""
+
+import re
+
+import pytest
+
+import udnn_lab as ul
+from udnn_lab.cli import main
+
+
+def _peak(batch: int) -> int:
+    return ul.trace(ul.zoo.get("mlp3", batch=batch, optimizer="adam", device="meta"), device="cuda").cuda_peak_bytes
+
+
+def test_max_batch_prints_every_probe_and_the_answer(capsys):
+    assert main(["max-batch", "mlp3", "--budget", "40MiB", "--optimizer", "adam", "--multiple-of", "8"]) == 0
+    out = capsys.readouterr().out
+    found = re.search(r"largest batch size: (\d+) \(mlp3, 40.00 MiB, keep-all on h100-sxm\); batch (\d+) needs", out)
+    assert found, out
+    size, failed = int(found.group(1)), int(found.group(2))
+    assert failed == size + 8 and _peak(size) <= ul.parse_bytes("40MiB") < _peak(failed)
+    rows = [line.split() for line in out.splitlines() if line.strip().endswith(("yes", "no"))]
+    assert [row[0] for row in rows if row[-1] == "yes"][-1] == str(size)
+    assert f"{len(rows)} probes" in out
+
+
+def test_max_seq_len_stops_at_its_limit(capsys):
+    pytest.importorskip("transformers")
+    assert main(["max-seq-len", "hf:gpt2", "--budget", "80GiB", "--start", "32", "--limit", "32"]) == 0
+    assert "largest sequence length: 32 (hf:gpt2, 80.00 GiB" in capsys.readouterr().out
+
+
+def test_fit_commands_say_what_was_wrong(capsys):
+    assert main(["max-batch", "mlp3", "--budget", "1MiB"]) == 1
+    assert "weights of mlp3 alone take 7.11 MiB" in capsys.readouterr().err
+    assert main(["max-batch", "mlp3", "--budget", "0"]) == 1
+    assert "more than 0 bytes" in capsys.readouterr().err
+    assert main(["max-seq-len", "resnet18", "--budget", "1GiB"]) == 1
+    assert "'hf:' text models" in capsys.readouterr().err
+    assert main(["max-batch", "my_models:small", "--budget", "1GiB"]) == 1
+    assert "--input-shape" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["max-batch", "mlp3", "--policy", "fastest"])
+    assert "invalid choice" in capsys.readouterr().err

@@ -1,0 +1,14 @@
+"""Fitting: the largest batch size, or sequence length, whose training step fits a memory budget.
+
+``max_batch`` and ``max_seq_len`` build the step at each size they try (a zoo name with its
+options, or your own callable), trace it under fake tensors and hold it against the budget:
+the traced peak under keep-all, a feasible ``plan()`` under another policy. Sizes grow
+exponentially, then the gap is bisected (NOTE [monotone peak] in search.py); the result is a
+FitSearch with every probe. May import: analysis, graph, hardware, simulation, planning, zoo,
+and the workload, vocabulary, units and errors.
+"""
+
+from udnn_lab.fitting.maximum import max_batch, max_seq_len
+from udnn_lab.fitting.result import FitSearch, Probe
+
+__all__ = ["FitSearch", "Probe", "max_batch", "max_seq_len"]

@@ -1,0 +1,174 @@
+"""max_batch() and max_seq_len(): the largest batch size, or sequence length, whose training step fits a budget.
+
+Each size is traced on the meta device under fake tensors (no weights allocated, no GPU needed) and held
+against the budget: its traced peak under keep-all, a feasible ``plan()`` under another policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from udnn_lab import zoo
+from udnn_lab.fitting.probing import StepFactory, StepProber
+from udnn_lab.fitting.result import FitSearch, Probe, disagreements
+from udnn_lab.fitting.search import Bracket, largest_fitting
+from udnn_lab.hardware import Hardware
+from udnn_lab.planning import POLICIES
+from udnn_lab.units import format_bytes, parse_bytes
+from udnn_lab.vocabulary import Dimension
+from udnn_lab.workload import Workload
+
+PROGRESS_SECONDS = 3.0  # by default a search shows its progress bar once it has run this long (as measure() does)
+
+
+def max_batch(model: str | Callable[[int], Workload], budget: int | str | None = None, *, policy: str = "keep-all",
+              hardware: Hardware | str = "h100-sxm", start: int = 1, limit: int | None = None, multiple_of: int = 1,
+              progress: bool | None = None, **options: Any) -> FitSearch:
+    """The largest batch size whose training step fits ``budget`` (default: all of ``hardware``'s memory).
+
+    ``model``: a zoo name, with ``options`` passed to ``ul.zoo.get`` (``seq_len=4096``,
+    ``dtype=torch.bfloat16``, ``optimizer="adamw"``, ...), or a callable ``batch -> Workload``
+    for your own model (build it on the meta device: only shapes are used). Fitting means the
+    traced peak is within the budget under ``policy="keep-all"``, and that ``ul.plan`` finds a plan
+    under any other policy. ``hardware`` decides the device whose memory is counted (CUDA:
+    512-byte blocks). Sizes double from ``start`` until one does not fit, then the gap is
+    bisected, trying only multiples of ``multiple_of``, never above ``limit``. ``progress``:
+    show a progress bar (default: once the search has run a few seconds).
+    """
+    if "batch" in options:
+        raise TypeError("max_batch searches the batch size: leave batch out of its options")
+    build = _factory(model, options, lambda name, size: zoo.get(name, batch=size, **_on_meta(options)))
+    return _search(build, _label(model), "batch", budget, policy, hardware, start, limit, multiple_of, progress,
+                   "the limit given")
+
+
+def max_seq_len(model: str | Callable[[int], Workload], budget: int | str | None = None, *, batch: int = 1,
+                policy: str = "keep-all", hardware: Hardware | str = "h100-sxm", start: int = 1,
+                limit: int | None = None, multiple_of: int = 1, progress: bool | None = None,
+                **options: Any) -> FitSearch:
+    """The longest sequence whose training step at ``batch`` fits ``budget``; as ``max_batch``, for 'hf:' text models.
+
+    The search stops at the model's positions (its ``max_position_embeddings``) when every
+    length up to them fits. ``model`` may also be a callable ``seq_len -> Workload`` (that
+    builds its batch itself: ``batch`` and ``options`` are for zoo names).
+    """
+    if "seq_len" in options:
+        raise TypeError("max_seq_len searches the sequence length: leave seq_len out of its options")
+    if not isinstance(model, str) and batch != 1:
+        raise TypeError("batch is for a zoo name: a callable seq_len -> Workload builds its batch itself")
+    why = "the limit given"
+    if isinstance(model, str):
+        positions = _text_model_positions(model, options)
+        if positions is not None and (limit is None or positions < limit):
+            limit, why = positions, f"the {positions} positions {model} has"
+    build = _factory(model, options, lambda name, size: zoo.get(name, batch=batch, seq_len=size, **_on_meta(options)))
+    return _search(build, _label(model), "seq_len", budget, policy, hardware, start, limit, multiple_of, progress, why)
+
+
+def _search(build: StepFactory, label: str, dimension: Dimension, budget: int | str | None, policy: str,
+            hardware: Hardware | str, start: int, limit: int | None, multiple_of: int, progress: bool | None,
+            limit_reason: str) -> FitSearch:
+    profile = hardware if isinstance(hardware, Hardware) else Hardware.load(hardware)
+    budget_bytes = _budget(budget, profile)
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; the policies are: {', '.join(POLICIES)}")
+    _check_sizes(start, limit, multiple_of)
+    prober = StepProber(build, budget_bytes, policy, profile, dimension)
+    name = "sequence length" if dimension == "seq_len" else "batch"
+    bar = tqdm(desc=f"largest {name} of {label} in {format_bytes(budget_bytes)}", unit="probe", leave=False,
+               disable=progress is False, delay=0 if progress else PROGRESS_SECONDS)
+
+    def probe(size: int) -> Probe:
+        found = prober(size)
+        bar.update(1)
+        bar.set_postfix_str(f"{name} {size}: {format_bytes(found.peak_bytes)}, {'fits' if found.fits else 'too big'}")
+        return found
+
+    with bar:
+        bracket = largest_fitting(probe, start, limit, multiple_of)
+    notes = prober.notes + disagreements(bracket.probes)
+    if budget_bytes > profile.memory_bytes:
+        notes += (f"the budget is more than the {format_bytes(profile.memory_bytes)} {profile.name} holds",)
+    return FitSearch(
+        model_name=prober.model_name or label, dimension=dimension, size=bracket.fitting.size if bracket.fitting else 0,
+        peak_bytes=bracket.fitting.peak_bytes if bracket.fitting else None,
+        failed_size=bracket.failed.size if bracket.failed else None,
+        failed_peak_bytes=bracket.failed.peak_bytes if bracket.failed else None,
+        stopped=_why_stopped(bracket, name, limit_reason, prober.weights_bytes), probes=bracket.probes,
+        budget_bytes=budget_bytes, policy=policy, hardware=profile.name, device=profile.device_type,
+        weights_bytes=prober.weights_bytes, multiple_of=multiple_of, limit=limit, notes=notes)
+
+
+def _why_stopped(bracket: Bracket, name: str, limit_reason: str, weights: int) -> str:
+    if bracket.failed is None:
+        assert bracket.fitting is not None
+        return f"{name} {bracket.fitting.size} fits and is the largest to try ({limit_reason})"
+    failed, needs = f"{name} {bracket.failed.size}", f"needs {format_bytes(bracket.failed.peak_bytes)}"
+    if bracket.fitting is None:
+        return f"not even {failed} fits: it {needs}, the weights alone {format_bytes(weights)}"
+    return f"{failed} {needs}"
+
+
+def _factory(model: str | Callable[[int], Workload], options: dict[str, Any],
+             from_zoo: Callable[[str, int], Workload]) -> StepFactory:
+    if isinstance(model, str):
+        _check_name(model)
+        return lambda size: from_zoo(model, size)
+    if not callable(model):
+        raise TypeError(f"model must be a zoo name or a callable size -> Workload, got {type(model).__name__}")
+    if options:
+        raise TypeError(f"{', '.join(sorted(options))}: options are for a zoo name; a callable builds the step itself")
+    return model
+
+
+def _on_meta(options: dict[str, Any]) -> dict[str, Any]:
+    """Zoo options with the model built on the meta device (only shapes are traced), unless they name a device."""
+    return {"device": "meta", **options}
+
+
+def _check_name(name: str) -> None:
+    """Raise UnknownModelError for a name the zoo does not know, before any step is built."""
+    if name.lower().startswith(zoo.hf_configs.PREFIX):
+        zoo.hf_configs.spec(name)
+    elif ":" not in name:  # 'package.module:factory' is loaded when the step is built
+        zoo.entry(name)
+
+
+def _text_model_positions(name: str, options: dict[str, Any]) -> int | None:
+    """The positions of an 'hf:' text model (ValueError for another model: its input has no sequence length)."""
+    if not name.lower().startswith(zoo.hf_configs.PREFIX):
+        _check_name(name)
+        raise ValueError(f"max_seq_len searches the sequence length of 'hf:' text models, and {name} is not one: "
+                         "for your own model give ul.max_seq_len a callable seq_len -> Workload")
+    if zoo.hf_configs.spec(name).task == "image-classification":
+        raise ValueError(f"{name} takes images, not tokens: it has no sequence length to search; use max_batch")
+    return zoo.hf.max_positions(name, small=options.get("small", False),
+                                config_overrides=options.get("config_overrides"))
+
+
+def _budget(budget: int | str | None, hardware: Hardware) -> int:
+    if budget is None:
+        return int(hardware.memory_bytes)
+    try:
+        budget_bytes = parse_bytes(budget)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"cannot read the budget {budget!r}: {error}; give bytes or a size such as '80GiB'") from None
+    if budget_bytes <= 0:
+        raise ValueError(f"the budget must be more than 0 bytes, got {budget!r}")
+    return budget_bytes
+
+
+def _check_sizes(start: int, limit: int | None, multiple_of: int) -> None:
+    for label, value in (("start", start), ("multiple_of", multiple_of), ("limit", limit)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{label} must be a positive int, got {value!r}")
+    first = -(-start // multiple_of) * multiple_of  # the first multiple of multiple_of at or above start
+    if limit is not None and limit < first:
+        raise ValueError(f"the limit {limit} is below the first size to try, {first}: raise the limit or lower start")
+
+
+def _label(model: str | Callable[[int], Workload]) -> str:
+    return model if isinstance(model, str) else getattr(model, "__name__", type(model).__name__)

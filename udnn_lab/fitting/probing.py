@@ -1,0 +1,81 @@
+"""One probe of a fit search: build the step at a size, trace it under fake tensors, hold it against the budget."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from udnn_lab.analysis import trace
+from udnn_lab.analysis.step import input_tensors, split_input
+from udnn_lab.errors import BudgetTooSmall, PlanInfeasible
+from udnn_lab.fitting.result import Probe
+from udnn_lab.graph import Graph
+from udnn_lab.hardware import Hardware
+from udnn_lab.planning import plan
+from udnn_lab.simulation import simulate
+from udnn_lab.units import format_bytes
+from udnn_lab.vocabulary import Dimension
+from udnn_lab.workload import Workload
+
+StepFactory = Callable[[int], Workload]  # size -> the training step at that size
+
+
+class StepProber:
+    """Probes of one search: the same model, budget, policy and hardware at each size asked for."""
+
+    def __init__(self, build: StepFactory, budget_bytes: int, policy: str, hardware: Hardware,
+                 dimension: Dimension) -> None:
+        self.build, self.budget_bytes, self.policy = build, budget_bytes, policy
+        self.hardware, self.dimension = hardware, dimension
+        self.model_name = ""
+        self.weights_bytes = 0
+        self.notes: tuple[str, ...] = ()  # the traced steps' notes, each once
+        self._input_elements: dict[int, int] = {}
+
+    def __call__(self, size: int) -> Probe:
+        graph = trace(self._workload(size), device=self.hardware.device_type)
+        self.model_name = graph.model_name
+        self.weights_bytes = weights_bytes(graph)
+        self.notes += tuple(note for note in graph.notes if note not in self.notes)
+        if self.weights_bytes > self.budget_bytes:
+            raise BudgetTooSmall(
+                f"the weights of {graph.model_name} alone take {format_bytes(self.weights_bytes)}, more than the "
+                f"{format_bytes(self.budget_bytes)} budget, so no {self._name} fits: raise the budget, or hold the "
+                "weights in a 16-bit dtype (dtype=torch.bfloat16; --dtype bfloat16)", self.weights_bytes)
+        traced = counted_peak(graph)
+        # Under a budget the keep-all step fits, every policy keeps everything (planning.registry): nothing to plan
+        if self.policy == "keep-all" or traced <= self.budget_bytes:
+            return Probe(size, traced, traced <= self.budget_bytes, traced)
+        try:
+            chosen = plan(graph, self.budget_bytes, self.policy, hardware=self.hardware)
+        except PlanInfeasible as infeasible:
+            return Probe(size, infeasible.minimum_bytes, False, traced)
+        return Probe(size, simulate(graph, chosen, hardware=self.hardware).peak_bytes, True, traced)
+
+    @property
+    def _name(self) -> str:
+        return "sequence length" if self.dimension == "seq_len" else "batch"
+
+    def _workload(self, size: int) -> Workload:
+        work = self.build(size)
+        if not isinstance(work, Workload):
+            raise TypeError(f"the step factory gave a {type(work).__name__} for {self._name} {size}, not a Workload: "
+                            f"return ul.zoo.get(..., {self.dimension}=size) or ul.Workload(model, example_input, ...)")
+        elements = sum(t.numel() for t in input_tensors(*split_input(work.example_input)))
+        same = [other for other, count in self._input_elements.items() if count == elements and other != size]
+        if same:
+            raise ValueError(f"the step factory gave the same input ({elements} elements) for {self._name} {same[0]} "
+                             f"and {size}: it must build the input from the {self._name} it is given")
+        self._input_elements[size] = elements
+        return work
+
+
+def counted_peak(graph: Graph) -> int:
+    """The traced peak as a budget counts it: the caching allocator's 512-byte blocks on CUDA, exact bytes on a CPU."""
+    return int(graph.cuda_peak_bytes if graph.device == "cuda" else graph.peak_bytes)
+
+
+def weights_bytes(graph: Graph) -> int:
+    """Bytes of the model's parameters on the device, counted as the budget counts them."""
+    cuda = graph.device == "cuda"
+    return sum(t.cuda_nbytes if cuda else t.nbytes for t in graph.tensors if t.category == "parameter")
+
