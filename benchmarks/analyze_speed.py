@@ -8,8 +8,9 @@ writes JSON with the machine, versions, date and every timing.
     python benchmarks/analyze_speed.py [--repeats 3] [--out data/benchmarks/analyze_speed.json]
 
 ``--suite hf`` times udnn_lab alone on full-size Hugging Face models built on the meta device
-(float32, AdamW, SDPA attention): the model's build from its config, then its trace, cold and warm,
-against the targets of issue 14; it writes data/benchmarks/analyze_speed_hf.json (needs udnn_lab[hf]).
+(float32, AdamW, SDPA attention; one also with PEFT LoRA adapters of rank 16): the model's build from its
+config, then its trace, cold and warm, against the targets of issue 14; it writes
+data/benchmarks/analyze_speed_hf.json (needs udnn_lab[hf]).
 
     python benchmarks/analyze_speed.py --suite hf [--repeats 3]
 """
@@ -35,8 +36,10 @@ CASES = {  # name: (zoo name, batch)
 MEMTRACKER_REPEATS = {"resnet1001": 1}  # MemTracker's cost grows with the module count: one run is minutes
 HF_CASES = {  # name: (zoo name, batch, sequence length, target seconds for the trace)
     "llama-3-8b@4096": ("hf:llama-3-8b", 1, 4096, 10.0),
+    "llama-3-8b-lora16@4096": ("hf:llama-3-8b", 1, 4096, 10.0),
     "llama-3-70b@8192": ("hf:llama-3-70b", 1, 8192, 30.0),
 }
+HF_OPTIONS = {"llama-3-8b-lora16@4096": {"lora_rank": 16}}  # zoo.get's options beyond the size
 TARGET_SPEEDUP = 6.0
 TARGET_RESNET1001_S = 5.0
 
@@ -71,7 +74,7 @@ def hf_worker(case: str) -> dict:
     torch.set_num_threads(2)
     name, batch, seq_len, _ = HF_CASES[case]
     start = time.perf_counter()
-    work = ul.zoo.get(name, batch=batch, seq_len=seq_len, device="meta")
+    work = ul.zoo.get(name, batch=batch, seq_len=seq_len, device="meta", **HF_OPTIONS.get(case, {}))
     build_s = time.perf_counter() - start
     timings = []
     for _ in range(2):
@@ -87,24 +90,25 @@ def run_hf(repeats: int, out: Path) -> dict:
     rows = []
     for case in HF_CASES:
         for repeat in range(repeats):
-            print(f"  {case:18s} run {repeat + 1}/{repeats} ...", file=sys.stderr, flush=True)
+            print(f"  {case:22s} run {repeat + 1}/{repeats} ...", file=sys.stderr, flush=True)
             done = subprocess.run([sys.executable, __file__, "--hf-worker", case], check=True, capture_output=True,
                                   text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
     summary = []
     for case, (name, batch, seq_len, target) in HF_CASES.items():
         runs = [r for r in rows if r["case"] == case]
-        summary.append({"case": case, "model": name, "batch": batch, "seq_len": seq_len, "target_trace_s": target,
+        summary.append({"case": case, "model": name, "batch": batch, "seq_len": seq_len,
+                        "options": HF_OPTIONS.get(case, {}), "target_trace_s": target,
                         **{key: statistics.median(r[key] for r in runs) for key in ("build_s", "cold_s", "warm_s")},
                         "peak_bytes": runs[0]["peak_bytes"], "ops": runs[0]["ops"]})
     document = {"benchmark": "analyze_speed_hf", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "machine": _machine(), "repeats": repeats, "summary": summary, "runs": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(document, indent=1))
-    print(f"\n{'model':18s} {'ops':>7s} {'build':>7s} {'trace cold':>11s} {'trace warm':>11s} {'target':>7s} "
+    print(f"\n{'model':22s} {'ops':>7s} {'build':>7s} {'trace cold':>11s} {'trace warm':>11s} {'target':>7s} "
           f"{'peak':>10s}")
     for row in summary:
-        print(f"{row['case']:18s} {row['ops']:7d} {row['build_s']:6.1f}s {row['cold_s']:10.1f}s {row['warm_s']:10.1f}s "
+        print(f"{row['case']:22s} {row['ops']:7d} {row['build_s']:6.1f}s {row['cold_s']:10.1f}s {row['warm_s']:10.1f}s "
               f"{row['target_trace_s']:6.0f}s {row['peak_bytes'] / 2**30:7.1f}GiB")
     print(f"\nwrote {out}")
     return document
