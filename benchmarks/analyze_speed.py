@@ -87,7 +87,7 @@ def hf_worker(case: str) -> dict:
 
 
 def run_hf(repeats: int, out: Path) -> dict:
-    rows = []
+    rows, load_before = [], os.getloadavg()  # the machine may be shared: its load says how far timings can be trusted
     for case in HF_CASES:
         for repeat in range(repeats):
             print(f"  {case:22s} run {repeat + 1}/{repeats} ...", file=sys.stderr, flush=True)
@@ -102,7 +102,8 @@ def run_hf(repeats: int, out: Path) -> dict:
                         **{key: statistics.median(r[key] for r in runs) for key in ("build_s", "cold_s", "warm_s")},
                         "peak_bytes": runs[0]["peak_bytes"], "ops": runs[0]["ops"]})
     document = {"benchmark": "analyze_speed_hf", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "machine": _machine(), "repeats": repeats, "summary": summary, "runs": rows}
+                "machine": _machine(), "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
+                "repeats": repeats, "summary": summary, "runs": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(document, indent=1))
     print(f"\n{'model':22s} {'ops':>7s} {'build':>7s} {'trace cold':>11s} {'trace warm':>11s} {'target':>7s} "

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from udnn_lab.errors import ModelFactoryError, UdnnLabError
 from udnn_lab.units import format_bytes
-from udnn_lab.vocabulary import PHASES
+from udnn_lab.vocabulary import ATTENTION_IMPLEMENTATIONS, PHASES
 
 COMMANDS = {
     "analyze": "memory of one training step: breakdown, peak, curve",
@@ -73,7 +73,7 @@ def registered_names() -> Names:
     from udnn_lab.planning.registry import POLICIES  # (as above)
 
     return Names(policies=tuple(POLICIES), hardware=tuple(Hardware.names()), dtypes=tuple(zoo.DTYPES),
-                 optimizers=tuple(zoo.OPTIMIZERS), attention=zoo.hf.ATTENTION_IMPLEMENTATIONS)
+                 optimizers=tuple(zoo.OPTIMIZERS), attention=ATTENTION_IMPLEMENTATIONS)
 
 
 def input_shape(text: str) -> tuple[int, ...]:

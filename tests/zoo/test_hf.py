@@ -5,7 +5,8 @@ import torch
 
 import udnn_lab as ul
 from udnn_lab import zoo
-from udnn_lab.zoo import hf, hf_configs
+from udnn_lab.vocabulary import ATTENTION_IMPLEMENTATIONS
+from udnn_lab.zoo import hf_configs
 
 transformers = pytest.importorskip("transformers", reason="Hugging Face models need udnn_lab[hf] (transformers)")
 
@@ -51,7 +52,7 @@ def test_eager_attention_at_a_longer_sequence_costs_more_than_sdpa_by_its_seq_by
 def test_by_default_transformers_picks_and_the_name_says_which():
     work = zoo.get("hf:gpt2", batch=1, seq_len=8, small=True, device="meta")
     picked = work.model.config._attn_implementation
-    assert picked in hf.ATTENTION_IMPLEMENTATIONS and work.name == f"hf:gpt2-small ({picked} attention)"
+    assert picked in ATTENTION_IMPLEMENTATIONS and work.name == f"hf:gpt2-small ({picked} attention)"
     assert f"({picked} attention)" in repr(work)
     eager = zoo.get("hf:gpt2", batch=1, seq_len=8, small=True, device="meta", attn_implementation="eager")
     assert eager.model.config._attn_implementation == "eager" and eager.name == "hf:gpt2-small (eager attention)"

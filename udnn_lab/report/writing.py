@@ -26,6 +26,7 @@ from udnn_lab.errors import ReportError
 from udnn_lab.hardware.profiles import Hardware
 from udnn_lab.planning.registry import POLICIES
 from udnn_lab.units import format_bytes, parse_bytes
+from udnn_lab.vocabulary import ATTENTION_IMPLEMENTATIONS, AttentionImplementation
 from udnn_lab.zoo import DTYPES, OPTIMIZERS
 
 TEMPLATE = Path(__file__).with_name("template.ipynb")
@@ -53,7 +54,7 @@ class ReportRequest:
     optimizer: str = "default"  # the zoo's own: SGD with momentum, AdamW for hf: models
     dtype: str = "float32"
     seq_len: int | None = None  # tokens per example of an hf: model; None: the zoo's default
-    attn_implementation: str | None = None  # of an hf: model: 'sdpa' or 'eager'; None: what transformers picks
+    attn_implementation: AttentionImplementation | None = None  # of an hf: model; None: what transformers picks
     lora_rank: int | None = None  # train LoRA adapters of this rank on the frozen hf: model
 
     def check(self) -> None:
@@ -96,9 +97,9 @@ class ReportRequest:
                                           ("lora_rank", self.lora_rank)) if value is not None]
         if given and not self.model.lower().startswith(zoo.hf_configs.PREFIX):
             raise ValueError(f"{', '.join(given)}: for Hugging Face models (hf:<name>) only, not {self.model}")
-        if self.attn_implementation is not None and self.attn_implementation not in zoo.hf.ATTENTION_IMPLEMENTATIONS:
+        if self.attn_implementation is not None and self.attn_implementation not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(f"unknown attention {self.attn_implementation!r}; use one of "
-                             f"{', '.join(zoo.hf.ATTENTION_IMPLEMENTATIONS)}")
+                             f"{', '.join(ATTENTION_IMPLEMENTATIONS)}")
         for name, value in (("seq_len", self.seq_len), ("lora_rank", self.lora_rank)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from udnn_lab.errors import MissingDependency, ModelFactoryError, UnknownModelError
+from udnn_lab.vocabulary import AttentionImplementation
 from udnn_lab.workload import Workload
 from udnn_lab.zoo import hf, hf_configs
 from udnn_lab.zoo.published import PublishedPeak as PublishedPeak
@@ -250,8 +251,8 @@ def get(name_or_model: str | nn.Module, batch: int = 8, *, image_size: int | Non
         input_shape: tuple[int, ...] | None = None, device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None, optimizer: str | None = "default", seed: int = 0,
         seq_len: int | None = None, small: bool = False, config_overrides: dict[str, Any] | None = None,
-        attn_implementation: str | None = None, lora_rank: int | None = None, lora_alpha: float | None = None,
-        lora_target_modules: str | Sequence[str] | None = None) -> Workload:
+        attn_implementation: AttentionImplementation | None = None, lora_rank: int | None = None,
+        lora_alpha: float | None = None, lora_target_modules: str | Sequence[str] | None = None) -> Workload:
     """A Workload: the model (random weights) on ``device``, a random batch, cross-entropy, an optimizer.
 
     ``name_or_model``: a zoo name, or your own ``nn.Module`` or 'package.module:factory' (then

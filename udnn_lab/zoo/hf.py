@@ -8,14 +8,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from udnn_lab.vocabulary import ATTENTION_IMPLEMENTATIONS, AttentionImplementation
 from udnn_lab.zoo import hf_configs, hf_lora
 
 DEFAULT_SEQ_LEN = 512
-ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")  # transformers' names: torch's fused kernel, or matmul and softmax
 
 
 def build(name: str, batch: int, *, seq_len: int | None, small: bool, config_overrides: dict[str, Any] | None,
-          device: torch.device, dtype: torch.dtype | None, seed: int, attn_implementation: str | None = None,
+          device: torch.device, dtype: torch.dtype | None, seed: int,
+          attn_implementation: AttentionImplementation | None = None,
           lora_rank: int | None = None, lora_alpha: float | None = None,
           lora_target_modules: str | Sequence[str] | None = None) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """The model (training mode) on ``device`` and its input dict: ``input_ids`` and ``labels``, or pixels.
@@ -57,7 +58,8 @@ def build(name: str, batch: int, *, seq_len: int | None, small: bool, config_ove
     return model, {"input_ids": input_ids, "labels": labels}
 
 
-def _with_attention(config_overrides: dict[str, Any] | None, attn_implementation: str | None) -> dict[str, Any]:
+def _with_attention(config_overrides: dict[str, Any] | None,
+                    attn_implementation: AttentionImplementation | None) -> dict[str, Any]:
     """The config overrides with the attention implementation asked for (None: transformers picks)."""
     overrides = dict(config_overrides or {})
     if attn_implementation is None:
