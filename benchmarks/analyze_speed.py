@@ -73,23 +73,26 @@ def hf_worker(case: str) -> dict:
 
     torch.set_num_threads(2)
     name, batch, seq_len, _ = HF_CASES[case]
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     work = ul.zoo.get(name, batch=batch, seq_len=seq_len, device="meta", **HF_OPTIONS.get(case, {}))
-    build_s = time.perf_counter() - start
-    timings = []
+    build_s, build_cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
+    timings, cpu_timings = [], []
     for _ in range(2):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         graph = ul.trace(work)
         graph.memory_curve()
         timings.append(time.perf_counter() - start)
+        cpu_timings.append(time.process_time() - start_cpu)
+    # CPU seconds as well as wall seconds: on a shared machine the wall clock counts the other users' work too
     return {"tool": "udnn_lab", "case": case, "build_s": build_s, "cold_s": timings[0], "warm_s": timings[1],
+            "build_cpu_s": build_cpu_s, "cold_cpu_s": cpu_timings[0], "warm_cpu_s": cpu_timings[1],
             "peak_bytes": graph.peak_bytes, "ops": len(graph.ops)}
 
 
 def run_hf(repeats: int, out: Path) -> dict:
     rows, load_before = [], os.getloadavg()  # the machine may be shared: its load says how far timings can be trusted
-    for case in HF_CASES:
-        for repeat in range(repeats):
+    for repeat in range(repeats):  # the cases take turns, so that a change in the machine's load falls on each
+        for case in HF_CASES:
             print(f"  {case:22s} run {repeat + 1}/{repeats} ...", file=sys.stderr, flush=True)
             done = subprocess.run([sys.executable, __file__, "--hf-worker", case], check=True, capture_output=True,
                                   text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
@@ -99,18 +102,20 @@ def run_hf(repeats: int, out: Path) -> dict:
         runs = [r for r in rows if r["case"] == case]
         summary.append({"case": case, "model": name, "batch": batch, "seq_len": seq_len,
                         "options": HF_OPTIONS.get(case, {}), "target_trace_s": target,
-                        **{key: statistics.median(r[key] for r in runs) for key in ("build_s", "cold_s", "warm_s")},
+                        **{key: statistics.median(r[key] for r in runs)
+                           for key in ("build_s", "cold_s", "warm_s", "build_cpu_s", "cold_cpu_s", "warm_cpu_s")},
                         "peak_bytes": runs[0]["peak_bytes"], "ops": runs[0]["ops"]})
     document = {"benchmark": "analyze_speed_hf", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "machine": _machine(), "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
                 "repeats": repeats, "summary": summary, "runs": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(document, indent=1))
-    print(f"\n{'model':22s} {'ops':>7s} {'build':>7s} {'trace cold':>11s} {'trace warm':>11s} {'target':>7s} "
-          f"{'peak':>10s}")
+    print(f"\n{'model':22s} {'ops':>7s} {'build':>7s} {'trace cold':>11s} {'trace warm':>11s} {'(CPU s)':>14s} "
+          f"{'target':>7s} {'peak':>10s}")
     for row in summary:
         print(f"{row['case']:22s} {row['ops']:7d} {row['build_s']:6.1f}s {row['cold_s']:10.1f}s {row['warm_s']:10.1f}s "
-              f"{row['target_trace_s']:6.0f}s {row['peak_bytes'] / 2**30:7.1f}GiB")
+              f"{row['cold_cpu_s']:6.1f} {row['warm_cpu_s']:6.1f} {row['target_trace_s']:6.0f}s "
+              f"{row['peak_bytes'] / 2**30:7.1f}GiB")
     print(f"\nwrote {out}")
     return document
 
