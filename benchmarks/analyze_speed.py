@@ -8,8 +8,9 @@ writes JSON with the machine, versions, date and every timing.
     python benchmarks/analyze_speed.py [--repeats 3] [--out data/benchmarks/analyze_speed.json]
 
 ``--suite hf`` times udnn_lab alone on full-size Hugging Face models built on the meta device
-(float32, AdamW, SDPA attention): the model's build from its config, then its trace, cold and warm,
-against the targets of issue 14; it writes data/benchmarks/analyze_speed_hf.json (needs udnn_lab[hf]).
+(float32, AdamW, SDPA attention; one also with PEFT LoRA adapters of rank 16): the model's build from its
+config, then its trace, cold and warm, against the targets of issue 14; it writes
+data/benchmarks/analyze_speed_hf.json (needs udnn_lab[hf]).
 
     python benchmarks/analyze_speed.py --suite hf [--repeats 3]
 """
@@ -35,8 +36,10 @@ CASES = {  # name: (zoo name, batch)
 MEMTRACKER_REPEATS = {"resnet1001": 1}  # MemTracker's cost grows with the module count: one run is minutes
 HF_CASES = {  # name: (zoo name, batch, sequence length, target seconds for the trace)
     "llama-3-8b@4096": ("hf:llama-3-8b", 1, 4096, 10.0),
+    "llama-3-8b-lora16@4096": ("hf:llama-3-8b", 1, 4096, 10.0),
     "llama-3-70b@8192": ("hf:llama-3-70b", 1, 8192, 30.0),
 }
+HF_OPTIONS = {"llama-3-8b-lora16@4096": {"lora_rank": 16}}  # zoo.get's options beyond the size
 TARGET_SPEEDUP = 6.0
 TARGET_RESNET1001_S = 5.0
 
@@ -70,42 +73,49 @@ def hf_worker(case: str) -> dict:
 
     torch.set_num_threads(2)
     name, batch, seq_len, _ = HF_CASES[case]
-    start = time.perf_counter()
-    work = ul.zoo.get(name, batch=batch, seq_len=seq_len, device="meta")
-    build_s = time.perf_counter() - start
-    timings = []
+    start, start_cpu = time.perf_counter(), time.process_time()
+    work = ul.zoo.get(name, batch=batch, seq_len=seq_len, device="meta", **HF_OPTIONS.get(case, {}))
+    build_s, build_cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
+    timings, cpu_timings = [], []
     for _ in range(2):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         graph = ul.trace(work)
         graph.memory_curve()
         timings.append(time.perf_counter() - start)
+        cpu_timings.append(time.process_time() - start_cpu)
+    # CPU seconds as well as wall seconds: on a shared machine the wall clock counts the other users' work too
     return {"tool": "udnn_lab", "case": case, "build_s": build_s, "cold_s": timings[0], "warm_s": timings[1],
+            "build_cpu_s": build_cpu_s, "cold_cpu_s": cpu_timings[0], "warm_cpu_s": cpu_timings[1],
             "peak_bytes": graph.peak_bytes, "ops": len(graph.ops)}
 
 
 def run_hf(repeats: int, out: Path) -> dict:
-    rows = []
-    for case in HF_CASES:
-        for repeat in range(repeats):
-            print(f"  {case:18s} run {repeat + 1}/{repeats} ...", file=sys.stderr, flush=True)
+    rows, load_before = [], os.getloadavg()  # the machine may be shared: its load says how far timings can be trusted
+    for repeat in range(repeats):  # the cases take turns, so that a change in the machine's load falls on each
+        for case in HF_CASES:
+            print(f"  {case:22s} run {repeat + 1}/{repeats} ...", file=sys.stderr, flush=True)
             done = subprocess.run([sys.executable, __file__, "--hf-worker", case], check=True, capture_output=True,
                                   text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
     summary = []
     for case, (name, batch, seq_len, target) in HF_CASES.items():
         runs = [r for r in rows if r["case"] == case]
-        summary.append({"case": case, "model": name, "batch": batch, "seq_len": seq_len, "target_trace_s": target,
-                        **{key: statistics.median(r[key] for r in runs) for key in ("build_s", "cold_s", "warm_s")},
+        summary.append({"case": case, "model": name, "batch": batch, "seq_len": seq_len,
+                        "options": HF_OPTIONS.get(case, {}), "target_trace_s": target,
+                        **{key: statistics.median(r[key] for r in runs)
+                           for key in ("build_s", "cold_s", "warm_s", "build_cpu_s", "cold_cpu_s", "warm_cpu_s")},
                         "peak_bytes": runs[0]["peak_bytes"], "ops": runs[0]["ops"]})
     document = {"benchmark": "analyze_speed_hf", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "machine": _machine(), "repeats": repeats, "summary": summary, "runs": rows}
+                "machine": _machine(), "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
+                "repeats": repeats, "summary": summary, "runs": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(document, indent=1))
-    print(f"\n{'model':18s} {'ops':>7s} {'build':>7s} {'trace cold':>11s} {'trace warm':>11s} {'target':>7s} "
-          f"{'peak':>10s}")
+    print(f"\n{'model':22s} {'ops':>7s} {'build':>7s} {'trace cold':>11s} {'trace warm':>11s} {'(CPU s)':>14s} "
+          f"{'target':>7s} {'peak':>10s}")
     for row in summary:
-        print(f"{row['case']:18s} {row['ops']:7d} {row['build_s']:6.1f}s {row['cold_s']:10.1f}s {row['warm_s']:10.1f}s "
-              f"{row['target_trace_s']:6.0f}s {row['peak_bytes'] / 2**30:7.1f}GiB")
+        print(f"{row['case']:22s} {row['ops']:7d} {row['build_s']:6.1f}s {row['cold_s']:10.1f}s {row['warm_s']:10.1f}s "
+              f"{row['cold_cpu_s']:6.1f} {row['warm_cpu_s']:6.1f} {row['target_trace_s']:6.0f}s "
+              f"{row['peak_bytes'] / 2**30:7.1f}GiB")
     print(f"\nwrote {out}")
     return document
 

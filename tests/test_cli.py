@@ -149,3 +149,28 @@ def test_a_failing_factory_is_one_line_naming_it_and_the_error(tmp_path, monkeyp
         assert "Traceback (most recent call last)" in err and "in broken" in err
     assert main(["analyze", "no_such_module:build", "--input-shape", "4"]) == 2
     assert "cannot load the model factory no_such_module:build" in capsys.readouterr().err
+
+
+def test_analyze_takes_the_sequence_length_attention_and_lora_rank_of_an_hf_model(tmp_path, capsys):
+    pytest.importorskip("peft")
+    out = tmp_path / "gpt2"
+    assert main(["analyze", "hf:gpt2", "--batch", "1", "--seq-len", "64", "--attn-implementation", "eager",
+                 "--lora-rank", "4", "--out", str(out)]) == 0
+    document = json.loads(out.with_suffix(".json").read_text())
+    assert document["model"] == "hf:gpt2 (eager attention, LoRA r=4)"
+    assert (document["seq_len"], document["attn_implementation"], document["lora_rank"]) == (64, "eager", 4)
+    # rank 4 on GPT-2's 12 c_attn projections (768 -> 2304): the only gradients, in float32
+    assert document["breakdown"]["parameter_gradient"]["max_bytes"] == 4 * 12 * 4 * (768 + 2304)
+
+
+def test_the_hf_options_list_their_choices_and_refuse_other_models(capsys):
+    for command in ("analyze", "report"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "--attn-implementation {sdpa,eager}" in text and "--lora-rank" in text and "--seq-len" in text
+    with pytest.raises(SystemExit):
+        main(["analyze", "hf:gpt2", "--attn-implementation", "flash"])
+    assert "invalid choice: 'flash'" in capsys.readouterr().err
+    assert main(["analyze", "resnet18", "--lora-rank", "8"]) == 1
+    assert "lora_rank is for Hugging Face models" in capsys.readouterr().err

@@ -63,7 +63,7 @@ def test_the_published_numbers_reach_the_built_model():
     assert rope["rope_theta"] == 500000.0
     assert sum(p.numel() for p in work.model.parameters()) == 8_030_261_248  # Llama-3-8B's published count
     assert work.example_input["input_ids"].shape == (1, 4096) and work.example_input["labels"].shape == (1, 4096)
-    assert isinstance(work.optimizer, torch.optim.AdamW) and work.name == "hf:llama-3-8b"
+    assert isinstance(work.optimizer, torch.optim.AdamW) and work.name == "hf:llama-3-8b (sdpa attention)"
     gpt2 = zoo.get("hf:gpt2", batch=1, seq_len=8, device="meta").model
     assert sum(p.numel() for p in gpt2.parameters()) == 124_439_808
 
@@ -106,7 +106,8 @@ def test_vit_takes_pixels_and_class_labels():
 
 def test_names_list_the_hf_models_and_bad_requests_say_what_to_do():
     assert set(hf_configs.names()) <= set(zoo.names()) and "hf:mistral-7b" in zoo.describe()
-    assert zoo.get("HF:Llama_3_8B", batch=1, seq_len=4, small=True, device="meta").name == "hf:llama-3-8b-small"
+    assert zoo.get("HF:Llama_3_8B", batch=1, seq_len=4, small=True, device="meta").name == \
+        "hf:llama-3-8b-small (sdpa attention)"
     with pytest.raises(UnknownModelError, match="hf:gpt2"):
         zoo.get("hf:gpt-5", batch=1)
     with pytest.raises(ValueError, match="between 1 and 1024"):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from udnn_lab.errors import ModelFactoryError, UdnnLabError
 from udnn_lab.units import format_bytes
-from udnn_lab.vocabulary import PHASES
+from udnn_lab.vocabulary import ATTENTION_IMPLEMENTATIONS, PHASES
 
 COMMANDS = {
     "analyze": "memory of one training step: breakdown, peak, curve",
@@ -38,6 +38,7 @@ class Names:
     hardware: tuple[str, ...]
     dtypes: tuple[str, ...]
     optimizers: tuple[str, ...]
+    attention: tuple[str, ...] = ()  # attention implementations of hf: models
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,7 +75,7 @@ def registered_names() -> Names:
     from udnn_lab.planning.registry import POLICIES  # (as above)
 
     return Names(policies=tuple(POLICIES), hardware=tuple(Hardware.names()), dtypes=tuple(zoo.DTYPES),
-                 optimizers=tuple(zoo.OPTIMIZERS))
+                 optimizers=tuple(zoo.OPTIMIZERS), attention=ATTENTION_IMPLEMENTATIONS)
 
 
 def input_shape(text: str) -> tuple[int, ...]:
@@ -106,6 +107,11 @@ def _parser(names: Names | None = None) -> argparse.ArgumentParser:
                            "none: forward and backward only)")
     step.add_argument("--dtype", default="float32", choices=names.dtypes if names else None,
                       help="dtype of the weights and the batch (default float32)")
+    step.add_argument("--seq-len", type=int, help="tokens per example, for hf: models (default 512)")
+    step.add_argument("--attn-implementation", choices=names.attention if names else None,
+                      help="attention of hf: models (default: what transformers picks, sdpa where torch has it)")
+    step.add_argument("--lora-rank", type=int,
+                      help="train LoRA adapters of this rank (PEFT, on PEFT's default modules) on the frozen hf: model")
 
     analyze = commands.add_parser("analyze", parents=[step, common], help=COMMANDS["analyze"])
     analyze.add_argument("--device", default="cpu", help="device whose step is predicted: cpu or cuda (default cpu)")
@@ -209,7 +215,8 @@ def _report(args: argparse.Namespace) -> int:
 
     request = ReportRequest(args.model, args.budget, batch=args.batch, hardware=args.hardware, policy=args.policy,
                             image_size=args.image_size, input_shape=args.input_shape, optimizer=args.optimizer,
-                            dtype=args.dtype)
+                            dtype=args.dtype, seq_len=args.seq_len, attn_implementation=args.attn_implementation,
+                            lora_rank=args.lora_rank)
     write_report(request, args.out, progress=lambda line: print(line, file=sys.stderr))
     return 0
 
@@ -254,7 +261,8 @@ def _workload(args: argparse.Namespace, device: str):
         raise ValueError("for your own module give --input-shape, one example's shape, e.g. --input-shape 3x224x224")
     return zoo.get(args.model, batch=args.batch, image_size=args.image_size, input_shape=args.input_shape,
                    device=device, dtype=None if args.dtype == "float32" else zoo.DTYPES[args.dtype],
-                   optimizer=None if args.optimizer == "none" else args.optimizer)
+                   optimizer=None if args.optimizer == "none" else args.optimizer, seq_len=args.seq_len,
+                   attn_implementation=args.attn_implementation, lora_rank=args.lora_rank)
 
 
 def _print_summary(graph, elapsed: float) -> None:
@@ -283,6 +291,7 @@ def _write_curve(graph, args: argparse.Namespace, out: Path, optimizer: str) -> 
     document = {
         "model": graph.model_name, "batch": args.batch, "device": graph.device, "dtype": args.dtype,
         "optimizer": optimizer, "torch_version": graph.torch_version, "notes": list(graph.notes),
+        "seq_len": args.seq_len, "attn_implementation": args.attn_implementation, "lora_rank": args.lora_rank,
         "peak_bytes": graph.peak_bytes, "cuda_peak_bytes": graph.cuda_peak_bytes, "peak_step": graph.peak_step,
         "baseline_bytes": graph.baseline_bytes,
         "breakdown": {k: {c: (v.item() if hasattr(v, "item") else v) for c, v in row.items()}

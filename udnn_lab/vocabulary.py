@@ -49,6 +49,11 @@ DIRECTIONS: tuple[Direction, ...] = get_args(Direction)
 FineTuneMethod = Literal["full", "lora", "qlora"]  # qlora: LoRA on quantized base weights
 FINE_TUNE_METHODS: tuple[FineTuneMethod, ...] = get_args(FineTuneMethod)
 
+# attention of Hugging Face models, by transformers' names: torch's fused scaled_dot_product_attention, or
+# matmul, softmax and matmul, which keeps the seq x seq scores
+AttentionImplementation = Literal["sdpa", "eager"]
+ATTENTION_IMPLEMENTATIONS: tuple[AttentionImplementation, ...] = get_args(AttentionImplementation)
+
 # what a published peak counted: torch.cuda.max_memory_allocated / max_memory_reserved, or the device's used
 # memory as nvidia-smi (NVML) reports it, CUDA context included
 PeakCounter = Literal["max_memory_allocated", "max_memory_reserved", "nvml_used"]

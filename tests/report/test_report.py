@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import udnn_lab as ul
-from udnn_lab.cli import _parser, main
+from udnn_lab.cli import _parser, main, registered_names
 from udnn_lab.report.writing import TEMPLATE, ReportRequest
 from udnn_lab.units import format_budget
 
@@ -123,3 +123,25 @@ def test_a_bad_request_is_refused_before_any_kernel_starts(change, message):
 def test_a_request_for_a_hugging_face_model_or_the_default_optimizer_passes_its_checks():
     ReportRequest("hf:gpt2", "6GiB").check()
     ReportRequest("resnet18", "6GiB", optimizer="default").check()
+
+
+def test_the_hf_options_reach_the_command_and_read_back():
+    request = ReportRequest("hf:llama-3-8b", "80GiB", batch=1, seq_len=4096, attn_implementation="sdpa",
+                            lora_rank=16)
+    request.check_names()
+    words = shlex.split(request.command("llama.html"))
+    assert words[words.index("--seq-len") + 1] == "4096" and words[words.index("--lora-rank") + 1] == "16"
+    parsed = _parser(registered_names()).parse_args(words[1:])
+    assert (parsed.seq_len, parsed.attn_implementation, parsed.lora_rank) == (4096, "sdpa", 16)
+    assert "--seq-len" not in ReportRequest("hf:gpt2", "6GiB").command("gpt2.html")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model": "resnet18", "lora_rank": 8}, "lora_rank: for Hugging Face models (hf:<name>) only, not resnet18"),
+    ({"attn_implementation": "flash"}, "unknown attention 'flash'; use one of sdpa, eager"),
+    ({"lora_rank": 0}, "lora_rank must be a positive int, got 0"),
+    ({"seq_len": -4}, "seq_len must be a positive int, got -4"),
+])
+def test_bad_hf_options_are_refused_before_any_kernel_starts(change, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ReportRequest(**{"model": "hf:gpt2", "budget": "6GiB", **change}).check_names()

@@ -26,6 +26,7 @@ from udnn_lab.errors import ReportError
 from udnn_lab.hardware.profiles import Hardware
 from udnn_lab.planning.registry import POLICIES
 from udnn_lab.units import format_bytes, parse_bytes
+from udnn_lab.vocabulary import ATTENTION_IMPLEMENTATIONS, AttentionImplementation
 from udnn_lab.zoo import DTYPES, OPTIMIZERS
 
 TEMPLATE = Path(__file__).with_name("template.ipynb")
@@ -52,6 +53,9 @@ class ReportRequest:
     input_shape: tuple[int, ...] | None = None  # one example's shape, for a factory's module
     optimizer: str = "default"  # the zoo's own: SGD with momentum, AdamW for hf: models
     dtype: str = "float32"
+    seq_len: int | None = None  # tokens per example of an hf: model; None: the zoo's default
+    attn_implementation: AttentionImplementation | None = None  # of an hf: model; None: what transformers picks
+    lora_rank: int | None = None  # train LoRA adapters of this rank on the frozen hf: model
 
     def check(self) -> None:
         """Raise ValueError (or the zoo's and hardware's own errors): the names, then the model itself."""
@@ -73,6 +77,7 @@ class ReportRequest:
         if budget_bytes <= 0:
             raise ValueError(f"the budget must be more than 0 bytes, got {self.budget!r}")
         Hardware.load(self.hardware)
+        self._check_hf_options()
         if self.model.lower().startswith(zoo.hf_configs.PREFIX):
             if self.image_size is not None:
                 raise ValueError(f"{self.model} is built from its config, with its own input size: leave out the "
@@ -87,11 +92,24 @@ class ReportRequest:
         if self.image_size is not None and kind != "image":
             raise ValueError(f"{self.model} takes {kind} inputs, not images: leave out the image size")
 
+    def _check_hf_options(self) -> None:
+        given = [name for name, value in (("seq_len", self.seq_len), ("attn_implementation", self.attn_implementation),
+                                          ("lora_rank", self.lora_rank)) if value is not None]
+        if given and not self.model.lower().startswith(zoo.hf_configs.PREFIX):
+            raise ValueError(f"{', '.join(given)}: for Hugging Face models (hf:<name>) only, not {self.model}")
+        if self.attn_implementation is not None and self.attn_implementation not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"unknown attention {self.attn_implementation!r}; use one of "
+                             f"{', '.join(ATTENTION_IMPLEMENTATIONS)}")
+        for name, value in (("seq_len", self.seq_len), ("lora_rank", self.lora_rank)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
     def check_model(self) -> None:
         """Build the model on the meta device (a factory's on the CPU): it exists and takes this batch."""
         zoo.get(self.model, batch=self.batch, image_size=self.image_size, input_shape=self.input_shape,
                 device="meta", dtype=None if self.dtype == "float32" else DTYPES[self.dtype],
-                optimizer=None if self.optimizer == "none" else self.optimizer)
+                optimizer=None if self.optimizer == "none" else self.optimizer, seq_len=self.seq_len,
+                attn_implementation=self.attn_implementation, lora_rank=self.lora_rank)
 
     def command(self, out: str | Path) -> str:
         """The shell command that writes this report to ``out``."""
@@ -100,6 +118,9 @@ class ReportRequest:
             words += ["--image-size", str(self.image_size)]
         if self.input_shape is not None:
             words += ["--input-shape", "x".join(map(str, self.input_shape))]
+        for option, value in (("--seq-len", self.seq_len), ("--attn-implementation", self.attn_implementation),
+                              ("--lora-rank", self.lora_rank)):
+            words += [option, str(value)] if value is not None else []
         words += ["--budget", str(self.budget), "--hardware", self.hardware, "--policy", self.policy,
                   "--optimizer", self.optimizer, "--dtype", self.dtype, "--out", str(out)]
         return shlex.join(words)

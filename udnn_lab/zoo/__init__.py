@@ -12,7 +12,8 @@ Hugging Face models (``pip install 'udnn_lab[hf]'``) are named 'hf:<model>', e.g
 ``{"input_ids", "labels"}`` (``{"pixel_values", "labels"}`` for ViT), the loss is the one the model
 returns, the optimizer AdamW unless you ask for another. ``small=True`` keeps the family at
 2 layers, hidden size 64 and a 1000-token vocabulary; ``config_overrides`` sets any config field
-(``{"num_hidden_layers": 4}``, ``{"attn_implementation": "eager"}``).
+(``{"num_hidden_layers": 4}``). ``attn_implementation="eager"`` (or ``"sdpa"``) picks the attention;
+``lora_rank=16`` trains LoRA adapters (PEFT) on the frozen model.
 Your own transformers model works as any module: ``ul.Workload(model, {"input_ids": ..., "labels": ...},
 loss_fn=hf.output_loss, optimizer=...)``.
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from udnn_lab.errors import MissingDependency, ModelFactoryError, UnknownModelError
+from udnn_lab.vocabulary import AttentionImplementation
 from udnn_lab.workload import Workload
 from udnn_lab.zoo import hf, hf_configs
 from udnn_lab.zoo.published import PublishedPeak as PublishedPeak
@@ -248,7 +250,9 @@ def entry(name: str) -> ZooEntry:
 def get(name_or_model: str | nn.Module, batch: int = 8, *, image_size: int | None = None,
         input_shape: tuple[int, ...] | None = None, device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None, optimizer: str | None = "default", seed: int = 0,
-        seq_len: int | None = None, small: bool = False, config_overrides: dict[str, Any] | None = None) -> Workload:
+        seq_len: int | None = None, small: bool = False, config_overrides: dict[str, Any] | None = None,
+        attn_implementation: AttentionImplementation | None = None, lora_rank: int | None = None,
+        lora_alpha: float | None = None, lora_target_modules: str | Sequence[str] | None = None) -> Workload:
     """A Workload: the model (random weights) on ``device``, a random batch, cross-entropy, an optimizer.
 
     ``name_or_model``: a zoo name, or your own ``nn.Module`` or 'package.module:factory' (then
@@ -256,20 +260,32 @@ def get(name_or_model: str | nn.Module, batch: int = 8, *, image_size: int | Non
     factory's module is built on the CPU, or on ``device`` when that is not 'meta'). ``image_size``
     overrides the side of image inputs. ``optimizer``: 'sgd' (momentum 0.9), 'adam',
     'adamw' or None for forward and backward only; by default 'sgd', and 'adamw' for 'hf:' models.
-    ``seq_len`` (default 512), ``small`` and ``config_overrides`` are for 'hf:' models (see the module's doc).
+    ``seq_len`` (default 512), ``small`` and ``config_overrides`` are for 'hf:' models (see the module's doc),
+    and so are ``attn_implementation`` ('sdpa' or 'eager'; by default what transformers picks) and LoRA:
+    ``lora_rank`` wraps the model in PEFT adapters, ``lora_alpha`` and ``lora_target_modules`` (default: PEFT's
+    choice for the architecture) go to ``peft.LoraConfig``; the optimizer then holds the adapters alone.
+    The name says which attention runs and the LoRA rank: 'hf:llama-3-8b (sdpa attention, LoRA r=16)'.
     """
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be a positive int, got {batch!r}")
     device = torch.device(device)
     if isinstance(name_or_model, str) and name_or_model.lower().startswith(hf_configs.PREFIX):
         model, inputs = hf.build(name_or_model, batch, seq_len=seq_len, small=small,
-                                 config_overrides=config_overrides, device=device, dtype=dtype, seed=seed)
+                                 config_overrides=config_overrides, device=device, dtype=dtype, seed=seed,
+                                 attn_implementation=attn_implementation, lora_rank=lora_rank, lora_alpha=lora_alpha,
+                                 lora_target_modules=lora_target_modules)
         kind = "adamw" if optimizer == "default" else optimizer
         label = hf_configs.spec(name_or_model).name + ("-small" if small else "")
+        label += hf.variant(model)
         return Workload(model, inputs, None, hf.output_loss, _optimizer(kind, model), hf_configs.PREFIX + label, batch)
     if seq_len is not None or small or config_overrides is not None:
         raise ValueError("seq_len, small and config_overrides are for Hugging Face models ('hf:<name>'); "
                          "for the others use input_shape")
+    hf_only = {"attn_implementation": attn_implementation, "lora_rank": lora_rank, "lora_alpha": lora_alpha,
+               "lora_target_modules": lora_target_modules}
+    if given := [key for key, value in hf_only.items() if value is not None]:
+        raise ValueError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for Hugging Face models "
+                         "('hf:<name>'); for your own module, wrap it with peft.get_peft_model(...) and pass that")
     optimizer = "sgd" if optimizer == "default" else optimizer
     generator_seed = torch.Generator().manual_seed(seed)
     if isinstance(name_or_model, str) and ":" in name_or_model:

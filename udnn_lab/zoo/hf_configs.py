@@ -32,6 +32,9 @@ class HFModelSpec:
     numbers: dict[str, Any]
     small: dict[str, Any] = field(default_factory=dict)  # the 2-layer, hidden-64 version of the same family
     rope_theta: float | None = None  # for rotary models; transformers 5 spells it rope_parameters
+    # LoRA's default target modules: PEFT's own for the architecture (peft.utils.constants,
+    # TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING); for those it lacks, the same query and value projections
+    lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
 
 
 _SMALL_DECODER = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
@@ -45,7 +48,8 @@ SPECS: dict[str, HFModelSpec] = {s.name: s for s in (
                  "vocab_size": 50257, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
                  "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1},
                 {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": SMALL_VOCABULARY,
-                 "bos_token_id": SMALL_VOCABULARY - 1, "eos_token_id": SMALL_VOCABULARY - 1}),
+                 "bos_token_id": SMALL_VOCABULARY - 1, "eos_token_id": SMALL_VOCABULARY - 1},
+                lora_targets=("c_attn",)),
     # https://huggingface.co/meta-llama/Meta-Llama-3-8B/blob/main/config.json
     HFModelSpec("llama-3-8b", "Llama-3-8B: 32 layers, 4096 hidden, 32 heads (8 KV), SwiGLU 14336",
                 "huggingface.co/meta-llama/Meta-Llama-3-8B config.json", "causal-lm", "LlamaConfig",
@@ -108,7 +112,7 @@ SPECS: dict[str, HFModelSpec] = {s.name: s for s in (
                  "vocab_size": 30522, "max_position_embeddings": 512, "type_vocab_size": 2, "hidden_act": "gelu",
                  "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1, "layer_norm_eps": 1e-12},
                 {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 256,
-                 "vocab_size": SMALL_VOCABULARY}),
+                 "vocab_size": SMALL_VOCABULARY}, lora_targets=("query", "value")),
     # https://huggingface.co/google/vit-base-patch16-224/blob/main/config.json (Dosovitskiy et al., 2021)
     HFModelSpec("vit-b-16", "ViT-B/16, image classification: 12 layers, 768 hidden, 12 heads, 224 px, patch 16",
                 "huggingface.co/google/vit-base-patch16-224 config.json", "image-classification", "ViTConfig",
@@ -117,7 +121,9 @@ SPECS: dict[str, HFModelSpec] = {s.name: s for s in (
                  "image_size": 224, "patch_size": 16, "num_channels": 3, "hidden_act": "gelu", "qkv_bias": True,
                  "layer_norm_eps": 1e-12, "num_labels": 1000},
                 {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 256,
-                 "image_size": 32, "patch_size": 8, "num_labels": 10}),
+                 "image_size": 32, "patch_size": 8, "num_labels": 10},
+                # PEFT's image-classification guide targets query and value; transformers 5 names them q_proj, v_proj
+                lora_targets=("query", "value", "q_proj", "v_proj")),
 )}
 
 
