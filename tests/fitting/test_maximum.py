@@ -94,7 +94,7 @@ def test_the_longest_sequence_of_an_hf_model_fits_and_the_next_does_not():
 
     budget = _peak(gpt2(100))
     found = ul.max_seq_len("hf:gpt2", budget, batch=2, start=64, multiple_of=4, small=True, progress=False)
-    assert found.dimension == "seq_len" and found.model_name == "hf:gpt2-small" and found.size >= 100
+    assert found.dimension == "seq_len" and found.model_name.startswith("hf:gpt2-small") and found.size >= 100
     assert found.size % 4 == 0 and found.failed_size == found.size + 4
     assert _peak(gpt2(found.size)) <= budget < _peak(gpt2(found.size + 4))
     assert "largest sequence length" in repr(found)
