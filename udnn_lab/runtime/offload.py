@@ -2,13 +2,14 @@
 
 NOTE [offload runtime]
   1. Identity. Where the plan carries the step's saved-tensor events (NOTE [hook points]:
-     offloads only, every action on a hook point), the runtime counts autograd's pack and
-     unpack calls and nothing else: each must be the traced one (a pack by its tensor's
-     autograd node, dtype and shape), so a step that differs (another activation, loss or
-     mode) raises PlanMismatch at the first call that differs; a planned tensor is the
-     storage packed at its first traced pack (its size is checked); the plan acts at the
+     offloads only, every action on a hook point), the runtime counts module calls, and
+     autograd's pack and unpack calls inside its windows (NOTE [hook points] 5), and nothing
+     else: each must be the traced one (a module by its class and mode, a pack by its
+     tensor's autograd node, dtype and shape), so a step that differs (another activation,
+     loss or mode) raises PlanMismatch at the first call that differs; a planned tensor is
+     the storage packed at its first traced pack (its size is checked); the plan acts at the
      call that stands for its boundary. No dispatch mode runs, so the step pays only for
-     the saved tensors' hooks. Otherwise a dispatch mode counts the step's ops by the
+     the module hooks and the saved-tensor hooks of the windows. Otherwise a dispatch mode counts the step's ops by the
      recorder's rules (records_op), so op indices are the plan's, and each op's family
      (op_family) must be the plan's op at that index; when op ``site.producer`` returns,
      its ``site.position``-th new output storage is the planned tensor.
