@@ -8,6 +8,7 @@ what keeps a 1,000-layer trace within seconds.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from itertools import chain
 from typing import Any
@@ -20,11 +21,29 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedOperatorException,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from udnn_lab.analysis.step import ensure_optimizer_state, map_tensors
 
 # Ops whose results depend on tensor values: a fake trace cannot go past them.
 FAKE_LIMITS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
+HOST_READ = torch.ops.aten._local_scalar_dense.default  # Tensor.item()
+
+
+def zero_of(dtype: torch.dtype) -> bool | int | float:
+    """What a fake step reads where an optimizer step reads a value (NOTE [host reads in the optimizer step])."""
+    if dtype == torch.bool:
+        return False
+    return 0.0 if dtype.is_floating_point or dtype.is_complex else 0
+
+
+class _ZeroHostReads(TorchDispatchMode):
+    """Tensor.item() of a tensor without data (meta, fake) reads zero: enough to create an optimizer's state."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is HOST_READ and (args[0].is_meta or isinstance(args[0], FakeTensor)):
+            return zero_of(args[0].dtype)
+        return func(*args, **(kwargs or {}))
 
 
 def fake_like(tensor: torch.Tensor, fake_mode: FakeTensorMode, device: torch.device) -> FakeTensor:
@@ -94,9 +113,15 @@ def fake_optimizer(optimizer: torch.optim.Optimizer | None, model: torch.nn.Modu
 
 
 def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
+    """The optimizer's class over ``groups``, made with the defaults its constructor takes: some settings also
+    set up the optimizer itself (``fused=True`` tells a GradScaler that the step unscales), and some defaults
+    are not constructor arguments (AdamW's ``decoupled_weight_decay``)."""
     kind: Callable[..., torch.optim.Optimizer] = type(optimizer)  # a subclass, with its own constructor
+    accepted = inspect.signature(kind).parameters
+    any_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    defaults = {k: v for k, v in optimizer.defaults.items() if any_keyword or k in accepted}
     try:
-        return kind(groups, **optimizer.defaults)
+        return kind(groups, **defaults)
     except TypeError:
         return kind(groups)
 
@@ -128,9 +153,10 @@ def _initial_state(clone: torch.optim.Optimizer, fake_mode: FakeTensorMode, devi
         groups.append({**{k: v for k, v in group.items() if k not in ("params", "foreach")}, "params": params})
     try:
         twin = _same_kind(clone, groups)
-        ensure_optimizer_state(twin, prefer_foreach=False)
+        with _ZeroHostReads():
+            ensure_optimizer_state(twin, prefer_foreach=False)
     except (RuntimeError, NotImplementedError):  # an op without a meta kernel: step the fakes instead
-        with fake_mode:
+        with fake_mode, _ZeroHostReads():
             ensure_optimizer_state(clone, torch.empty_like)
         return
     for meta, state in twin.state.items():
