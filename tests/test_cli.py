@@ -109,9 +109,14 @@ def test_the_options_list_the_names_they_accept(capsys):
     with pytest.raises(SystemExit):
         main(["report", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for names in ("{default,sgd,adam,adamw,none}", "{float32,float16,bfloat16}", "vdnn++", "pin-dp", "h100-sxm",
-                  "a100"):
+    for names in ("{default,sgd,adam,adamw,adamw-foreach,adamw-fused,adafactor,none}", "{float32,float16,bfloat16}",
+                  "vdnn++", "pin-dp", "h100-sxm", "a100"):
         assert names in text
+    with pytest.raises(SystemExit):
+        main(["analyze", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "{32-true,bf16-mixed,16-mixed,bf16-true,16-true,64-true}" in text
+    assert "--grad-accumulation N" in text and "--clip-grad-norm MAX_NORM" in text
     with pytest.raises(SystemExit):
         main(["report", "resnet18", "--budget", "1GiB", "--policy", "fastest"])
     assert "invalid choice: 'fastest'" in capsys.readouterr().err
