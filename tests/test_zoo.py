@@ -107,6 +107,8 @@ def test_precision_builds_the_weights_and_inputs_in_its_dtype():
         zoo.get("mlp2", batch=2, dtype=torch.bfloat16, precision="bf16-mixed")
     with pytest.raises(ValueError, match=r"model\.to\(torch\.bfloat16\)"):  # your own module is never converted
         zoo.get(nn.Linear(4, 2), batch=2, input_shape=(4,), precision="bf16-true")
+    own = zoo.get(nn.Linear(4, 2).to(torch.bfloat16), batch=2, input_shape=(4,))  # taken in its own dtype
+    assert own.precision == "bf16-true" and own.example_input.dtype == torch.bfloat16
 
 
 def test_bad_batch_is_refused():

@@ -32,7 +32,7 @@ from torch import nn
 
 from udnn_lab.errors import MissingDependency, ModelFactoryError, UnknownModelError
 from udnn_lab.vocabulary import Precision
-from udnn_lab.workload import COMPUTE_DTYPES, StepOptions, Workload
+from udnn_lab.workload import COMPUTE_DTYPES, StepOptions, Workload, precision_of
 from udnn_lab.zoo import hf, hf_configs
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # by the name users type
@@ -260,13 +260,16 @@ def get(name_or_model: str | nn.Module, batch: int = 8, *, image_size: int | Non
     build the model in float32 and run autocast; 'bf16-true' and '16-true' build it, and its
     floating inputs, in that dtype. ``dtype`` is the older way to say a '-true' precision
     (torch.bfloat16 is 'bf16-true'). A module of your own is not converted: it must already be in
-    the precision's dtype.
+    the precision's dtype, which by default is its own.
     ``seq_len`` (default 512), ``small`` and ``config_overrides`` are for 'hf:' models (see the module's doc).
     """
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be a positive int, got {batch!r}")
     device = torch.device(device)
-    options = StepOptions(_precision(precision, dtype))
+    if isinstance(name_or_model, nn.Module) and precision is None and dtype is None:
+        options = StepOptions(precision_of(name_or_model))  # your own module, in its own dtype
+    else:
+        options = StepOptions(_precision(precision, dtype))
     weights = None if options.weights_dtype == torch.float32 else options.weights_dtype
     if isinstance(name_or_model, str) and name_or_model.lower().startswith(hf_configs.PREFIX):
         model, inputs = hf.build(name_or_model, batch, seq_len=seq_len, small=small,
