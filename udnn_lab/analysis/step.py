@@ -7,6 +7,7 @@ is called at each boundary so a recorder can label the ops that follow.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from itertools import chain
@@ -221,6 +222,20 @@ def _clip(params: list[torch.Tensor], max_norm: float) -> None:
         return
     foreach = _device_has_foreach_support(with_grads[0].device)
     torch.nn.utils.clip_grad_norm_(with_grads, max_norm, foreach=foreach)
+
+
+def same_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
+    """The optimizer's class over ``groups``, made with the defaults its constructor takes: some settings also
+    set up the optimizer itself (``fused=True`` tells a GradScaler that the step unscales), and some defaults
+    are not constructor arguments (AdamW's ``decoupled_weight_decay``)."""
+    kind: Callable[..., torch.optim.Optimizer] = type(optimizer)  # a subclass, with its own constructor
+    accepted = inspect.signature(kind).parameters
+    any_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    defaults = {k: v for k, v in optimizer.defaults.items() if any_keyword or k in accepted}
+    try:
+        return kind(groups, **defaults)
+    except TypeError:
+        return kind(groups)
 
 
 def ensure_optimizer_state(optimizer: torch.optim.Optimizer | None,

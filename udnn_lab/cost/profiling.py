@@ -30,6 +30,7 @@ from udnn_lab.analysis.step import (
     map_tensors,
     preserved,
     run_step,
+    same_optimizer,
     split_input,
 )
 from udnn_lab.devices import device_name, model_device
@@ -207,5 +208,5 @@ def _on_device(work: Workload, device: str | None) -> Workload:
         twin = dict(zip(map(id, work.model.parameters()), model.parameters()))
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [twin[id(p)] for p in g["params"]]}
                   for g in work.optimizer.param_groups]
-        optimizer = type(work.optimizer)(groups, **work.optimizer.defaults)
+        optimizer = same_optimizer(work.optimizer, groups)
     return replace(work, model=model, optimizer=optimizer)

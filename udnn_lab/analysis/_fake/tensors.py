@@ -8,8 +8,6 @@ what keeps a 1,000-layer trace within seconds.
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
 from itertools import chain
 from typing import Any
 
@@ -23,7 +21,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from udnn_lab.analysis.step import ensure_optimizer_state, map_tensors
+from udnn_lab.analysis.step import ensure_optimizer_state, map_tensors, same_optimizer
 
 # Ops whose results depend on tensor values: a fake trace cannot go past them.
 FAKE_LIMITS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
@@ -104,26 +102,12 @@ def fake_optimizer(optimizer: torch.optim.Optimizer | None, model: torch.nn.Modu
                 and not settings.get("differentiable"):
             settings["foreach"] = True
         groups.append({**settings, "params": params})
-    clone = _same_kind(optimizer, groups)
+    clone = same_optimizer(optimizer, groups)
     for p, state in optimizer.state.items():
         clone.state[twin[id(p)]] = _fake_values(state, p.device, fake_mode, device)
     if not clone.state:
         _initial_state(clone, fake_mode, device)
     return clone
-
-
-def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
-    """The optimizer's class over ``groups``, made with the defaults its constructor takes: some settings also
-    set up the optimizer itself (``fused=True`` tells a GradScaler that the step unscales), and some defaults
-    are not constructor arguments (AdamW's ``decoupled_weight_decay``)."""
-    kind: Callable[..., torch.optim.Optimizer] = type(optimizer)  # a subclass, with its own constructor
-    accepted = inspect.signature(kind).parameters
-    any_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-    defaults = {k: v for k, v in optimizer.defaults.items() if any_keyword or k in accepted}
-    try:
-        return kind(groups, **defaults)
-    except TypeError:
-        return kind(groups)
 
 
 def _fake_values(state: dict, param_device: torch.device, fake_mode: FakeTensorMode, device: torch.device) -> dict:
@@ -152,7 +136,7 @@ def _initial_state(clone: torch.optim.Optimizer, fake_mode: FakeTensorMode, devi
             params.append(meta)
         groups.append({**{k: v for k, v in group.items() if k not in ("params", "foreach")}, "params": params})
     try:
-        twin = _same_kind(clone, groups)
+        twin = same_optimizer(clone, groups)
         with _ZeroHostReads():
             ensure_optimizer_state(twin, prefer_foreach=False)
     except (RuntimeError, NotImplementedError):  # an op without a meta kernel: step the fakes instead
