@@ -38,6 +38,23 @@ def test_the_default_optimizer_is_the_zoo_s_own(tmp_path, capsys):
     assert json.loads(out.with_suffix(".json").read_text())["optimizer"] == "AdamW"
 
 
+def test_analyze_takes_the_step_options(tmp_path, capsys):
+    out = tmp_path / "mixed"
+    assert main(["analyze", "mlp2", "--batch", "2", "--precision", "16-mixed", "--grad-accumulation", "2",
+                 "--clip-grad-norm", "1.0", "--optimizer", "adamw-fused", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "weight_cast" in captured.out
+    assert "2 micro-batches, precision 16-mixed, optimizer AdamW, clip grad norm 1" in captured.err
+    document = json.loads(out.with_suffix(".json").read_text())
+    assert (document["precision"], document["grad_accumulation"], document["clip_grad_norm"]) == ("16-mixed", 2, 1.0)
+    assert document["breakdown"]["weight_cast"]["max_bytes"] > 0
+    assert main(["analyze", "mlp2", "--dtype", "bfloat16", "--precision", "bf16-mixed"]) == 1
+    assert "give one of them" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["analyze", "mlp2", "--grad-accumulation", "0"])
+    assert "expected a positive whole number" in capsys.readouterr().err
+
+
 def test_analyze_takes_your_own_module(tmp_path, monkeypatch, capsys):
     (tmp_path / "my_models.py").write_text(
         "import torch\n\ndef small():\n    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())\n")
@@ -109,9 +126,14 @@ def test_the_options_list_the_names_they_accept(capsys):
     with pytest.raises(SystemExit):
         main(["report", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for names in ("{default,sgd,adam,adamw,none}", "{float32,float16,bfloat16}", "vdnn++", "pin-dp", "h100-sxm",
-                  "a100"):
+    for names in ("{default,sgd,adam,adamw,adamw-foreach,adamw-fused,adafactor,none}", "{float32,float16,bfloat16}",
+                  "vdnn++", "pin-dp", "h100-sxm", "a100"):
         assert names in text
+    with pytest.raises(SystemExit):
+        main(["analyze", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "{32-true,bf16-mixed,16-mixed,bf16-true,16-true,64-true}" in text
+    assert "--grad-accumulation N" in text and "--clip-grad-norm MAX_NORM" in text
     with pytest.raises(SystemExit):
         main(["report", "resnet18", "--budget", "1GiB", "--policy", "fastest"])
     assert "invalid choice: 'fastest'" in capsys.readouterr().err

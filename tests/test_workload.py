@@ -1,6 +1,8 @@
+import pytest
 import torch
 
 from udnn_lab import zoo
+from udnn_lab.workload import StepOptions, Workload, as_workload
 
 
 def test_a_workload_reads_as_a_short_summary_not_its_tensors():
@@ -19,3 +21,39 @@ def test_the_summary_names_devices_and_what_holds_the_inputs():
     paired = zoo.get(torch.nn.Linear(4, 2), batch=2, input_shape=(4,))
     both = type(paired)(paired.model, {"x": torch.zeros(2, 4), "mask": (torch.ones(2, dtype=torch.bool),)})
     assert "input={x: float32[2, 4], mask: (bool[2])}" in repr(both)
+
+
+def test_the_summary_shows_the_step_options_that_are_not_the_default():
+    work = zoo.get("mlp3", batch=2, precision="bf16-mixed")
+    assert repr(work).endswith("optimizer=SGD, precision=bf16-mixed)")
+    accumulated = as_workload(work, grad_accumulation=4, clip_grad_norm=1.0)
+    assert repr(accumulated).endswith("precision=bf16-mixed, grad_accumulation=4, clip_grad_norm=1.0)")
+    assert accumulated.step_options == StepOptions("bf16-mixed", 4, 1.0)
+
+
+def test_a_model_is_taken_in_its_own_dtype_unless_a_precision_is_asked_for():
+    model = torch.nn.Linear(4, 2).to(torch.bfloat16)
+    assert Workload(model, torch.zeros(2, 4, dtype=torch.bfloat16)).precision == "bf16-true"
+    assert as_workload(torch.nn.Linear(4, 2).double(), torch.zeros(2, 4, dtype=torch.float64)).precision == "64-true"
+    assert as_workload(torch.nn.Linear(4, 2), torch.zeros(2, 4)).precision == "32-true"
+
+
+@pytest.mark.parametrize("model, precision, message", [
+    (torch.nn.Linear(4, 2), "bf16-true", r"convert the model yourself, model\.to\(torch\.bfloat16\)"),
+    (torch.nn.Linear(4, 2).half(), "16-mixed", r"autocast over float32 weights.*model\.float\(\).*'16-true'"),
+    (torch.nn.Linear(4, 2), "fp16", "unknown precision 'fp16'"),
+])
+def test_a_precision_the_model_is_not_in_is_refused_and_the_model_left_alone(model, precision, message):
+    dtype = model.weight.dtype
+    with pytest.raises(ValueError, match=message):
+        Workload(model, torch.zeros(2, 4), precision=precision)
+    assert model.weight.dtype == dtype
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"grad_accumulation": 0}, "positive int"), ({"grad_accumulation": 1.5}, "positive int"),
+    ({"clip_grad_norm": -1.0}, "positive number"), ({"clip_grad_norm": True}, "positive number"),
+])
+def test_bad_step_options_say_what_they_take(options, message):
+    with pytest.raises(ValueError, match=message):
+        StepOptions(**options)

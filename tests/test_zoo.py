@@ -83,6 +83,34 @@ def test_optimizer_choices():
         zoo.get("mlp2", batch=2, optimizer="lion")
 
 
+def test_every_optimizer_name_builds_what_it_says():
+    built = {name: zoo.get("mlp2", batch=2, optimizer=name).optimizer for name in zoo.OPTIMIZERS}
+    assert built["none"] is None
+    assert isinstance(built["sgd"], torch.optim.SGD) and built["sgd"].defaults["momentum"] == 0.9
+    assert isinstance(built["adafactor"], torch.optim.Adafactor)
+    adamw = {name: built[name] for name in ("adamw", "adamw-foreach", "adamw-fused")}
+    assert all(isinstance(o, torch.optim.AdamW) for o in adamw.values())
+    assert [(o.defaults["foreach"], o.defaults["fused"]) for o in adamw.values()] == \
+        [(None, None), (True, None), (None, True)]  # 'adamw' leaves the kernels to PyTorch
+
+
+def test_precision_builds_the_weights_and_inputs_in_its_dtype():
+    mixed = zoo.get("mlp2", batch=2, precision="bf16-mixed")
+    assert mixed.precision == "bf16-mixed" and mixed.example_input.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in mixed.model.parameters())
+    half = zoo.get("resnet20", batch=2, device="meta", precision="bf16-true")
+    assert half.example_input.dtype == torch.bfloat16
+    assert all(p.dtype == torch.bfloat16 for p in half.model.parameters())
+    assert zoo.get("mlp2", batch=2, dtype=torch.float16).precision == "16-true"  # the older way to ask
+    assert zoo.get("mlp2", batch=2).precision == "32-true"
+    with pytest.raises(ValueError, match="give one of them"):
+        zoo.get("mlp2", batch=2, dtype=torch.bfloat16, precision="bf16-mixed")
+    with pytest.raises(ValueError, match=r"model\.to\(torch\.bfloat16\)"):  # your own module is never converted
+        zoo.get(nn.Linear(4, 2), batch=2, input_shape=(4,), precision="bf16-true")
+    own = zoo.get(nn.Linear(4, 2).to(torch.bfloat16), batch=2, input_shape=(4,))  # taken in its own dtype
+    assert own.precision == "bf16-true" and own.example_input.dtype == torch.bfloat16
+
+
 def test_bad_batch_is_refused():
     with pytest.raises(ValueError, match="batch"):
         zoo.get("mlp2", batch=0)

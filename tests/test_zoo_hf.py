@@ -97,6 +97,15 @@ def test_small_keeps_the_family_and_shrinks_it():
         "Qwen2ForCausalLM"
 
 
+def test_precision_builds_the_model_and_its_pixels_in_its_dtype():
+    vit = zoo.get("hf:vit-b-16", batch=2, small=True, device="meta", precision="bf16-true")
+    assert vit.example_input["pixel_values"].dtype == torch.bfloat16 and vit.precision == "bf16-true"
+    assert all(p.dtype == torch.bfloat16 for p in vit.model.parameters())
+    gpt2 = zoo.get("hf:gpt2", batch=2, seq_len=8, small=True, device="meta", precision="16-mixed")
+    assert gpt2.precision == "16-mixed" and all(p.dtype == torch.float32 for p in gpt2.model.parameters())
+    assert gpt2.example_input["input_ids"].dtype == torch.int64
+
+
 def test_vit_takes_pixels_and_class_labels():
     work = zoo.get("hf:vit-b-16", batch=3, device="meta")
     assert work.example_input["pixel_values"].shape == (3, 3, 224, 224) and work.example_input["labels"].shape == (3,)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from udnn_lab.errors import ModelFactoryError, UdnnLabError
 from udnn_lab.units import format_bytes
-from udnn_lab.vocabulary import ATTENTION_IMPLEMENTATIONS, PHASES
+from udnn_lab.vocabulary import ATTENTION_IMPLEMENTATIONS, PHASES, PRECISIONS
 
 COMMANDS = {
     "analyze": "memory of one training step: breakdown, peak, curve",
@@ -87,6 +87,22 @@ def input_shape(text: str) -> tuple[int, ...]:
     return tuple(int(word) for word in words)
 
 
+def _positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return int(text)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, e.g. 1.0, got {text!r}")
+    return value
+
+
 def _parser(names: Names | None = None) -> argparse.ArgumentParser:
     """The command line; without ``names`` (no command given) the options list no choices."""
     parser = argparse.ArgumentParser(prog="udnn-lab", description="How much memory a training step needs, from the "
@@ -114,6 +130,16 @@ def _parser(names: Names | None = None) -> argparse.ArgumentParser:
                       help="train LoRA adapters of this rank (PEFT, on PEFT's default modules) on the frozen hf: model")
 
     analyze = commands.add_parser("analyze", parents=[step, common], help=COMMANDS["analyze"])
+    analyze.add_argument("--precision", choices=PRECISIONS,
+                         help="the step's precision, named as PyTorch Lightning names it (default: --dtype's, "
+                              "32-true): -mixed runs autocast over float32 weights, 16-mixed with a GradScaler; "
+                              "-true trains weights and optimizer state in that dtype")
+    analyze.add_argument("--grad-accumulation", type=_positive_int, default=1, metavar="N",
+                         help="micro-batches of --batch examples whose gradients add up before each optimizer "
+                              "step (default 1)")
+    analyze.add_argument("--clip-grad-norm", type=_positive_float, metavar="MAX_NORM",
+                         help="clip the gradients' total norm to MAX_NORM before the optimizer step (default: no "
+                              "clipping)")
     analyze.add_argument("--device", default="cpu", help="device whose step is predicted: cpu or cuda (default cpu)")
     analyze.add_argument("--out", type=Path, help="write the memory curve to OUT.csv and OUT.json")
     analyze.add_argument("--measure", action="store_true", help="also run the step for real here and compare")
@@ -182,12 +208,15 @@ def _analyze(args: argparse.Namespace) -> int:
 
     work = _workload(args, device="meta")
     optimizer = type(work.optimizer).__name__ if work.optimizer is not None else "none"
-    print(f"tracing {work.name} (batch {args.batch}, {args.dtype}, optimizer {optimizer}) ...", file=sys.stderr)
+    accumulation = f", {work.grad_accumulation} micro-batches" if work.grad_accumulation > 1 else ""
+    clipping = f", clip grad norm {work.clip_grad_norm:g}" if work.clip_grad_norm is not None else ""
+    print(f"tracing {work.name} (batch {args.batch}{accumulation}, precision {work.precision}, optimizer "
+          f"{optimizer}{clipping}) ...", file=sys.stderr)
     start = time.perf_counter()
     graph = trace(work, device=args.device)
     _print_summary(graph, time.perf_counter() - start)
     if args.out is not None:
-        _write_curve(graph, args, args.out, optimizer)
+        _write_curve(graph, work, args, args.out, optimizer)
     if args.measure:
         _measure_here(args, graph)
     return 0
@@ -255,14 +284,18 @@ def _max_size(args: argparse.Namespace) -> int:
 def _workload(args: argparse.Namespace, device: str):
     # startup time: each command loads its stage when it runs (see the module docstring)
     from udnn_lab import zoo
+    from udnn_lab.workload import as_workload  # (as above)
 
     own_module = ":" in args.model and not args.model.lower().startswith(zoo.hf_configs.PREFIX)
     if own_module and args.input_shape is None:
         raise ValueError("for your own module give --input-shape, one example's shape, e.g. --input-shape 3x224x224")
-    return zoo.get(args.model, batch=args.batch, image_size=args.image_size, input_shape=args.input_shape,
+    work = zoo.get(args.model, batch=args.batch, image_size=args.image_size, input_shape=args.input_shape,
                    device=device, dtype=None if args.dtype == "float32" else zoo.DTYPES[args.dtype],
                    optimizer=None if args.optimizer == "none" else args.optimizer, seq_len=args.seq_len,
-                   attn_implementation=args.attn_implementation, lora_rank=args.lora_rank)
+                   attn_implementation=args.attn_implementation, lora_rank=args.lora_rank,
+                   precision=getattr(args, "precision", None))
+    return as_workload(work, grad_accumulation=getattr(args, "grad_accumulation", None),
+                       clip_grad_norm=getattr(args, "clip_grad_norm", None))
 
 
 def _print_summary(graph, elapsed: float) -> None:
@@ -284,12 +317,14 @@ def _print_summary(graph, elapsed: float) -> None:
           f"({graph.cuda_peak_bytes} bytes)")
 
 
-def _write_curve(graph, args: argparse.Namespace, out: Path, optimizer: str) -> None:
+def _write_curve(graph, work, args: argparse.Namespace, out: Path, optimizer: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     curve = graph.memory_curve()
     curve.to_csv(out.with_suffix(".csv"), index=False)
     document = {
         "model": graph.model_name, "batch": args.batch, "device": graph.device, "dtype": args.dtype,
+        "precision": work.precision, "grad_accumulation": work.grad_accumulation,
+        "clip_grad_norm": work.clip_grad_norm,
         "optimizer": optimizer, "torch_version": graph.torch_version, "notes": list(graph.notes),
         "seq_len": args.seq_len, "attn_implementation": args.attn_implementation, "lora_rank": args.lora_rank,
         "peak_bytes": graph.peak_bytes, "cuda_peak_bytes": graph.cuda_peak_bytes, "peak_step": graph.peak_step,

@@ -15,6 +15,7 @@ Category = Literal[
     "buffer",
     "input",
     "feature_map",  # produced in forward and saved by autograd for backward
+    "weight_cast",  # a lower-precision copy of a parameter made in forward (autocast's, cached for the forward)
     "gradient_map",  # produced in backward, not a parameter's gradient
     "parameter_gradient",
     "optimizer_state",
@@ -25,6 +26,14 @@ CATEGORIES: tuple[Category, ...] = get_args(Category)
 # pseudo-module scopes of ops that belong to no module of the model
 LOSS_SCOPE = "<loss>"
 OPTIMIZER_SCOPE = "<optimizer>"
+GRAD_SCALER_SCOPE = "<grad scaler>"  # 16-mixed: unscaling the gradients, the inf check, the scale's update
+CLIP_SCOPE = "<clip grad norm>"
+
+# The step's numeric precision, named as PyTorch Lightning names it. '-true': weights, gradients and optimizer
+# state in that dtype. '-mixed': float32 weights, forward and loss under torch.autocast in that dtype; '16-mixed'
+# also scales the loss with a torch.amp.GradScaler.
+Precision = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true"]
+PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 AUTOGRAD_SCOPE = "<autograd>"
 
 Action = Literal["keep", "offload", "recompute"]  # what a plan does with a saved tensor

@@ -1,12 +1,104 @@
-"""What one training step is made of: a model, an example input, a loss, an optimizer."""
+"""What one training step is made of: a model, an example input, a loss, an optimizer, and how the step runs."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+
+from udnn_lab.vocabulary import PRECISIONS, Precision
+
+# the dtype the step computes in: the weights' for '-true' precisions, autocast's for '-mixed' ones
+COMPUTE_DTYPES: dict[Precision, torch.dtype] = {
+    "64-true": torch.float64, "32-true": torch.float32, "16-true": torch.float16, "bf16-true": torch.bfloat16,
+    "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+_TRUE_PRECISION = {dtype: name for name, dtype in COMPUTE_DTYPES.items() if name.endswith("-true")}
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How a training step runs besides its model and data: precision, gradient accumulation, clipping."""
+
+    precision: Precision = "32-true"
+    grad_accumulation: int = 1  # micro-batches whose gradients add up before the one optimizer step
+    clip_grad_norm: float | None = None  # max total norm of the gradients (clip_grad_norm_); None: no clipping
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}: use one of {', '.join(PRECISIONS)} "
+                             "(PyTorch Lightning's names)")
+        if isinstance(self.grad_accumulation, bool) or not isinstance(self.grad_accumulation, int) \
+                or self.grad_accumulation < 1:
+            raise ValueError(f"grad_accumulation counts micro-batches per optimizer step: a positive int, got "
+                             f"{self.grad_accumulation!r}")
+        if self.clip_grad_norm is not None and (isinstance(self.clip_grad_norm, bool)
+                                                or not isinstance(self.clip_grad_norm, (int, float))
+                                                or not self.clip_grad_norm > 0):
+            raise ValueError(f"clip_grad_norm is the largest total gradient norm allowed: a positive number (or "
+                             f"None for no clipping), got {self.clip_grad_norm!r}")
+
+    @property
+    def mixed(self) -> bool:
+        """Forward and loss run under torch.autocast over float32 weights."""
+        return self.precision.endswith("-mixed")
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return COMPUTE_DTYPES[self.precision]
+
+    @property
+    def weights_dtype(self) -> torch.dtype:
+        return torch.float32 if self.mixed else self.compute_dtype
+
+    @property
+    def scales_loss(self) -> bool:
+        """16-mixed: a GradScaler scales the loss, unscales the gradients and skips steps with infs."""
+        return self.precision == "16-mixed"
+
+
+DEFAULT_STEP = StepOptions()  # 32-true, one micro-batch, no clipping
+
+
+def weights_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """The floating dtype holding most of the model's parameter elements (None: no floating parameter)."""
+    counts: Counter[torch.dtype] = Counter()
+    for p in model.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] += p.numel()
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def precision_of(model: torch.nn.Module) -> Precision:
+    """The '-true' precision of the model's own weights: the step as the model is built."""
+    dtype = weights_dtype(model)
+    if dtype is None:
+        return "32-true"
+    if dtype not in _TRUE_PRECISION:
+        raise ValueError(f"the model's weights are {dtype}, which no precision of udnn_lab trains "
+                         f"({', '.join(PRECISIONS)}): convert it, e.g. model.to(torch.bfloat16)")
+    return _TRUE_PRECISION[dtype]
+
+
+def check_weights(model: torch.nn.Module, options: StepOptions) -> None:
+    """Raise ValueError when the model's weights are not in the dtype its precision trains (never converts them)."""
+    found = weights_dtype(model)
+    wanted = options.weights_dtype
+    if found is None or found == wanted:
+        return
+    name = str(wanted).removeprefix("torch.")
+    if options.mixed:
+        raise ValueError(
+            f"precision={options.precision!r} runs autocast over float32 weights, but the model's weights are "
+            f"{str(found).removeprefix('torch.')}: build it in float32 (model.float()), or ask for "
+            f"precision={_TRUE_PRECISION.get(found, '32-true')!r}")
+    raise ValueError(
+        f"precision={options.precision!r} trains weights in {name}, but the model's weights are "
+        f"{str(found).removeprefix('torch.')}: convert the model yourself, model.to(torch.{name}) (before making "
+        f"its optimizer), or ask for precision={_TRUE_PRECISION.get(found, '32-true')!r}; udnn_lab does not "
+        "convert your model")
 
 
 @dataclass(frozen=True, repr=False)
@@ -14,21 +106,38 @@ class Workload:
     """A model with everything needed to run one training step of it."""
 
     model: torch.nn.Module
-    example_input: Any  # a tensor, a tuple of positional tensors, or a dict of keyword tensors
+    example_input: Any  # a tensor, a tuple of positional tensors, or a dict of keyword tensors (one micro-batch)
     target: Any = None  # passed to loss_fn(output, target) when not None
     loss_fn: Callable | None = None  # None: the sum of the outputs
     optimizer: torch.optim.Optimizer | None = None
     name: str = ""
     batch_size: int | None = None
+    precision: Precision | None = None  # None: the model's own dtype as a '-true' precision (precision_of)
+    grad_accumulation: int = 1  # micro-batches per optimizer step
+    clip_grad_norm: float | None = None  # max total gradient norm; None: no clipping
+
+    def __post_init__(self) -> None:
+        if self.precision is None:
+            object.__setattr__(self, "precision", precision_of(self.model))
+        check_weights(self.model, self.step_options)
+
+    @property
+    def step_options(self) -> StepOptions:
+        assert self.precision is not None  # set in __post_init__
+        return StepOptions(self.precision, self.grad_accumulation, self.clip_grad_norm)
 
     def __repr__(self) -> str:
-        """A summary: the model's class, the shapes and dtypes of the input and target, the loss and the optimizer."""
+        """A summary: the model's class, the shapes and dtypes of the input and target, the loss and the optimizer,
+        and the step's options that are not the default."""
         loss = "sum of outputs" if self.loss_fn is None else \
             getattr(self.loss_fn, "__name__", type(self.loss_fn).__name__)
         optimizer = "none" if self.optimizer is None else type(self.optimizer).__name__
         target = "" if self.target is None else f", target={_summary(self.target)}"
+        options = "".join(f", {key}={value}" for key, value, default in (
+            ("precision", self.precision, "32-true"), ("grad_accumulation", self.grad_accumulation, 1),
+            ("clip_grad_norm", self.clip_grad_norm, None)) if value != default)
         return (f"Workload({self.name!r}: {type(self.model).__name__}, input={_summary(self.example_input)}{target}, "
-                f"loss={loss}, optimizer={optimizer})")
+                f"loss={loss}, optimizer={optimizer}{options})")
 
 
 def _summary(value: Any) -> str:
@@ -46,12 +155,15 @@ def _summary(value: Any) -> str:
 
 def as_workload(model: Any, example_input: Any = None, *, loss_fn: Callable | None = None,
                 optimizer: torch.optim.Optimizer | None = None, target: Any = None,
-                name: str | None = None) -> Workload:
+                name: str | None = None, precision: Precision | None = None, grad_accumulation: int | None = None,
+                clip_grad_norm: float | None = None) -> Workload:
     """Accept a Workload (fields given here override it) or a module with its example input."""
     if isinstance(model, Workload):
         overrides: dict[str, Any] = {
             key: value for key, value in (("example_input", example_input), ("loss_fn", loss_fn),
-                                          ("optimizer", optimizer), ("target", target), ("name", name))
+                                          ("optimizer", optimizer), ("target", target), ("name", name),
+                                          ("precision", precision), ("grad_accumulation", grad_accumulation),
+                                          ("clip_grad_norm", clip_grad_norm))
             if value is not None}
         return replace(model, **overrides)
     if isinstance(model, str):
@@ -65,4 +177,6 @@ def as_workload(model: Any, example_input: Any = None, *, loss_fn: Callable | No
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     return Workload(model=model, example_input=example_input, target=target, loss_fn=loss_fn,
-                    optimizer=optimizer, name=name or type(model).__name__)
+                    optimizer=optimizer, name=name or type(model).__name__, precision=precision,
+                    grad_accumulation=1 if grad_accumulation is None else grad_accumulation,
+                    clip_grad_norm=clip_grad_norm)

@@ -97,6 +97,20 @@ def test_recompute_segments_rebuild_tensors_before_backward(graph):
     assert sim.peak_bytes < keep.peak_bytes and sim.compute_time_s > keep.compute_time_s
 
 
+def test_recompute_segments_stay_inside_one_micro_batch():
+    accumulated = ul.trace(zoo.get("mlp3", batch=4, device="meta"), grad_accumulation=2)
+    forwards, start = [], None
+    for op in accumulated.ops:
+        if op.phase == "forward" and start is None:
+            start = op.index
+        if op.phase != "forward" and start is not None:
+            forwards.append(range(start, op.index))
+            start = None
+    chosen = plan(accumulated, None, "recompute", hardware=H100)
+    assert len(forwards) == 2 and {r.ops[0] in forwards[1] for r in chosen.recomputes} == {False, True}
+    assert all(any(set(r.ops) <= set(forward) for forward in forwards) for r in chosen.recomputes)
+
+
 def test_min_budget_is_tight(graph):
     cost = cost_model(graph, H100)
     for policy in ("vdnn-all", "recompute"):

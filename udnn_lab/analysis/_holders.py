@@ -13,6 +13,8 @@ NOTE [forward holders]
      release is attributed to the op that ran last (NOTE [storage lifetimes] 3).
   3. What is still alive when forward and the loss have run is held by the caller (the
      output, the loss): the training step keeps it through backward.
+  4. With gradient accumulation every micro-batch runs this same forward: its releases
+     are this one's, shifted to where its forward starts.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from udnn_lab.analysis._fake.memo import flat_tensors
 from udnn_lab.analysis._recorder import records_op
-from udnn_lab.analysis.step import compute_loss, view_replay
+from udnn_lab.analysis.step import forward_loss, view_replay
+from udnn_lab.workload import DEFAULT_STEP, StepOptions
 
 HELD = None  # a storage the caller still holds when forward and the loss are done (NOTE [forward holders] 3)
 
@@ -67,18 +70,20 @@ class _Releases(TorchDispatchMode):
 
 
 def forward_releases(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, loss_fn: Callable | None,
-                     run_op: Callable) -> tuple[int, dict[tuple[int, int], int | None]]:
+                     run_op: Callable, options: StepOptions = DEFAULT_STEP,
+                     scaler: torch.amp.GradScaler | None = None) -> tuple[int, dict[tuple[int, int], int | None]]:
     """(ops counted, {(producer op, position among its new storages): op after which it is released, or HELD}).
 
     Run where the trace's fake mode and fake parameters are active, with the trace's ``run_op``
-    (its fast paths and probes decide shapes and strides, so the same ops run: NOTE [forward holders] 2).
+    (its fast paths and probes decide shapes and strides, so the same ops run: NOTE [forward holders] 2),
+    and the step's ``options`` and ``scaler`` (autocast, the loss's division and scaling are forward too).
     """
     watcher = _Releases(run_op)
     keep_nothing = torch.autograd.graph.saved_tensors_hooks(lambda tensor: None, lambda packed: packed)
     with view_replay(), keep_nothing, watcher:
-        output = model(*args, **kwargs)
-        loss = compute_loss(output, loss_fn, target)
+        output, loss, start = forward_loss(model, args, kwargs, loss_fn=loss_fn, target=target, options=options,
+                                           scaler=scaler)
     released = dict(watcher.released)
     watcher._refs.clear()  # before the output and loss go: what they hold stays HELD
-    del output, loss
+    del output, loss, start
     return watcher.index, released

@@ -12,6 +12,16 @@ NOTE [storage lifetimes]
      does not delay any release it observes.
   3. A release observed while op ``i`` is the latest recorded op is attributed to
      "right after op ``i``": it happened before op ``i + 1`` started.
+
+NOTE [host reads in the optimizer step]
+  1. Some optimizer steps read a tensor's value on the host: the GradScaler's inf check
+     (``found_inf.item()``, which decides whether the optimizer steps at all) and Adafactor's
+     parameter and update norms (which only scale its update). Fake tensors have no values.
+  2. So a fake step reads zero there: the steady step, in which the GradScaler finds no inf
+     and the optimizer steps (a step that overflows is skipped, and is not the one traced);
+     Adafactor's norms then give its smallest step size, which changes no op and no size.
+  3. Only in the optimizer phase: a value read in forward or backward can decide which ops
+     run, and the trace stops there (FakeTensorUnsupported).
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from udnn_lab.analysis._fake.fast_paths import FakeFastPaths
+from udnn_lab.analysis._fake.tensors import HOST_READ, zero_of
 from udnn_lab.analysis._op_work import OpWork
 from udnn_lab.vocabulary import AUTOGRAD_SCOPE, OPTIMIZER_SCOPE, Category
 
@@ -192,7 +203,11 @@ class StepRecorder(TorchDispatchMode):
 
     def run_op(self, func, args: tuple, kwargs: dict):
         """Run an op as this recorder's step runs it: fake fast paths and probes included."""
-        return self._fake.run(func, args, kwargs) if self._fake is not None else func(*args, **kwargs)
+        if self._fake is None:
+            return func(*args, **kwargs)
+        if func is HOST_READ and self.phase == "optimizer" and isinstance(args[0], FakeTensor):
+            return zero_of(args[0].dtype)  # NOTE [host reads in the optimizer step] 2
+        return self._fake.run(func, args, kwargs)
 
     def _classify(self, func) -> str:
         self._names[func] = str(func)
@@ -234,7 +249,7 @@ class StepRecorder(TorchDispatchMode):
                 return self.scope, index
             return (self.module_stack[-1][0] if self.module_stack else ""), index
         if self.phase == "optimizer":
-            return OPTIMIZER_SCOPE, None
+            return (self.scope or OPTIMIZER_SCOPE), None
         node = torch._C._current_autograd_node()
         if node is None:
             return (self.scope or AUTOGRAD_SCOPE), None

@@ -11,20 +11,23 @@ import torch
 
 from udnn_lab.analysis._fake.tensors import FAKE_LIMITS
 from udnn_lab.analysis._recorder import StepRecorder, StorageRecord
-from udnn_lab.analysis.step import input_tensors, run_step
+from udnn_lab.analysis.step import input_tensors, run_step, scaler_state
 from udnn_lab.errors import ModelInputError
 from udnn_lab.graph.step_graph import Graph, HookEvent, ModuleCall, OpInfo, TensorInfo
 from udnn_lab.vocabulary import LOSS_SCOPE, Category, Phase
+from udnn_lab.workload import DEFAULT_STEP, StepOptions
+
+_CAST = "aten._to_copy.default"  # what autocast (and tensor.to(dtype)) runs to cast a tensor
 
 
 def record_step(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwargs: dict, target: Any,
                 loss_fn: Callable | None, optimizer: torch.optim.Optimizer | None, *, track_saved: bool,
-                runtime=None) -> None:
+                runtime=None, options: StepOptions = DEFAULT_STEP, scaler: torch.amp.GradScaler | None = None) -> None:
     """Run one training step with ``recorder`` watching; roles of pre-existing tensors are registered first.
 
     ``runtime``: an OffloadRuntime to run the step under; it is entered inside the recorder,
     so the recorder sees the step's ops as the runtime lets them run, and is told of the
-    storages the runtime allocates.
+    storages the runtime allocates. ``options`` and ``scaler``: as ``run_step`` takes them.
     """
     named = dict(model.named_parameters())
     recorder.name_parameters(named)
@@ -36,7 +39,7 @@ def record_step(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwa
         recorder.register(param, "parameter", name)
     for name, buffer in model.named_buffers():
         recorder.register(buffer, "buffer", name)
-    _register_optimizer_state(recorder, optimizer, named)
+    _register_optimizer_state(recorder, optimizer, named, scaler)
 
     def mark(phase: str, scope: str | None) -> None:
         recorder.phase, recorder.scope = phase, scope
@@ -49,11 +52,12 @@ def record_step(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwa
     with no_gc(), recorder.watching(model), modules, recorder, saved_hooks, runtime or nullcontext():
         recorder.recording = True
         try:
-            run_step(model, args, kwargs, loss_fn=loss_fn, target=target, optimizer=optimizer, mark=mark)
+            run_step(model, args, kwargs, loss_fn=loss_fn, target=target, optimizer=optimizer, options=options,
+                     scaler=scaler, mark=mark)
             for name, param in named.items():
                 if param.grad is not None:
                     recorder.register(param.grad, "parameter_gradient", f"grad:{name}")
-            _register_optimizer_state(recorder, optimizer, named)
+            _register_optimizer_state(recorder, optimizer, named, scaler)
         except Exception as err:
             explained = _explain(err, recorder, args, kwargs)
             if explained is err:
@@ -79,7 +83,10 @@ def no_gc():
             gc.enable()
 
 
-def _register_optimizer_state(recorder: StepRecorder, optimizer, named: Mapping[str, torch.Tensor]) -> None:
+def _register_optimizer_state(recorder: StepRecorder, optimizer, named: Mapping[str, torch.Tensor],
+                              scaler: torch.amp.GradScaler | None) -> None:
+    for name, tensor in scaler_state(scaler).items():
+        recorder.register(tensor, "optimizer_state", name)
     if optimizer is None:
         return
     names = {id(p): name for name, p in named.items()}
@@ -128,18 +135,25 @@ def graph_from_recording(recorder: StepRecorder, model_name: str, device: str, *
 
 def _forward_releases(recorder: StepRecorder, phases: list[str], holders: tuple[int, dict] | None) -> dict | None:
     """Storage id -> TensorInfo's forward_release and held_past_forward; None when the second forward ran
-    other ops than the trace (then nothing is said rather than something wrong)."""
+    other ops than the trace (then nothing is said rather than something wrong).
+
+    With gradient accumulation each micro-batch's forward is one run of forward ops, and each is the
+    forward that ``holders`` counted."""
     if holders is None:
         return {}
     count, released = holders
-    if count != sum(phase == "forward" for phase in phases):
+    starts = [i for i, phase in enumerate(phases) if phase == "forward" and (i == 0 or phases[i - 1] != "forward")]
+    ends = [i + 1 for i, phase in enumerate(phases) if phase == "forward" and phases[i + 1:i + 2] != ["forward"]]
+    if any(end - start != count for start, end in zip(starts, ends)):
         return None
     found = {}
-    for op in recorder.ops[:count]:
-        for position, sid in enumerate(op.allocated):
-            if (op.index, position) in released:
-                after = released[op.index, position]
-                found[sid] = {"forward_release": after, "held_past_forward": after is None}
+    for start in starts:
+        for op in recorder.ops[start:start + count]:
+            for position, sid in enumerate(op.allocated):
+                if (op.index - start, position) in released:
+                    after = released[op.index - start, position]
+                    found[sid] = {"forward_release": None if after is None else start + after,
+                                  "held_past_forward": after is None}
     return found
 
 
@@ -167,7 +181,7 @@ def _freeze(recorder: StepRecorder, model_name: str, device: str, fake: bool, no
         tensors.append(TensorInfo(
             id=record.sid, name=name, nbytes=record.nbytes, dtype=record.dtype, shape=record.shape,
             device=device if cpu_stands_for_device and record.fake else record.device,
-            category=_category(record, phases),
+            category=_category(record, recorder),
             producer=record.producer, consumers=tuple(record.consumers), saved=bool(record.saved_nodes),
             saved_by=tuple(saved_by), alloc_step=record.alloc_step, free_step=record.free_step,
             module=ops[record.producer].module if record.producer is not None else "",
@@ -186,12 +200,16 @@ def _freeze(recorder: StepRecorder, model_name: str, device: str, fake: bool, no
                  fake=fake, torch_version=torch.__version__, notes=tuple(notes), hook_events=saved)
 
 
-def _category(record: StorageRecord, phases: list[str]) -> Category:
+def _category(record: StorageRecord, recorder: StepRecorder) -> Category:
     if record.role is not None:
         return record.role
     if record.producer is None:
         return "buffer"  # a constant from outside the step (e.g. a tensor attribute that is not a buffer)
-    phase = phases[record.producer]
+    producer = recorder.ops[record.producer]
+    phase = producer.phase
+    if phase == "forward" and producer.name == _CAST \
+            and any(recorder.storages[i].role == "parameter" for i in producer.inputs):
+        return "weight_cast"
     if phase == "forward":
         return "feature_map" if record.saved_nodes else "temporary"
     if phase == "backward":

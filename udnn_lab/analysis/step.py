@@ -1,21 +1,27 @@
 """One training step, the same for tracing, measuring and training.
 
-forward (model, then loss) -> backward -> optimizer step. ``mark(phase, scope)`` is
-called at each boundary so a recorder can label the ops that follow.
+Per micro-batch: forward (model, then loss; under autocast for a mixed precision) -> backward;
+then gradients unscaled (16-mixed) and clipped, and the optimizer step. ``mark(phase, scope)``
+is called at each boundary so a recorder can label the ops that follow.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import contextmanager
+import inspect
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from itertools import chain
 from typing import Any
 
 import torch
+from torch.utils._foreach_utils import _device_has_foreach_support
 from torch.utils._pytree import tree_flatten, tree_map
 
-from udnn_lab.vocabulary import LOSS_SCOPE, OPTIMIZER_SCOPE
+from udnn_lab.vocabulary import CLIP_SCOPE, GRAD_SCALER_SCOPE, LOSS_SCOPE, OPTIMIZER_SCOPE
+from udnn_lab.workload import DEFAULT_STEP, StepOptions
 
 Mark = Callable[[str, "str | None"], None]
+MicroBatch = tuple[tuple, dict, Any]  # positional inputs, keyword inputs, target
 
 
 def split_input(example_input: Any) -> tuple[tuple, dict]:
@@ -82,29 +88,154 @@ def view_replay():
     return torch.autograd._force_original_view_tracking(True)
 
 
-def run_step(model: torch.nn.Module, args: tuple, kwargs: dict, *, loss_fn: Callable | None = None,
-             target: Any = None, optimizer: torch.optim.Optimizer | None = None,
-             mark: Mark = _no_mark) -> tuple[Any, torch.Tensor]:
-    """Run forward, loss, backward and (if given) the optimizer step; return output and loss.
+def step_device_type(model: torch.nn.Module, args: tuple, kwargs: dict) -> str:
+    """The device type the step's tensors are on ('cpu', 'cuda'): autocast's and the GradScaler's."""
+    first = next(chain(model.parameters(), model.buffers(), input_tensors(args, kwargs)), None)
+    return first.device.type if first is not None else "cpu"
 
-    Gradients start empty: ``zero_grad(set_to_none=True)`` runs before ``mark`` is first
-    called, as in a training loop where the previous step's gradients are dropped.
+
+def grad_scaler(options: StepOptions, device: torch.device) -> torch.amp.GradScaler | None:
+    """16-mixed's GradScaler for a step on ``device`` (None for the other precisions).
+
+    Make one per training run and pass it to every step: its scale carries over from step to step.
+    Its scale and growth tracker (which its first ``scale()`` would make, inside the first step's
+    forward) are made here, so every step, the first too, runs the ops of a steady one.
     """
-    if optimizer is not None:
-        optimizer.zero_grad(set_to_none=True)
-    model.zero_grad(set_to_none=True)
-    with view_replay():  # NOTE [view replay] 2
+    if not options.scales_loss:
+        return None
+    scaler = torch.amp.GradScaler(device.type)
+    scaler.scale(torch.zeros((), device=device))
+    return scaler
+
+
+def scaler_state(scaler: torch.amp.GradScaler | None) -> dict[str, torch.Tensor]:
+    """The GradScaler's tensors by name: the state that lives from step to step."""
+    # GradScaler keeps them in private attributes; its public API reads them only as Python numbers
+    found = {"grad_scaler.scale": getattr(scaler, "_scale", None),
+             "grad_scaler.growth_tracker": getattr(scaler, "_growth_tracker", None)}
+    return {name: value for name, value in found.items() if isinstance(value, torch.Tensor)}
+
+
+def autocast(options: StepOptions, device_type: str) -> AbstractContextManager:
+    """torch.autocast in the precision's dtype for a mixed precision; nothing otherwise."""
+    return torch.autocast(device_type, dtype=options.compute_dtype) if options.mixed else nullcontext()
+
+
+def forward_loss(model: torch.nn.Module, args: tuple, kwargs: dict, *, loss_fn: Callable | None, target: Any,
+                 options: StepOptions, scaler: torch.amp.GradScaler | None,
+                 mark: Mark = _no_mark) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """One micro-batch's forward and loss; return the output, the loss and the tensor backward starts from.
+
+    Model and loss run under autocast for a mixed precision (left before backward, as PyTorch's AMP recipe
+    says); backward starts from the loss divided by the number of micro-batches, and scaled by 16-mixed's
+    GradScaler.
+    """
+    with autocast(options, step_device_type(model, args, kwargs)):
         mark("forward", None)
         output = model(*args, **kwargs)
         mark("forward", LOSS_SCOPE)
         loss = compute_loss(output, loss_fn, target)
-        mark("backward", LOSS_SCOPE)
-        loss.backward()
+    start = loss / options.grad_accumulation if options.grad_accumulation > 1 else loss
+    if scaler is not None:
+        start = scaler.scale(start)
+    return output, loss, start
+
+
+def run_step(model: torch.nn.Module, args: tuple, kwargs: dict, *, loss_fn: Callable | None = None,
+             target: Any = None, optimizer: torch.optim.Optimizer | None = None,
+             options: StepOptions = DEFAULT_STEP, scaler: torch.amp.GradScaler | None = None,
+             micro_batches: Sequence[MicroBatch] = (), mark: Mark = _no_mark) -> tuple[Any, torch.Tensor]:
+    """Run forward, loss and backward of each micro-batch, then (if given) the optimizer step.
+
+    Return the output and loss (as ``loss_fn`` gives it) of the last micro-batch.
+
+    ``options``: precision, micro-batches per step, gradient clipping. ``scaler``: the GradScaler
+    16-mixed needs (``grad_scaler``), kept by the caller across steps. ``micro_batches``: the
+    (args, kwargs, target) of micro-batches 2 to N; by default the first one again.
+    Gradients start empty: ``zero_grad(set_to_none=True)`` runs before ``mark`` is first
+    called, as in a training loop where the previous step's gradients are dropped.
+    """
+    later = _later_micro_batches(options, (args, kwargs, target), micro_batches)
+    if options.scales_loss and scaler is None:
+        raise ValueError("precision='16-mixed' scales the loss with a GradScaler: pass "
+                         "scaler=grad_scaler(options, device), one per training run")
+    if scaler is not None and options.clip_grad_norm is not None and optimizer is None:
+        raise ValueError("clipping under precision='16-mixed' needs the optimizer: the GradScaler unscales the "
+                         "optimizer's gradients before they are clipped")
     if optimizer is not None:
-        mark("optimizer", OPTIMIZER_SCOPE)
-        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
+    output = loss = None
+    with view_replay():  # NOTE [view replay] 2
+        for micro_args, micro_kwargs, micro_target in [(args, kwargs, target), *later]:
+            output = loss = None  # a training loop lets the previous micro-batch's output and loss go
+            output, loss, start = forward_loss(model, micro_args, micro_kwargs, loss_fn=loss_fn,
+                                               target=micro_target, options=options, scaler=scaler, mark=mark)
+            mark("backward", LOSS_SCOPE)
+            start.backward()
+            del start
+    if optimizer is not None:
+        _optimizer_step(optimizer, options, scaler, mark)
+    elif options.clip_grad_norm is not None:
+        mark("optimizer", CLIP_SCOPE)
+        _clip(list(model.parameters()), options.clip_grad_norm)
     mark("end", None)
+    assert loss is not None  # at least one micro-batch ran
     return output, loss
+
+
+def _later_micro_batches(options: StepOptions, first: MicroBatch, given: Sequence[MicroBatch]) -> list[MicroBatch]:
+    if not given:
+        return [first] * (options.grad_accumulation - 1)
+    if len(given) != options.grad_accumulation - 1:
+        raise ValueError(f"grad_accumulation={options.grad_accumulation} runs {options.grad_accumulation} "
+                         f"micro-batches a step: give {options.grad_accumulation - 1} after the first, not "
+                         f"{len(given)}")
+    return list(given)
+
+
+def _optimizer_step(optimizer: torch.optim.Optimizer, options: StepOptions, scaler: torch.amp.GradScaler | None,
+                    mark: Mark) -> None:
+    """Unscale (16-mixed), clip, step, update the scale: PyTorch's AMP recipe, as Lightning runs it."""
+    # a fused optimizer unscales inside its own kernel, unless the gradients must be unscaled to be clipped
+    unscales_itself = getattr(optimizer, "_step_supports_amp_scaling", False)
+    if scaler is not None and (options.clip_grad_norm is not None or not unscales_itself):
+        mark("optimizer", GRAD_SCALER_SCOPE)
+        scaler.unscale_(optimizer)
+    if options.clip_grad_norm is not None:
+        mark("optimizer", CLIP_SCOPE)
+        _clip([p for group in optimizer.param_groups for p in group["params"]], options.clip_grad_norm)
+    mark("optimizer", OPTIMIZER_SCOPE)
+    if scaler is None:
+        optimizer.step()
+        return
+    scaler.step(optimizer)  # reads the inf check on the host (NOTE [host reads in the optimizer step])
+    mark("optimizer", GRAD_SCALER_SCOPE)
+    scaler.update()
+
+
+def _clip(params: list[torch.Tensor], max_norm: float) -> None:
+    """clip_grad_norm_ with the kernels the real step picks: foreach=None chooses foreach only for plain
+    tensors, so a traced step (fake tensors) would otherwise norm the gradients one by one."""
+    with_grads = [p for p in params if p.grad is not None]
+    if not with_grads:
+        return
+    foreach = _device_has_foreach_support(with_grads[0].device)
+    torch.nn.utils.clip_grad_norm_(with_grads, max_norm, foreach=foreach)
+
+
+def same_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
+    """The optimizer's class over ``groups``, made with the defaults its constructor takes: some settings also
+    set up the optimizer itself (``fused=True`` tells a GradScaler that the step unscales), and some defaults
+    are not constructor arguments (AdamW's ``decoupled_weight_decay``)."""
+    kind: Callable[..., torch.optim.Optimizer] = type(optimizer)  # a subclass, with its own constructor
+    accepted = inspect.signature(kind).parameters
+    any_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    defaults = {k: v for k, v in optimizer.defaults.items() if any_keyword or k in accepted}
+    try:
+        return kind(groups, **defaults)
+    except TypeError:
+        return kind(groups)
 
 
 def ensure_optimizer_state(optimizer: torch.optim.Optimizer | None,

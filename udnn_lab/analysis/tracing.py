@@ -23,29 +23,44 @@ from udnn_lab.analysis._fake.tensors import FAKE_LIMITS, fake_inputs, fake_optim
 from udnn_lab.analysis._holders import forward_releases
 from udnn_lab.analysis._recorder import StepRecorder
 from udnn_lab.analysis._recording import graph_from_recording, record_step
-from udnn_lab.analysis.step import ensure_optimizer_state, input_tensors, map_tensors, preserved, split_input
+from udnn_lab.analysis.step import (
+    ensure_optimizer_state,
+    grad_scaler,
+    input_tensors,
+    map_tensors,
+    preserved,
+    split_input,
+)
 from udnn_lab.errors import FakeTensorUnsupported
 from udnn_lab.graph.step_graph import Graph
+from udnn_lab.vocabulary import Precision
 from udnn_lab.workload import Workload, as_workload
 
 CPU_FOR_CUDA_NOTE = ("no CUDA device here: traced with CPU kernels; sizes are those of the CUDA step, "
                      "cuDNN-specific saved tensors and workspaces are not included")
+CPU_AUTOCAST_NOTE = ("autocast ran with the CPU's lists of ops to cast (CPU kernels stood in for CUDA ones): CUDA's "
+                     "autocast casts some other ops, so casts and saved tensors can differ from the CUDA step")
 
 
 def trace(model: torch.nn.Module | Workload, example_input: Any = None, loss_fn: Callable | None = None,
           optimizer: torch.optim.Optimizer | None = None, *, target: Any = None, device: str | None = None,
-          fake: bool = True, name: str | None = None, fast_paths: bool = True) -> Graph:
+          fake: bool = True, name: str | None = None, fast_paths: bool = True, precision: Precision | None = None,
+          grad_accumulation: int | None = None, clip_grad_norm: float | None = None) -> Graph:
     """Record one training step (forward, backward, optimizer step) as a :class:`Graph`.
 
     ``example_input``: a tensor, a tuple of positional tensors or a dict of keyword
-    tensors. ``loss_fn(output)`` or, with ``target``, ``loss_fn(output, target)``;
+    tensors (one micro-batch). ``loss_fn(output)`` or, with ``target``, ``loss_fn(output, target)``;
     without one, the loss is the sum of the outputs. ``device``: where the step would
     run ('cpu', 'cuda'); by default the model's. With ``fake=False`` the step runs for
     real on that device; the model and optimizer are restored afterwards.
     ``fast_paths=False`` runs every op through fake mode's own dispatch (slower; it is
-    how the fast paths of fake_fast.py are checked).
+    how the fast paths of fake_fast.py are checked). ``precision`` ('32-true', 'bf16-mixed',
+    '16-mixed', 'bf16-true', ...; by default the model's own dtype), ``grad_accumulation``
+    (micro-batches per optimizer step) and ``clip_grad_norm`` (max total gradient norm): how
+    the step runs (a Workload's own unless given here).
     """
-    work = as_workload(model, example_input, loss_fn=loss_fn, optimizer=optimizer, target=target, name=name)
+    work = as_workload(model, example_input, loss_fn=loss_fn, optimizer=optimizer, target=target, name=name,
+                       precision=precision, grad_accumulation=grad_accumulation, clip_grad_norm=clip_grad_norm)
     run_on, counted_as = _resolve_device(work, device, fake)
     if fake:
         return _trace_fake(work, run_on, counted_as, fast_paths)
@@ -76,13 +91,19 @@ def _trace_fake(work: Workload, device: torch.device, counted_as: str, fast_path
     args, kwargs = split_input(fake_inputs(work.example_input, fake_mode, device))
     target = fake_inputs(work.target, fake_mode, device)
     optimizer = fake_optimizer(work.optimizer, model, fakes, fake_mode, device, counted_as)
+    options = work.step_options
     recorder = StepRecorder(fake_mode=fake_mode, fast_paths=fast_paths)
     try:
         with _reparametrize_module(model, fakes, tie_weights=True), fake_mode, _quiet_fake_errors():
-            record_step(recorder, model, args, kwargs, target, work.loss_fn, optimizer, track_saved=True)
-            holders = forward_releases(model, args, kwargs, target, work.loss_fn, recorder.run_op)  # [forward holders]
+            scaler = grad_scaler(options, device)  # on the device whose kernels run the step
+            record_step(recorder, model, args, kwargs, target, work.loss_fn, optimizer, track_saved=True,
+                        options=options, scaler=scaler)
+            holders = forward_releases(model, args, kwargs, target, work.loss_fn, recorder.run_op,  # [forward holders]
+                                       options, scaler)
             substituted = counted_as != device.type
             notes = [CPU_FOR_CUDA_NOTE] if substituted else []
+            if substituted and options.mixed:
+                notes.append(CPU_AUTOCAST_NOTE)
             return graph_from_recording(recorder, work.name, counted_as, fake=True, notes=notes,
                                         cpu_stands_for_device=substituted, holders=holders)
     except FAKE_LIMITS as err:
@@ -110,7 +131,9 @@ def _trace_real(work: Workload, device: torch.device) -> Graph:
     args, kwargs = split_input(map_tensors(lambda t: t.to(device), work.example_input))
     target = map_tensors(lambda t: t.to(device), work.target)
     recorder = StepRecorder()
+    scaler = grad_scaler(work.step_options, device)
     with preserved(model, optimizer):
         ensure_optimizer_state(optimizer)
-        record_step(recorder, model, args, kwargs, target, work.loss_fn, optimizer, track_saved=True)
+        record_step(recorder, model, args, kwargs, target, work.loss_fn, optimizer, track_saved=True,
+                    options=work.step_options, scaler=scaler)
         return graph_from_recording(recorder, work.name, device.type, fake=False)

@@ -18,7 +18,7 @@ from udnn_lab.vocabulary import CATEGORIES
 SAVE_FORMATS: tuple[Literal["html", "png", "svg", "pdf", "json"], ...] = ("html", "png", "svg", "pdf", "json")
 CATEGORY_COLORS = {
     "parameter": "#4c78a8", "buffer": "#9ecae9", "input": "#bab0ac", "feature_map": "#f58518",
-    "gradient_map": "#e45756", "parameter_gradient": "#72b7b2", "optimizer_state": "#54a24b",
+    "weight_cast": "#b279a2", "gradient_map": "#e45756", "parameter_gradient": "#72b7b2", "optimizer_state": "#54a24b",
     "temporary": "#eeca3b",
 }
 PHASE_COLORS = {"forward": "#dbe9f6", "backward": "#fde2cf", "optimizer": "#e2f0d9"}

@@ -13,7 +13,7 @@ import copy
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -24,7 +24,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from udnn_lab.analysis._recorder import StepRecorder, records_op
 from udnn_lab.analysis._recording import graph_from_recording, record_step
-from udnn_lab.analysis.step import ensure_optimizer_state, map_tensors, preserved, run_step, split_input
+from udnn_lab.analysis.step import (
+    ensure_optimizer_state,
+    grad_scaler,
+    map_tensors,
+    preserved,
+    run_step,
+    same_optimizer,
+    split_input,
+)
 from udnn_lab.devices import device_name, model_device
 from udnn_lab.errors import TraceMismatch
 from udnn_lab.graph.step_graph import Graph
@@ -144,13 +152,16 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
     where = model_device(work.model)
     args, kwargs = split_input(map_tensors(lambda t: t.to(where), work.example_input))
     target = map_tensors(lambda t: t.to(where), work.target)
-    step = dict(loss_fn=work.loss_fn, target=target, optimizer=work.optimizer)
+    scaler = grad_scaler(work.step_options, where)
+    step = dict(loss_fn=work.loss_fn, target=target, optimizer=work.optimizer, options=work.step_options,
+                scaler=scaler)
     with preserved(work.model, work.optimizer):
         for _ in range(warmup):
             run_step(work.model, args, kwargs, **step)
         ensure_optimizer_state(work.optimizer)
         recorder = StepRecorder()
-        record_step(recorder, work.model, args, kwargs, target, work.loss_fn, work.optimizer, track_saved=False)
+        record_step(recorder, work.model, args, kwargs, target, work.loss_fn, work.optimizer, track_saved=False,
+                    options=work.step_options, scaler=scaler)
         graph = graph_from_recording(recorder, work.name, where.type, fake=False)
         per_op = [_timed_step(work.model, args, kwargs, step, where, graph) for _ in range(repeats)]
         plain = [_plain_step(work.model, args, kwargs, step, where) for _ in range(repeats)]
@@ -197,5 +208,5 @@ def _on_device(work: Workload, device: str | None) -> Workload:
         twin = dict(zip(map(id, work.model.parameters()), model.parameters()))
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [twin[id(p)] for p in g["params"]]}
                   for g in work.optimizer.param_groups]
-        optimizer = type(work.optimizer)(groups, **work.optimizer.defaults)
-    return Workload(model, work.example_input, work.target, work.loss_fn, optimizer, work.name, work.batch_size)
+        optimizer = same_optimizer(work.optimizer, groups)
+    return replace(work, model=model, optimizer=optimizer)

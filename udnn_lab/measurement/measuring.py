@@ -24,7 +24,14 @@ from tqdm.auto import tqdm
 
 from udnn_lab.analysis._recorder import StepRecorder
 from udnn_lab.analysis._recording import graph_from_recording, record_step
-from udnn_lab.analysis.step import ensure_optimizer_state, map_tensors, preserved, run_step, split_input
+from udnn_lab.analysis.step import (
+    ensure_optimizer_state,
+    grad_scaler,
+    map_tensors,
+    preserved,
+    run_step,
+    split_input,
+)
 from udnn_lab.analysis.tracing import trace
 from udnn_lab.devices import device_name, model_device
 from udnn_lab.errors import LargeMeasurementWarning, TraceMismatch, UdnnLabError
@@ -33,7 +40,10 @@ from udnn_lab.measurement import nvml
 from udnn_lab.measurement._estimate import PROGRESS_SECONDS, MeasurementEstimate, estimate
 from udnn_lab.runtime.offload import OffloadRuntime
 from udnn_lab.units import Bytes, format_bytes
+from udnn_lab.vocabulary import Precision
 from udnn_lab.workload import Workload, as_workload
+
+SETTLE_STEPS = 24  # recorded steps tried again under 16-mixed while the GradScaler's scale falls
 
 
 @dataclass(frozen=True)
@@ -154,7 +164,8 @@ def _check_ops(predicted: tuple[str, ...], measured: tuple[str, ...]) -> None:
 def measure(model: torch.nn.Module | Workload, example_input: Any = None, loss_fn: Callable | None = None,
             optimizer: torch.optim.Optimizer | None = None, *, target: Any = None, plan=None, warmup: int = 1,
             repeats: int = 0, name: str | None = None, graph: Graph | None = None,
-            progress: bool | None = None) -> Measurement:
+            progress: bool | None = None, precision: Precision | None = None, grad_accumulation: int | None = None,
+            clip_grad_norm: float | None = None) -> Measurement:
     """Run real training steps where the model lives and record the last one op by op.
 
     ``warmup`` steps run first (they create optimizer state and warm caches), then
@@ -166,14 +177,21 @@ def measure(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
     LargeMeasurementWarning saying what it will cost, from ``graph`` (the traced step; traced
     here under fake tensors when not given and the model is on a CPU). ``progress``: show a
     progress bar (default: when the measurement is expected to take more than a few seconds).
+    ``precision``, ``grad_accumulation``, ``clip_grad_norm``: how the step runs, as for ``trace``.
+    Under '16-mixed' one GradScaler runs every step, and the recorded step is run again (up to
+    SETTLE_STEPS more times, after a warm-up) while the scaler skips it for infs: the traced step
+    is the steady one, which finds none.
     """
-    work = as_workload(model, example_input, loss_fn=loss_fn, optimizer=optimizer, target=target, name=name)
+    work = as_workload(model, example_input, loss_fn=loss_fn, optimizer=optimizer, target=target, name=name,
+                       precision=precision, grad_accumulation=grad_accumulation, clip_grad_norm=clip_grad_norm)
     device = model_device(work.model)
     if warmup < 0 or repeats < 0:
         raise ValueError(f"warmup and repeats count steps: 0 or more, got warmup={warmup}, repeats={repeats}")
     args, kwargs = split_input(map_tensors(lambda t: t.to(device), work.example_input))
     target = map_tensors(lambda t: t.to(device), work.target)
-    step = dict(loss_fn=work.loss_fn, target=target, optimizer=work.optimizer)
+    scaler = grad_scaler(work.step_options, device)
+    step = dict(loss_fn=work.loss_fn, target=target, optimizer=work.optimizer, options=work.step_options,
+                scaler=scaler)
     runtime = OffloadRuntime(plan)
     if graph is None and device.type == "cpu":
         graph = _traced(work)
@@ -192,22 +210,27 @@ def measure(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
             one_step()
         ensure_optimizer_state(work.optimizer)
         times = [_timed(one_step, device) for _ in range(repeats)]
-        work.model.zero_grad(set_to_none=True)  # the recorded step starts without gradients (allocator baseline)
         before = nvml.read(_index(device)) if device.type == "cuda" else None
-        counters = _CudaSampler() if device.type == "cuda" else None
 
-        def after_op() -> None:
-            if counters is not None:
-                counters.sample()
-            if per_op:
-                bar.update(per_op)
+        def recorded_step() -> tuple[StepRecorder, _CudaSampler | None]:
+            work.model.zero_grad(set_to_none=True)  # the recorded step starts without gradients (allocator baseline)
+            counters = _CudaSampler() if device.type == "cuda" else None
 
-        recorder = StepRecorder(after_op=after_op)
-        if counters:
-            counters.start()
-        record_step(recorder, work.model, args, kwargs, target, work.loss_fn, work.optimizer, track_saved=False,
-                    runtime=runtime if runtime.enabled else None)
-        bar.update(warmup + repeats + 1 - bar.n)
+            def after_op() -> None:
+                if counters is not None:
+                    counters.sample()
+                if per_op:
+                    bar.update(per_op)
+
+            recorder = StepRecorder(after_op=after_op)
+            if counters:
+                counters.start()
+            record_step(recorder, work.model, args, kwargs, target, work.loss_fn, work.optimizer, track_saved=False,
+                        runtime=runtime if runtime.enabled else None, options=work.step_options, scaler=scaler)
+            return recorder, counters
+
+        recorder, counters = _steady(recorded_step, scaler, tries=1 + (SETTLE_STEPS if warmup else 0), name=work.name)
+        bar.update(max(0, warmup + repeats + 1 - bar.n))
         real = graph_from_recording(recorder, work.name, device.type, fake=False)
         after = nvml.read(_index(device)) if device.type == "cuda" else None
     return Measurement(
@@ -218,6 +241,21 @@ def measure(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         step_time_s=statistics.median(times) if times else None, step_times_s=tuple(times),
         cuda=counters.freeze() if counters else None, nvml_before=before, nvml_after=after, recorded=real,
     )
+
+
+def _steady(recorded_step: Callable[[], Any], scaler: torch.amp.GradScaler | None, tries: int, name: str) -> Any:
+    """The recorded step, again while 16-mixed's GradScaler skips it for infs (it halves its scale after each such
+    step, from 2**16): the trace is of the steady step, which does not skip (NOTE [host reads in the optimizer
+    step] 2)."""
+    for _ in range(tries):
+        scale = scaler.get_scale() if scaler is not None else 0.0
+        recorded = recorded_step()
+        if scaler is None or scaler.get_scale() >= scale:  # update() backs off after a step it skipped
+            return recorded
+    raise TraceMismatch(
+        f"the recorded 16-mixed step of {name} found inf or NaN gradients in {tries} tries, so the GradScaler "
+        "skipped its optimizer step; a trace is of the steady step, which does not skip: measure with warm-up "
+        "(warmup=1 or more) for the scale to settle, or check the model for NaNs")
 
 
 def _traced(work: Workload) -> Graph | None:

@@ -4,7 +4,8 @@ Forward is cut into k segments at layer boundaries. Inside a segment, saved tens
 no later segment reads are dropped after forward and rebuilt in backward by re-running
 the segment's forward ops once, just before the first backward op that needs any of
 them; the tensors a segment hands to the next stay (they are the checkpoints). k starts
-at sqrt(number of layers); under a budget the fastest of a few k that fits is kept.
+at sqrt(number of layers); under a budget the fastest of a few k that fits is kept. With
+gradient accumulation each micro-batch's forward is cut into its own k segments.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from udnn_lab.simulation.simulator import simulate_with
 
 @policy("recompute")
 def recompute(graph: Graph, cost: CostModel, budget: int | None) -> Plan:
-    steps = forward_layers(graph)
-    root = max(1, round(math.sqrt(len(steps))))
-    options = sorted({root, max(1, root // 2), root * 2, max(1, len(steps) // 2)})
+    steps = max((len(run) for run in _per_forward(forward_layers(graph))), default=0)  # one micro-batch's layers
+    root = max(1, round(math.sqrt(steps)))
+    options = sorted({root, max(1, root // 2), root * 2, max(1, steps // 2)})
     if budget is None:
         return checkpointed(graph, root, budget)
     best = None
@@ -70,15 +71,35 @@ def _overwrites_earlier(graph: Graph, first: int, last: int) -> bool:
     return False
 
 
+def _per_forward(layers: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """The layers of each forward pass (one per micro-batch): runs of layers with no other op between them."""
+    runs: list[list[tuple[int, int]]] = []
+    for layer in layers:
+        if runs and runs[-1][-1][1] == layer[0] - 1:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return runs
+
+
+def _segments(graph: Graph, segments: int) -> tuple[list[tuple[int, int]], int]:
+    """(first op, last op) of each segment, no segment spanning two micro-batches' forward passes; and the
+    layers per segment."""
+    found, per_segment = [], 1
+    for steps in _per_forward(forward_layers(graph)):
+        per_segment = max(1, math.ceil(len(steps) / max(segments, 1)))
+        for start in range(0, len(steps), per_segment):
+            found.append((steps[start][0], steps[min(start + per_segment, len(steps)) - 1][1]))
+    return found, per_segment
+
+
 def checkpointed(graph: Graph, segments: int, budget: int | None) -> Plan:
-    steps = forward_layers(graph)
-    per_segment = max(1, math.ceil(len(steps) / max(segments, 1)))
     pool = candidates(graph)  # in the order forward produces them
     producers = [c.producer for c in pool]
     dropped: set[int] = set()
     actions = []
-    for start in range(0, len(steps), per_segment):
-        first, last = steps[start][0], steps[min(start + per_segment, len(steps)) - 1][1]
+    cuts, per_segment = _segments(graph, segments)
+    for first, last in cuts:
         within = pool[bisect.bisect_left(producers, first):bisect.bisect_right(producers, last)]
         inside = [c for c in within if c.last_forward <= last]
         if not inside:

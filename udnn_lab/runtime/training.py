@@ -3,31 +3,36 @@
 ``ul.train(model, batches, optimizer, plan=..., steps=...)`` runs steps until ``steps`` or
 the batches run out, or until stopped (``stop.set()`` from another thread, or a callback
 returning False), and returns a Run: one row per step (loss, time, peak, bytes moved,
-stalls). With ``fuse_optimizer=True`` each parameter is updated as soon as its gradient is
-ready and the gradient is freed at once (document 001's delayed, overlapped weight
-update, in PyTorch's form: ``register_post_accumulate_grad_hook``).
+stalls). Each step is ``run_step``'s, the step ``trace`` and ``measure`` run: in the
+precision asked for, over ``grad_accumulation`` batches, with clipping. With
+``fuse_optimizer=True`` each parameter is updated as soon as its gradient is ready and the
+gradient is freed at once (document 001's delayed, overlapped weight update, in PyTorch's
+form: ``register_post_accumulate_grad_hook``).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from itertools import islice
 from typing import Any
 
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from udnn_lab.analysis.step import compute_loss, map_tensors, split_input
+from udnn_lab.analysis.step import MicroBatch, grad_scaler, map_tensors, run_step, scaler_state, split_input
 from udnn_lab.devices import device_name, model_device
 from udnn_lab.graph.plan_ir import Plan
 from udnn_lab.runtime.live_bytes import LiveBytes
 from udnn_lab.runtime.offload import OffloadRuntime
 from udnn_lab.units import format_bytes, format_seconds
+from udnn_lab.vocabulary import Precision
+from udnn_lab.workload import StepOptions, check_weights, precision_of
 
 Callback = Callable[[dict], "bool | None"]
 STEP_COLUMNS = ["step", "loss", "time_s", "peak_bytes", "d2h_bytes", "h2d_bytes", "wait_s", "recomputed", "on_demand"]
@@ -47,6 +52,7 @@ class Run:
     stopped: str  # 'steps', 'batches', 'stop requested', 'callback'
     pinned_bytes: int
     notes: tuple[str, ...] = field(default=())
+    options: StepOptions = StepOptions()  # precision, micro-batches per step, clipping
 
     def __repr__(self) -> str:
         if len(self.steps):
@@ -60,28 +66,45 @@ class Run:
 def train(model: torch.nn.Module, batches: Iterable, optimizer: torch.optim.Optimizer | None, *,
           loss_fn: Callable | None = None, plan: Plan | None = None, steps: int | None = None,
           callbacks: Iterable[Callback] = (), stop: threading.Event | None = None, fuse_optimizer: bool = False,
-          progress: bool = True, track_memory: bool | None = None, name: str | None = None) -> Run:
+          progress: bool = True, track_memory: bool | None = None, name: str | None = None,
+          precision: Precision | None = None, grad_accumulation: int = 1,
+          clip_grad_norm: float | None = None) -> Run:
     """Train ``model`` on ``batches`` (each an ``(input, target)`` pair, or an input alone).
 
     ``plan`` runs every step under an OffloadRuntime. ``callbacks`` get each step's row as a
     dict and may return False to stop. ``track_memory``: count live storages each step on
-    a CPU (CUDA always reads the allocator's peak); by default on for CPU.
+    a CPU (CUDA always reads the allocator's peak); by default on for CPU. ``precision``
+    (default: the model's own dtype), ``grad_accumulation`` (batches per optimizer step: a
+    step takes that many batches; an incomplete group at the end is not run) and
+    ``clip_grad_norm``, as for ``trace``; a row's loss is the step's last batch's. Under
+    '16-mixed' one GradScaler runs the whole run.
     """
+    options = StepOptions(precision or precision_of(model), grad_accumulation, clip_grad_norm)
+    check_weights(model, options)
+    if fuse_optimizer and (grad_accumulation > 1 or clip_grad_norm is not None or options.scales_loss):
+        raise ValueError("fuse_optimizer=True steps each parameter inside backward, as soon as its gradient is "
+                         "ready, so it cannot accumulate gradients, clip them or unscale them (16-mixed): leave "
+                         "fuse_optimizer off for those")
     device = model_device(model)
     runtime = OffloadRuntime(plan)
     track = device.type == "cpu" if track_memory is None else track_memory
     fused = _FusedOptimizer(optimizer) if fuse_optimizer and optimizer is not None else None
+    scaler = grad_scaler(options, device)
     rows, stopped = [], "batches"
     bar = _progress(steps, progress, name or type(model).__name__)
+    groups = _groups(iter(batches), grad_accumulation)
     try:
-        for index, batch in enumerate(batches):
+        for index, group in enumerate(groups):
             if steps is not None and index >= steps:
                 stopped = "steps"
                 break
             if stop is not None and stop.is_set():
                 stopped = "stop requested"
                 break
-            row = _one_step(index, model, batch, device, loss_fn, optimizer, fused, runtime, track)
+            step = dict(loss_fn=loss_fn, optimizer=None if fused is not None else optimizer, options=options,
+                        scaler=scaler)
+            row = _one_step(index, model, [_on_device(batch, device) for batch in group], device, step, optimizer,
+                            runtime, track)
             rows.append(row)
             bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.4g}", peak=format_bytes(row["peak_bytes"]))
@@ -100,27 +123,32 @@ def train(model: torch.nn.Module, batches: Iterable, optimizer: torch.optim.Opti
                policy=plan.policy if plan is not None else "none", fused_optimizer=fused is not None,
                started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                steps=pd.DataFrame(rows, columns=STEP_COLUMNS), stopped=stopped,
-               pinned_bytes=pinned_bytes)
+               pinned_bytes=pinned_bytes, options=options)
 
 
-def _one_step(index: int, model, batch, device, loss_fn, optimizer, fused, runtime: OffloadRuntime,
-              track: bool) -> dict:
+def _groups(batches: Iterator, size: int) -> Iterator[list]:
+    """Consecutive groups of ``size`` batches, each group one step's micro-batches; a short last one is dropped."""
+    while len(group := list(islice(batches, size))) == size:
+        yield group
+
+
+def _on_device(batch, device: torch.device) -> MicroBatch:
     inputs, target = batch if isinstance(batch, (tuple, list)) and len(batch) == 2 else (batch, None)
     args, kwargs = split_input(map_tensors(lambda t: t.to(device, non_blocking=True), inputs))
-    target = map_tensors(lambda t: t.to(device, non_blocking=True), target)
-    if optimizer is not None and fused is None:
-        optimizer.zero_grad(set_to_none=True)
+    return args, kwargs, map_tensors(lambda t: t.to(device, non_blocking=True), target)
+
+
+def _one_step(index: int, model, micro_batches: list[MicroBatch], device, step: dict, optimizer,
+              runtime: OffloadRuntime, track: bool) -> dict:
+    args, kwargs, target = micro_batches[0]
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    counter = LiveBytes(_resident(model, optimizer, args, kwargs, target)) if track else None
+    counter = LiveBytes(_resident(model, optimizer, step["scaler"], micro_batches)) if track else None
     runtime.observer = counter
     start = time.perf_counter()
     with counter if counter is not None else nullcontext(), runtime:
-        loss = compute_loss(model(*args, **kwargs), loss_fn, target)
-        loss.backward()
-        if optimizer is not None and fused is None:
-            optimizer.step()
+        _, loss = run_step(model, args, kwargs, target=target, micro_batches=micro_batches[1:], **step)
     runtime.observer = None
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -185,11 +213,13 @@ class _NoBar:
         pass
 
 
-def _resident(model, optimizer, args, kwargs, target):
-    """What the step starts with: parameters, buffers, optimizer state, the batch."""
+def _resident(model, optimizer, scaler, micro_batches: list[MicroBatch]):
+    """What the step starts with: parameters, buffers, optimizer and scaler state, the micro-batches."""
     yield from model.parameters()
     yield from model.buffers()
     if optimizer is not None:
         for state in optimizer.state.values():
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
-    yield from (t for t in (*args, *kwargs.values(), target) if isinstance(t, torch.Tensor))
+    yield from scaler_state(scaler).values()
+    for args, kwargs, target in micro_batches:
+        yield from (t for t in (*args, *kwargs.values(), target) if isinstance(t, torch.Tensor))

@@ -35,14 +35,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from udnn_lab.errors import MissingDependency, ModelFactoryError, UnknownModelError
-from udnn_lab.vocabulary import AttentionImplementation
-from udnn_lab.workload import Workload
+from udnn_lab.vocabulary import AttentionImplementation, Precision
+from udnn_lab.workload import COMPUTE_DTYPES, StepOptions, Workload, precision_of
 from udnn_lab.zoo import hf, hf_configs
 from udnn_lab.zoo.published import PublishedPeak as PublishedPeak
 from udnn_lab.zoo.published import published_fine_tune_peaks as published_fine_tune_peaks
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # by the name users type
-OPTIMIZERS = ("sgd", "adam", "adamw", "none")  # what get(optimizer=...) builds; 'none': forward and backward only
+# What get(optimizer=...) builds. 'adamw' leaves the kernels to PyTorch (foreach on CUDA, one parameter at a time on
+# a CPU), '-foreach' and '-fused' ask for those kernels; 'none': forward and backward only.
+OPTIMIZERS = ("sgd", "adam", "adamw", "adamw-foreach", "adamw-fused", "adafactor", "none")
 
 
 @dataclass(frozen=True)
@@ -252,14 +254,21 @@ def get(name_or_model: str | nn.Module, batch: int = 8, *, image_size: int | Non
         dtype: torch.dtype | None = None, optimizer: str | None = "default", seed: int = 0,
         seq_len: int | None = None, small: bool = False, config_overrides: dict[str, Any] | None = None,
         attn_implementation: AttentionImplementation | None = None, lora_rank: int | None = None,
-        lora_alpha: float | None = None, lora_target_modules: str | Sequence[str] | None = None) -> Workload:
+        lora_alpha: float | None = None, lora_target_modules: str | Sequence[str] | None = None,
+        precision: Precision | None = None) -> Workload:
     """A Workload: the model (random weights) on ``device``, a random batch, cross-entropy, an optimizer.
 
     ``name_or_model``: a zoo name, or your own ``nn.Module`` or 'package.module:factory' (then
     give ``input_shape``, one example's shape, and it gets the sum of its outputs as loss; a
     factory's module is built on the CPU, or on ``device`` when that is not 'meta'). ``image_size``
-    overrides the side of image inputs. ``optimizer``: 'sgd' (momentum 0.9), 'adam',
-    'adamw' or None for forward and backward only; by default 'sgd', and 'adamw' for 'hf:' models.
+    overrides the side of image inputs. ``optimizer``: one of OPTIMIZERS: 'sgd' (momentum 0.9),
+    'adam', 'adamw' (PyTorch picks the kernels), 'adamw-foreach', 'adamw-fused', 'adafactor', or
+    None for forward and backward only; by default 'sgd', and 'adamw' for 'hf:' models.
+    ``precision`` (PyTorch Lightning's names): '32-true' (the default), 'bf16-mixed' and '16-mixed'
+    build the model in float32 and run autocast; 'bf16-true' and '16-true' build it, and its
+    floating inputs, in that dtype. ``dtype`` is the older way to say a '-true' precision
+    (torch.bfloat16 is 'bf16-true'). A module of your own is not converted: it must already be in
+    the precision's dtype, which by default is its own.
     ``seq_len`` (default 512), ``small`` and ``config_overrides`` are for 'hf:' models (see the module's doc),
     and so are ``attn_implementation`` ('sdpa' or 'eager'; by default what transformers picks) and LoRA:
     ``lora_rank`` wraps the model in PEFT adapters, ``lora_alpha`` and ``lora_target_modules`` (default: PEFT's
@@ -269,15 +278,21 @@ def get(name_or_model: str | nn.Module, batch: int = 8, *, image_size: int | Non
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be a positive int, got {batch!r}")
     device = torch.device(device)
+    if isinstance(name_or_model, nn.Module) and precision is None and dtype is None:
+        options = StepOptions(precision_of(name_or_model))  # your own module, in its own dtype
+    else:
+        options = StepOptions(_precision(precision, dtype))
+    weights = None if options.weights_dtype == torch.float32 else options.weights_dtype
     if isinstance(name_or_model, str) and name_or_model.lower().startswith(hf_configs.PREFIX):
         model, inputs = hf.build(name_or_model, batch, seq_len=seq_len, small=small,
-                                 config_overrides=config_overrides, device=device, dtype=dtype, seed=seed,
+                                 config_overrides=config_overrides, device=device, dtype=weights, seed=seed,
                                  attn_implementation=attn_implementation, lora_rank=lora_rank, lora_alpha=lora_alpha,
                                  lora_target_modules=lora_target_modules)
         kind = "adamw" if optimizer == "default" else optimizer
         label = hf_configs.spec(name_or_model).name + ("-small" if small else "")
         label += hf.variant(model)
-        return Workload(model, inputs, None, hf.output_loss, _optimizer(kind, model), hf_configs.PREFIX + label, batch)
+        return Workload(model, inputs, None, hf.output_loss, _optimizer(kind, model), hf_configs.PREFIX + label, batch,
+                        precision=options.precision)
     if seq_len is not None or small or config_overrides is not None:
         raise ValueError("seq_len, small and config_overrides are for Hugging Face models ('hf:<name>'); "
                          "for the others use input_shape")
@@ -290,26 +305,41 @@ def get(name_or_model: str | nn.Module, batch: int = 8, *, image_size: int | Non
     generator_seed = torch.Generator().manual_seed(seed)
     if isinstance(name_or_model, str) and ":" in name_or_model:
         name_or_model = from_factory(name_or_model).to(device="cpu" if device.type == "meta" else device,
-                                                        dtype=dtype or torch.float32)
+                                                        dtype=options.weights_dtype)
     if isinstance(name_or_model, nn.Module):
         if input_shape is None:
             raise ValueError("for your own module, give input_shape: the shape of one example, e.g. (3, 224, 224)")
         model = name_or_model
-        example = _random((batch, *input_shape), dtype or torch.float32, device, generator_seed)
-        return Workload(model, example, None, None, _optimizer(optimizer, model), type(model).__name__, batch)
+        example = _random((batch, *input_shape), options.weights_dtype, device, generator_seed)
+        return Workload(model, example, None, None, _optimizer(optimizer, model), type(model).__name__, batch,
+                        precision=options.precision)
     found = entry(name_or_model)
     with torch.device(device):
         torch.manual_seed(seed)
         model = found.build()
-    if dtype is not None:
-        model = model.to(dtype)
+    if weights is not None:
+        model = model.to(weights)
     shape = _sample_shape(found, image_size, input_shape)
     if found.input_kind == "tokens":
         example = torch.randint(found.vocabulary, (batch, *shape), generator=generator_seed).to(device)
     else:
-        example = _random((batch, *shape), dtype or torch.float32, device, generator_seed)
+        example = _random((batch, *shape), options.weights_dtype, device, generator_seed)
     target = torch.randint(found.num_classes, (batch,), generator=generator_seed).to(device)
-    return Workload(model, example, target, classification_loss, _optimizer(optimizer, model), found.name, batch)
+    return Workload(model, example, target, classification_loss, _optimizer(optimizer, model), found.name, batch,
+                    precision=options.precision)
+
+
+def _precision(precision: Precision | None, dtype: torch.dtype | None) -> Precision:
+    """The precision asked for, by name or (the older way) by the weights' dtype; '32-true' by default."""
+    trained_as: tuple[Precision, ...] = ("32-true", "bf16-true", "16-true", "64-true")
+    by_dtype = {COMPUTE_DTYPES[name]: name for name in trained_as}
+    if dtype is not None and dtype not in by_dtype:
+        raise ValueError(f"dtype {dtype} is not one the zoo builds in: use one of {', '.join(map(str, by_dtype))}")
+    implied = by_dtype[dtype] if dtype is not None else None
+    if precision is not None and implied is not None and precision != implied:
+        raise ValueError(f"dtype={dtype} means precision={implied!r}, but precision={precision!r} was asked for: "
+                         "give one of them (precision is the newer way)")
+    return precision or implied or "32-true"
 
 
 def from_factory(spec: str) -> nn.Module:
@@ -362,6 +392,12 @@ def _optimizer(kind: str | None, model: nn.Module) -> torch.optim.Optimizer | No
         return torch.optim.Adam(params, lr=1e-3)
     if kind == "adamw":
         return torch.optim.AdamW(params, lr=1e-3)
+    if kind == "adamw-foreach":
+        return torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    if kind == "adamw-fused":
+        return torch.optim.AdamW(params, lr=1e-3, fused=True)
+    if kind == "adafactor":
+        return torch.optim.Adafactor(params, lr=1e-2)
     raise ValueError(f"unknown optimizer {kind!r}: use one of {OPTIMIZERS} (or None)")
 
 

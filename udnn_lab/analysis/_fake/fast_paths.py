@@ -83,7 +83,7 @@ class FakeFastPaths:
 def _kind(func) -> str:
     if func is _PRIM_DEVICE:
         return _DEVICE
-    if str(func) in fidelity.PROBED_OPS | fidelity.PROBED_WHEN_STRIDED:
+    if str(func) in fidelity.PROBED_OPS | fidelity.PROBED_WHEN_STRIDED | fidelity.PROBED_WHEN_MIXED:
         return _PROBE  # probed when needs_probe says so, else run as a memoized op
     schema = func._schema
     returns, arguments = schema.returns, schema.arguments

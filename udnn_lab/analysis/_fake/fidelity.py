@@ -6,8 +6,11 @@ holds the gates for backward, often megabytes) and returns one bias gradient twi
 its 0-dim loss as a view into the whole elementwise buffer, which lives as long as the
 loss does (the meta kernel gives it 4 bytes). The CPU's batch norm returns a contiguous
 output for a strided input (a transposed image), where the meta kernel keeps the input's
-strides, so a later reshape copies in the trace and views in the step. For such ops (batch
-norm only when its input is strided) the trace sizes the outputs by
+strides, so a later reshape copies in the trace and views in the step. Under autocast,
+batch norm and layer norm get a bfloat16 or float16 input with float32 weights: the real
+kernels (CPU and CUDA) then keep the saved mean and inverse deviation in float32, the meta
+kernels in the input's dtype. For such ops (batch norm only when its input is strided or
+of another dtype than its weights, layer norm only in the latter case) the trace sizes the outputs by
 one real call on zeros, on the CPU, and gives the step fake outputs of exactly those
 sizes, strides and storage sizes. Nothing is kept: the real tensors are
 released as soon as their sizes are read. Each entry is checked by a test that
@@ -32,17 +35,32 @@ PROBED_WHEN_STRIDED = frozenset({
     "aten._native_batch_norm_legit.default",
 })
 
+PROBED_WHEN_MIXED = frozenset({
+    "aten.native_batch_norm.default",
+    "aten._native_batch_norm_legit.default",
+    "aten.native_layer_norm.default",
+})
+
 
 def needs_probe(name: str, args: tuple) -> bool:
     """Only CPU fake tensors can be probed on this machine."""
+    first = args[0] if args else None
+    if name in PROBED_WHEN_MIXED and isinstance(first, FakeTensor) and first.device.type == "cpu" \
+            and _mixed(first, args[1:]):
+        return True
     if name in PROBED_WHEN_STRIDED:
-        first = args[0] if args else None
         strided = isinstance(first, FakeTensor) and not (
             first.is_contiguous() or first.is_contiguous(memory_format=torch.channels_last))
         return strided and first is not None and first.device.type == "cpu"
     if name not in PROBED_OPS:
         return False
     return any(isinstance(a, FakeTensor) and a.device.type == "cpu" for a in args)
+
+
+def _mixed(first: torch.Tensor, others: tuple) -> bool:
+    """A half-precision input with weights of another floating dtype (autocast's float32 weights)."""
+    return first.dtype in (torch.bfloat16, torch.float16) and any(
+        isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != first.dtype for a in others)
 
 
 def probed_call(func, args: tuple, kwargs: dict):

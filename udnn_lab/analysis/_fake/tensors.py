@@ -8,7 +8,6 @@ what keeps a 1,000-layer trace within seconds.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from itertools import chain
 from typing import Any
 
@@ -20,11 +19,29 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedOperatorException,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from udnn_lab.analysis.step import ensure_optimizer_state, map_tensors
+from udnn_lab.analysis.step import ensure_optimizer_state, map_tensors, same_optimizer
 
 # Ops whose results depend on tensor values: a fake trace cannot go past them.
 FAKE_LIMITS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
+HOST_READ = torch.ops.aten._local_scalar_dense.default  # Tensor.item()
+
+
+def zero_of(dtype: torch.dtype) -> bool | int | float:
+    """What a fake step reads where an optimizer step reads a value (NOTE [host reads in the optimizer step])."""
+    if dtype == torch.bool:
+        return False
+    return 0.0 if dtype.is_floating_point or dtype.is_complex else 0
+
+
+class _ZeroHostReads(TorchDispatchMode):
+    """Tensor.item() of a tensor without data (meta, fake) reads zero: enough to create an optimizer's state."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is HOST_READ and (args[0].is_meta or isinstance(args[0], FakeTensor)):
+            return zero_of(args[0].dtype)
+        return func(*args, **(kwargs or {}))
 
 
 def fake_like(tensor: torch.Tensor, fake_mode: FakeTensorMode, device: torch.device) -> FakeTensor:
@@ -85,20 +102,12 @@ def fake_optimizer(optimizer: torch.optim.Optimizer | None, model: torch.nn.Modu
                 and not settings.get("differentiable"):
             settings["foreach"] = True
         groups.append({**settings, "params": params})
-    clone = _same_kind(optimizer, groups)
+    clone = same_optimizer(optimizer, groups)
     for p, state in optimizer.state.items():
         clone.state[twin[id(p)]] = _fake_values(state, p.device, fake_mode, device)
     if not clone.state:
         _initial_state(clone, fake_mode, device)
     return clone
-
-
-def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
-    kind: Callable[..., torch.optim.Optimizer] = type(optimizer)  # a subclass, with its own constructor
-    try:
-        return kind(groups, **optimizer.defaults)
-    except TypeError:
-        return kind(groups)
 
 
 def _fake_values(state: dict, param_device: torch.device, fake_mode: FakeTensorMode, device: torch.device) -> dict:
@@ -127,10 +136,11 @@ def _initial_state(clone: torch.optim.Optimizer, fake_mode: FakeTensorMode, devi
             params.append(meta)
         groups.append({**{k: v for k, v in group.items() if k not in ("params", "foreach")}, "params": params})
     try:
-        twin = _same_kind(clone, groups)
-        ensure_optimizer_state(twin, prefer_foreach=False)
+        twin = same_optimizer(clone, groups)
+        with _ZeroHostReads():
+            ensure_optimizer_state(twin, prefer_foreach=False)
     except (RuntimeError, NotImplementedError):  # an op without a meta kernel: step the fakes instead
-        with fake_mode:
+        with fake_mode, _ZeroHostReads():
             ensure_optimizer_state(clone, torch.empty_like)
         return
     for meta, state in twin.state.items():
