@@ -7,10 +7,12 @@ writes JSON with the machine, versions, date and every timing.
 
     python benchmarks/analyze_speed.py [--repeats 3] [--out data/benchmarks/analyze_speed.json]
 
-``--suite hf`` times udnn_lab alone on full-size Hugging Face models built on the meta device
+``--suite hf`` times udnn_lab on full-size Hugging Face models built on the meta device
 (float32, AdamW, SDPA attention; one also with PEFT LoRA adapters of rank 16): the model's build from its
-config, then its trace, cold and warm, against the targets of issue 14; it writes
-data/benchmarks/analyze_speed_hf.json (needs udnn_lab[hf]).
+config, then its trace, cold and warm, against the targets (Llama-3-8B at 4096 tokens in 10 s, Llama-3-70B
+at 8192 in 30 s); and MemTracker on the same step of the Llama-3-8B cases (the model built under
+FakeTensorMode, two steps, the second timed as 'warm'); Llama-3-70B is left to udnn_lab alone (MemTracker
+takes about 45 s a step at 8B). It writes data/benchmarks/analyze_speed_hf.json (needs udnn_lab[hf]).
 
     python benchmarks/analyze_speed.py --suite hf [--repeats 3]
 """
@@ -40,6 +42,7 @@ HF_CASES = {  # name: (zoo name, batch, sequence length, target seconds for the 
     "llama-3-70b@8192": ("hf:llama-3-70b", 1, 8192, 30.0),
 }
 HF_OPTIONS = {"llama-3-8b-lora16@4096": {"lora_rank": 16}}  # zoo.get's options beyond the size
+HF_MEMTRACKER_CASES = ("llama-3-8b@4096", "llama-3-8b-lora16@4096")
 TARGET_SPEEDUP = 6.0
 TARGET_RESNET1001_S = 5.0
 
@@ -89,6 +92,36 @@ def hf_worker(case: str) -> dict:
             "peak_bytes": graph.peak_bytes, "ops": len(graph.ops)}
 
 
+def hf_memtracker_worker(case: str) -> dict:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    import udnn_lab as ul
+
+    torch.set_num_threads(2)
+    name, batch, seq_len, _ = HF_CASES[case]
+    timings, cpu_timings = [], []
+    with FakeTensorMode():
+        start = time.perf_counter()
+        work = ul.zoo.get(name, batch=batch, seq_len=seq_len, device="cpu", **HF_OPTIONS.get(case, {}))
+        build_s = time.perf_counter() - start
+        for _ in range(2):  # the second step has optimizer state, as udnn_lab's steady-state step
+            start, start_cpu = time.perf_counter(), time.process_time()
+            tracker = MemTracker()  # one tracker a step: MemTracker tracks a single iteration
+            tracker.track_external(work.model, work.optimizer, work.example_input)
+            with tracker:
+                work.loss_fn(work.model(**work.example_input)).backward()
+                work.optimizer.step()
+                work.optimizer.zero_grad()
+            timings.append(time.perf_counter() - start)
+            cpu_timings.append(time.process_time() - start_cpu)
+        peak = tracker.get_tracker_snapshot("peak")
+    return {"tool": "memtracker", "case": case, "build_s": build_s, "cold_s": timings[0], "warm_s": timings[1],
+            "cold_cpu_s": cpu_timings[0], "warm_cpu_s": cpu_timings[1],
+            "peak_bytes": int(sum(v.get("Total", 0) for v in peak.values()))}
+
+
 def run_hf(repeats: int, out: Path) -> dict:
     rows, load_before = [], os.getloadavg()  # the machine may be shared: its load says how far timings can be trusted
     for repeat in range(repeats):  # the cases take turns, so that a change in the machine's load falls on each
@@ -97,6 +130,12 @@ def run_hf(repeats: int, out: Path) -> dict:
             done = subprocess.run([sys.executable, __file__, "--hf-worker", case], check=True, capture_output=True,
                                   text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    tracked = []  # MemTracker once per case: a step takes it most of a minute
+    for case in HF_MEMTRACKER_CASES:
+        print(f"  {case:22s} MemTracker ...", file=sys.stderr, flush=True)
+        done = subprocess.run([sys.executable, __file__, "--hf-worker", case, "--tools", "memtracker"], check=True,
+                              capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+        tracked.append(json.loads(done.stdout.strip().splitlines()[-1]))
     summary = []
     for case, (name, batch, seq_len, target) in HF_CASES.items():
         runs = [r for r in rows if r["case"] == case]
@@ -104,10 +143,11 @@ def run_hf(repeats: int, out: Path) -> dict:
                         "options": HF_OPTIONS.get(case, {}), "target_trace_s": target,
                         **{key: statistics.median(r[key] for r in runs)
                            for key in ("build_s", "cold_s", "warm_s", "build_cpu_s", "cold_cpu_s", "warm_cpu_s")},
-                        "peak_bytes": runs[0]["peak_bytes"], "ops": runs[0]["ops"]})
+                        "peak_bytes": runs[0]["peak_bytes"], "ops": runs[0]["ops"],
+                        "memtracker": next((r for r in tracked if r["case"] == case), None)})
     document = {"benchmark": "analyze_speed_hf", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "machine": _machine(), "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
-                "repeats": repeats, "summary": summary, "runs": rows}
+                "repeats": repeats, "summary": summary, "runs": rows + tracked}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(document, indent=1))
     print(f"\n{'model':22s} {'ops':>7s} {'build':>7s} {'trace cold':>11s} {'trace warm':>11s} {'(CPU s)':>14s} "
@@ -116,6 +156,11 @@ def run_hf(repeats: int, out: Path) -> dict:
         print(f"{row['case']:22s} {row['ops']:7d} {row['build_s']:6.1f}s {row['cold_s']:10.1f}s {row['warm_s']:10.1f}s "
               f"{row['cold_cpu_s']:6.1f} {row['warm_cpu_s']:6.1f} {row['target_trace_s']:6.0f}s "
               f"{row['peak_bytes'] / 2**30:7.1f}GiB")
+        if row["memtracker"] is not None:
+            mt = row["memtracker"]
+            print(f"{'  MemTracker, same step':22s} {'':>7s} {mt['build_s']:6.1f}s {mt['cold_s']:10.1f}s "
+                  f"{mt['warm_s']:10.1f}s {mt['cold_cpu_s']:6.1f} {mt['warm_cpu_s']:6.1f} "
+                  f"{'':>7s} {mt['peak_bytes'] / 2**30:7.1f}GiB")
     print(f"\nwrote {out}")
     return document
 
@@ -227,14 +272,16 @@ def main() -> None:
     parser.add_argument("--tools", nargs="+", default=["udnn_lab", "memtracker"], choices=["udnn_lab", "memtracker"],
                         help="tools to time now; the others' runs are kept from --out")
     parser.add_argument("--suite", choices=["zoo", "hf"], default="zoo",
-                        help="zoo: udnn_lab against MemTracker; hf: full-size Hugging Face models, udnn_lab alone")
+                        help="zoo: udnn_lab against MemTracker; hf: full-size Hugging Face models (and MemTracker "
+                             "on the 8B ones)")
     parser.add_argument("--worker", nargs=2, metavar=("TOOL", "CASE"), help=argparse.SUPPRESS)
     parser.add_argument("--hf-worker", metavar="CASE", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(*args.worker)))
     elif args.hf_worker:
-        print(json.dumps(hf_worker(args.hf_worker)))
+        measure = hf_memtracker_worker if args.tools == ["memtracker"] else hf_worker
+        print(json.dumps(measure(args.hf_worker)))
     elif args.suite == "hf":
         run_hf(args.repeats, args.out.with_name("analyze_speed_hf.json"))
     else:
