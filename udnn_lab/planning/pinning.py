@@ -48,10 +48,11 @@ def pin_dp(graph: Graph, cost: CostModel, budget: int | None) -> Plan:
     if budget is None:
         return plan
     # the same repair for the plan: _settle and the margins act after the knapsack and can undo its lead
-    greedy = _pinning(graph, cost, budget, "pin-dp", _in_access_order)
+    greedy = pin_greedy(graph, cost, budget)  # as registered: its simulations are already in the memo
     if simulate_with(graph, greedy, cost).fits and \
             (pinned_bytes(graph, greedy) > pinned_bytes(graph, plan) or not simulate_with(graph, plan, cost).fits):
-        return replace(greedy, notes=greedy.notes + ("the greedy packing pins more than the rounded knapsack here",))
+        return replace(greedy, policy="pin-dp",
+                       notes=greedy.notes + ("the greedy packing pins more than the rounded knapsack here",))
     return plan
 
 

@@ -12,12 +12,14 @@ is the one with the least peak: the least memory recompute reaches.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from udnn_lab.cost.model import CostModel
 from udnn_lab.graph.plan_ir import Plan
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.planning._rebuild import Rebuild, cheapest_first
 from udnn_lab.planning.registry import policy
-from udnn_lab.planning.segments import segment_plans
+from udnn_lab.planning.segments import checkpoint_segments, segment_plans
 from udnn_lab.simulation.simulator import simulate_with
 
 NAME = "recompute"
@@ -26,15 +28,15 @@ NAME = "recompute"
 @policy(NAME)
 def recompute(graph: Graph, cost: CostModel, budget: int | None) -> Plan:
     order, _ = cheapest_first(graph, cost)
+    segments = checkpoint_segments(graph, cost, budget)  # as registered: its simulations are already in the memo
     if budget is not None:
         shortest = _shortest_fitting(graph, cost, budget)
-        fitting = [p for p in [shortest, *segment_plans(graph, budget, NAME)]
-                   if p is not None and simulate_with(graph, p, cost).fits]
+        fitting = [p for p in (shortest, segments) if p is not None and simulate_with(graph, p, cost).fits]
         if fitting:
-            return min(fitting, key=lambda p: (simulate_with(graph, p, cost).step_time_s, _actions(p)))
-    plans = [_dropping(graph, order, len(order), budget), *segment_plans(graph, budget, NAME)]
-    return min(plans, key=lambda p: (simulate_with(graph, p, cost).peak_bytes,
-                                     simulate_with(graph, p, cost).step_time_s, _actions(p)))
+            return _named(min(fitting, key=lambda p: (simulate_with(graph, p, cost).step_time_s, _actions(p))))
+    plans = [_dropping(graph, order, len(order), budget), *segment_plans(graph, budget)]
+    return _named(min(plans, key=lambda p: (simulate_with(graph, p, cost).peak_bytes,
+                                            simulate_with(graph, p, cost).step_time_s, _actions(p))))
 
 
 def _shortest_fitting(graph: Graph, cost: CostModel, budget: int) -> Plan | None:
@@ -64,6 +66,10 @@ def _dropping(graph: Graph, order: tuple[Rebuild, ...], count: int, budget: int 
     actions = tuple(sorted((r.action() for r in order[:count]), key=lambda a: (a.at_op, a.tensors)))
     return Plan(NAME, graph.fingerprint, budget, recomputes=actions,
                 notes=(f"recomputes {count} of {len(order)} rebuildable tensors, the cheapest per byte freed first",))
+
+
+def _named(plan: Plan) -> Plan:
+    return replace(plan, policy=NAME)
 
 
 def _actions(plan: Plan) -> int:

@@ -15,6 +15,7 @@ import bisect
 import math
 
 from udnn_lab.cost.model import CostModel
+from udnn_lab.graph._memo import per_graph
 from udnn_lab.graph.plan_ir import Plan, PlanError, Recompute, check_recompute
 from udnn_lab.graph.step_graph import Graph, writes_in_place
 from udnn_lab.planning._candidates import candidates, writers
@@ -47,7 +48,8 @@ def _root(graph: Graph) -> int:
     return max(1, round(math.sqrt(len(forward_layers(graph)))))
 
 
-def forward_layers(graph: Graph) -> list[tuple[int, int]]:
+@per_graph
+def forward_layers(graph: Graph) -> tuple[tuple[int, int], ...]:
     """(first op, last op) of each run of consecutive forward ops of one module.
 
     A run that writes in place into a tensor made before it (ReLU6(inplace=True) after a
@@ -68,7 +70,7 @@ def forward_layers(graph: Graph) -> list[tuple[int, int]]:
             merged[-1][1] = last
         else:
             merged.append([first, last])
-    return [(first, last) for first, last in merged]
+    return tuple((first, last) for first, last in merged)
 
 
 def _overwrites_earlier(graph: Graph, first: int, last: int) -> bool:
