@@ -34,9 +34,10 @@ def recompute(graph: Graph, cost: CostModel, budget: int | None) -> Plan:
         fitting = [p for p in (shortest, segments) if p is not None and simulate_with(graph, p, cost).fits]
         if fitting:
             return _named(min(fitting, key=lambda p: (simulate_with(graph, p, cost).step_time_s, _actions(p))))
-    plans = [_dropping(graph, order, len(order), budget), *segment_plans(graph, budget)]
-    return _named(min(plans, key=lambda p: (simulate_with(graph, p, cost).peak_bytes,
-                                            simulate_with(graph, p, cost).step_time_s, _actions(p))))
+    # the least peak; on a tie, today's sqrt(n) segments (the first), which recompute all they can
+    plans = [replace(checkpoint_segments(graph, cost, None), budget_bytes=budget),
+             _dropping(graph, order, len(order), budget), *segment_plans(graph, budget)]
+    return _named(min(plans, key=lambda p: simulate_with(graph, p, cost).peak_bytes))
 
 
 def _shortest_fitting(graph: Graph, cost: CostModel, budget: int) -> Plan | None:
