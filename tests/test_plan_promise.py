@@ -13,7 +13,7 @@ from tests.corpus import CORPUS
 from tests.corpus.promise import HARDWARE, SIM_TOLERANCE, budget_for, check, subject
 
 MODELS = ("checkpointed", "gpt2_tied", "unet", "inplace_activations", "lstm_cell_loop", "user_generator", "gru")
-POLICIES = ("vdnn-all", "vdnn++", "recompute", "auto")
+POLICIES = ("vdnn-all", "vdnn++", "recompute", "checkpoint-segments", "auto")
 FAILING: dict[tuple[str, str], str] = {}  # (model, policy) -> the issue item that breaks it, as a strict xfail
 CASES = [pytest.param(model, policy, id=f"{model}-{policy}",
                       marks=[pytest.mark.xfail(strict=True, reason=FAILING[model, policy])]

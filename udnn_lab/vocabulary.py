@@ -39,8 +39,8 @@ AUTOGRAD_SCOPE = "<autograd>"
 Action = Literal["keep", "offload", "recompute"]  # what a plan does with a saved tensor
 ACTIONS: tuple[Action, ...] = get_args(Action)
 
-Policy = Literal["keep-all", "vdnn-all", "vdnn-conv", "vdnn-dyn", "vdnn++", "pin-greedy", "pin-dp", "recompute",
-                 "auto"]
+Policy = Literal["keep-all", "vdnn-all", "vdnn-conv", "vdnn-dyn", "vdnn++", "pin-greedy", "pin-dp",
+                 "checkpoint-segments", "recompute", "auto"]
 POLICY_NAMES: tuple[Policy, ...] = get_args(Policy)
 
 Stream = Literal["compute", "d2h", "h2d"]  # the simulated streams, and the lanes of the stream chart

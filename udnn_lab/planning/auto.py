@@ -15,16 +15,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from udnn_lab.cost.model import CostModel
-from udnn_lab.graph.plan_ir import Offload, Plan, Recompute, written_after
+from udnn_lab.graph.plan_ir import Offload, Plan, Recompute
 from udnn_lab.graph.step_graph import Graph
-from udnn_lab.planning._candidates import Candidate, candidates, first_backward_op, prefetch_point, writers
+from udnn_lab.planning._candidates import Candidate, candidates, first_backward_op, prefetch_point
 from udnn_lab.planning._estimate import CurveEstimate
+from udnn_lab.planning._rebuild import rebuilds
 from udnn_lab.planning.registry import POLICIES, policy
 from udnn_lab.planning.vdnn import MARGINS, SIZE_FLOOR, pinned_pool_bytes
 from udnn_lab.simulation.simulator import simulate_with
 
 LOOKAHEAD = 2
-_KEPT = ("parameter", "buffer", "input")
 
 
 @dataclass(frozen=True)
@@ -71,37 +71,17 @@ def joint(graph: Graph, cost: CostModel, budget: int) -> Plan:
 
 
 def _options(graph: Graph, cost: CostModel) -> list[_Option]:
-    times = cost.op_times_s(graph)
-    boundary = first_backward_op(graph)
     found = []
     for c in candidates(graph, SIZE_FLOOR):
-        if c.last_forward >= boundary:
+        if c.last_forward >= first_backward_op(graph):
             continue
         prefetch = prefetch_point(graph, c.first_backward, LOOKAHEAD)
         d2h, h2d = cost.transfer_time_s(c.nbytes, "d2h"), cost.transfer_time_s(c.nbytes, "h2d")
         if prefetch > c.freed_after:
             found.append(_Option(c, "offload", (c.freed_after + 1, prefetch), d2h + h2d, d2h, h2d))
-        ops = writers(graph, c.tensor)
-        sources = _recompute_sources(graph, c, ops)
-        if sources is not None:
-            found.append(_Option(c, "recompute", (c.freed_after + 1, c.first_backward),
-                                 float(sum(times[i] for i in ops)), ops=ops, sources=sources))
+    for r in rebuilds(graph, cost, SIZE_FLOOR):
+        found.append(_Option(r.candidate, "recompute", r.window, r.time_s, ops=r.ops, sources=r.sources))
     return found
-
-
-def _recompute_sources(graph: Graph, c: Candidate, ops: tuple[int, ...]) -> tuple[int, ...] | None:
-    """Tensors those ops read that must stay; None if one of them does not outlive the recompute."""
-    needed = []
-    for source in {s for i in ops for s in graph.ops[i].inputs} - {c.tensor}:
-        tensor = graph.tensors[source]
-        if written_after(graph, source, min(i for i in ops if source in graph.ops[i].inputs)) is not None:
-            return None  # overwritten in place after the recompute reads it: forward cannot be replayed
-        if tensor.category in _KEPT:
-            continue
-        if tensor.free_step is not None and tensor.free_step < c.first_backward:
-            return None
-        needed.append(source)
-    return tuple(sorted(needed))
 
 
 def _choose(graph: Graph, options: list[_Option], target: float, hideable: tuple[float, float]) -> list[_Option]:

@@ -10,10 +10,16 @@ GeePS's memory manager does. Ops other than the boundary are then checked, and
 tensors unpinned where they still overflow.
 
 pin-dp costs O(n * U) time and memory for n candidates and U = capacity / unit units;
-the unit is the capacity / 4096, and at least 64 KiB, so U <= 4096.
+the unit is the capacity / 4096, and at least 64 KiB, so U <= 4096. Sizes round up to whole
+units and the capacity down, so the DP's answer always fits but can miss a packing that
+exact bytes allow; it is repaired: what still fits in the bytes left is added, and the
+greedy packing, a feasible answer too, wins where it pins more. The plan that follows is
+checked the same way, so pin-dp never pins fewer bytes than pin-greedy at a budget both fit.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 
@@ -38,12 +44,32 @@ def pin_greedy(graph: Graph, cost: CostModel, budget: int | None) -> Plan:
 
 @policy("pin-dp")
 def pin_dp(graph: Graph, cost: CostModel, budget: int | None) -> Plan:
-    return _pinning(graph, cost, budget, "pin-dp", _knapsack)
+    plan = _pinning(graph, cost, budget, "pin-dp", _knapsack)
+    if budget is None:
+        return plan
+    # the same repair for the plan: _settle and the margins act after the knapsack and can undo its lead
+    greedy = pin_greedy(graph, cost, budget)  # as registered: its simulations are already in the memo
+    if simulate_with(graph, greedy, cost).fits and \
+            (pinned_bytes(graph, greedy) > pinned_bytes(graph, plan) or not simulate_with(graph, plan, cost).fits):
+        return replace(greedy, policy="pin-dp",
+                       notes=greedy.notes + ("the greedy packing pins more than the rounded knapsack here",))
+    return plan
+
+
+def pinned_bytes(graph: Graph, plan: Plan) -> int:
+    """Bytes of the pinning candidates a plan keeps on the device (document 001's measure)."""
+    pool = _pool(graph)
+    moved = {o.tensor for o in plan.offloads}
+    return sum(c.nbytes for c in pool if c.tensor not in moved)
+
+
+def _pool(graph: Graph) -> list[Candidate]:
+    return [c for c in candidates(graph, SIZE_FLOOR)
+            if c.last_forward < first_backward_op(graph) and _window(graph, c)[1] > _window(graph, c)[0]]
 
 
 def _pinning(graph: Graph, cost: CostModel, budget: int | None, policy: str, choose) -> Plan:
-    pool = [c for c in candidates(graph, SIZE_FLOOR)
-            if c.last_forward < first_backward_op(graph) and _window(graph, c)[1] > _window(graph, c)[0]]
+    pool = _pool(graph)
     if budget is None:
         return _plan(graph, budget, policy, pool, pinned=pool)
     plan = _plan(graph, budget, policy, pool, pinned=pool)
@@ -97,7 +123,20 @@ def _knapsack(graph: Graph, cost: CostModel, pool: list[Candidate], target: floa
         if took[i, left]:
             chosen.append(pool[i])
             left -= weights[i]
-    return chosen[::-1]
+    repaired = _fill(estimate, pool, chosen[::-1], capacity)
+    greedy = _in_access_order(graph, cost, pool, target)
+    return greedy if sum(c.nbytes for c in greedy) > sum(c.nbytes for c in repaired) else repaired
+
+
+def _fill(estimate: CurveEstimate, pool: list[Candidate], chosen: list[Candidate], capacity: float) -> list[Candidate]:
+    """Add, largest first, what still fits in exact bytes: the rounding left room."""
+    taken = {c.tensor for c in chosen}
+    used = sum(estimate.size(c) for c in chosen)
+    for c in sorted(pool, key=lambda c: (-c.nbytes, c.tensor)):
+        if c.tensor not in taken and used + estimate.size(c) <= capacity:
+            taken.add(c.tensor)
+            used += estimate.size(c)
+    return [c for c in pool if c.tensor in taken]
 
 
 def _in_access_order(graph: Graph, cost: CostModel, pool: list[Candidate], target: float) -> list[Candidate]:

@@ -1,117 +1,77 @@
-"""Activation checkpointing as a policy (Chen et al.'s sqrt(n) segments).
+"""Recomputation that spends only what the budget asks for.
 
-Forward is cut into k segments at layer boundaries. Inside a segment, saved tensors that
-no later segment reads are dropped after forward and rebuilt in backward by re-running
-the segment's forward ops once, just before the first backward op that needs any of
-them; the tensors a segment hands to the next stay (they are the checkpoints). k starts
-at sqrt(number of layers); under a budget the fastest of a few k that fits is kept. With
-gradient accumulation each micro-batch's forward is cut into its own k segments.
+Under a budget, saved tensors are dropped one at a time, cheapest first: at the op where
+the estimated curve peaks, the tensor away there that costs the least recompute time per
+byte freed (``_rebuild.cheapest_first``); the plan takes the shortest prefix of that order
+that the simulator says fits. At the keep-all peak that is nothing, and a larger budget
+never recomputes more. Tensor by tensor, a tensor another rebuild reads must stay; below
+what that reaches, segment checkpointing (segments rebuild from their checkpoints) goes
+lower, so its plans compete too and the fastest that fits wins. Without a budget the plan
+is the one with the least peak: the least memory recompute reaches.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
+from dataclasses import replace
 
 from udnn_lab.cost.model import CostModel
-from udnn_lab.graph.plan_ir import Plan, PlanError, Recompute, check_recompute
-from udnn_lab.graph.step_graph import Graph, writes_in_place
-from udnn_lab.planning._candidates import candidates, writers
+from udnn_lab.graph.plan_ir import Plan
+from udnn_lab.graph.step_graph import Graph
+from udnn_lab.planning._rebuild import Rebuild, cheapest_first
 from udnn_lab.planning.registry import policy
+from udnn_lab.planning.segments import checkpoint_segments, segment_plans
 from udnn_lab.simulation.simulator import simulate_with
 
+NAME = "recompute"
 
-@policy("recompute")
+
+@policy(NAME)
 def recompute(graph: Graph, cost: CostModel, budget: int | None) -> Plan:
-    steps = max((len(run) for run in _per_forward(forward_layers(graph))), default=0)  # one micro-batch's layers
-    root = max(1, round(math.sqrt(steps)))
-    options = sorted({root, max(1, root // 2), root * 2, max(1, steps // 2)})
-    if budget is None:
-        return checkpointed(graph, root, budget)
-    best = None
-    for segments in options:
-        plan = checkpointed(graph, segments, budget)
-        sim = simulate_with(graph, plan, cost)
-        if sim.fits and (best is None or sim.step_time_s < best[0]):
-            best = (sim.step_time_s, plan)
-    return best[1] if best else checkpointed(graph, root, budget)
+    order, _ = cheapest_first(graph, cost)
+    segments = checkpoint_segments(graph, cost, budget)  # as registered: its simulations are already in the memo
+    if budget is not None:
+        shortest = _shortest_fitting(graph, cost, budget)
+        fitting = [p for p in (shortest, segments) if p is not None and simulate_with(graph, p, cost).fits]
+        if fitting:
+            return _named(min(fitting, key=lambda p: (simulate_with(graph, p, cost).step_time_s, _actions(p))))
+    # the least peak; on a tie, today's sqrt(n) segments (the first), which recompute all they can
+    plans = [replace(checkpoint_segments(graph, cost, None), budget_bytes=budget),
+             _dropping(graph, order, len(order), budget), *segment_plans(graph, budget)]
+    return _named(min(plans, key=lambda p: simulate_with(graph, p, cost).peak_bytes))
 
 
-def forward_layers(graph: Graph) -> list[tuple[int, int]]:
-    """(first op, last op) of each run of consecutive forward ops of one module.
+def _shortest_fitting(graph: Graph, cost: CostModel, budget: int) -> Plan | None:
+    """The shortest prefix of the cheapest-first order that fits, by bisection from the estimate's guess
+    (the estimate is optimistic: fewer drops than it asks for do not fit)."""
+    order, peaks = cheapest_first(graph, cost)
+    low = next((k for k, peak in enumerate(peaks) if peak <= budget), len(order))
 
-    A run that writes in place into a tensor made before it (ReLU6(inplace=True) after a
-    BatchNorm: autograd clones the input, then the op overwrites it) joins the run before:
-    a segment starting there would find its input already overwritten when it replays.
-    """
-    layers: list[list[int]] = []
-    for op in graph.ops:
-        if op.phase != "forward":
-            continue
-        if layers and graph.ops[layers[-1][1]].module == op.module and layers[-1][1] == op.index - 1:
-            layers[-1][1] = op.index
+    def fits(k: int) -> bool:
+        return simulate_with(graph, _dropping(graph, order, k, budget), cost).fits
+
+    if fits(low):
+        return _dropping(graph, order, low, budget)
+    high = len(order)
+    if not fits(high):
+        return None
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle):
+            high = middle
         else:
-            layers.append([op.index, op.index])
-    merged: list[list[int]] = []
-    for first, last in layers:
-        if merged and merged[-1][1] == first - 1 and _overwrites_earlier(graph, first, last):
-            merged[-1][1] = last
-        else:
-            merged.append([first, last])
-    return [(first, last) for first, last in merged]
+            low = middle
+    return _dropping(graph, order, high, budget)
 
 
-def _overwrites_earlier(graph: Graph, first: int, last: int) -> bool:
-    for i in range(first, last + 1):
-        op = graph.ops[i]
-        for t in op.inputs:
-            producer = graph.tensors[t].producer
-            if t in op.outputs and writes_in_place(op.name) and producer is not None and producer < first:
-                return True
-    return False
+def _dropping(graph: Graph, order: tuple[Rebuild, ...], count: int, budget: int | None) -> Plan:
+    actions = tuple(sorted((r.action() for r in order[:count]), key=lambda a: (a.at_op, a.tensors)))
+    return Plan(NAME, graph.fingerprint, budget, recomputes=actions,
+                notes=(f"recomputes {count} of {len(order)} rebuildable tensors, the cheapest per byte freed first",))
 
 
-def _per_forward(layers: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-    """The layers of each forward pass (one per micro-batch): runs of layers with no other op between them."""
-    runs: list[list[tuple[int, int]]] = []
-    for layer in layers:
-        if runs and runs[-1][-1][1] == layer[0] - 1:
-            runs[-1].append(layer)
-        else:
-            runs.append([layer])
-    return runs
+def _named(plan: Plan) -> Plan:
+    return replace(plan, policy=NAME)
 
 
-def _segments(graph: Graph, segments: int) -> tuple[list[tuple[int, int]], int]:
-    """(first op, last op) of each segment, no segment spanning two micro-batches' forward passes; and the
-    layers per segment."""
-    found, per_segment = [], 1
-    for steps in _per_forward(forward_layers(graph)):
-        per_segment = max(1, math.ceil(len(steps) / max(segments, 1)))
-        for start in range(0, len(steps), per_segment):
-            found.append((steps[start][0], steps[min(start + per_segment, len(steps)) - 1][1]))
-    return found, per_segment
-
-
-def checkpointed(graph: Graph, segments: int, budget: int | None) -> Plan:
-    pool = candidates(graph)  # in the order forward produces them
-    producers = [c.producer for c in pool]
-    dropped: set[int] = set()
-    actions = []
-    cuts, per_segment = _segments(graph, segments)
-    for first, last in cuts:
-        within = pool[bisect.bisect_left(producers, first):bisect.bisect_right(producers, last)]
-        inside = [c for c in within if c.last_forward <= last]
-        if not inside:
-            continue
-        end = max(writers(graph, c.tensor)[-1] for c in inside)  # in-place writes after a producer belong too
-        ops = tuple(i for i in range(first, end + 1) if graph.ops[i].phase == "forward")
-        action = Recompute(tuple(c.tensor for c in inside), ops, min(c.first_backward for c in inside))
-        try:
-            check_recompute(graph, action, dropped | set(action.tensors))
-        except PlanError:
-            continue  # a segment whose inputs do not outlive it: keep its tensors
-        dropped.update(action.tensors)
-        actions.append(action)
-    return Plan("recompute", graph.fingerprint, budget, recomputes=tuple(actions),
-                notes=(f"{segments} segments of about {per_segment} layers",))
+def _actions(plan: Plan) -> int:
+    return sum(len(r.ops) for r in plan.recomputes)
