@@ -1,10 +1,11 @@
 """``udnn-lab report``: one self-contained HTML document about a model's training step under a budget.
 
 The analysis is a notebook, template.ipynb, whose ``parameters`` cell lists what can
-be set. Here the request is checked while a fresh kernel (kernel.py) loads what the notebook
-imports, papermill runs the notebook in that kernel, and nbconvert turns it into HTML with the code hidden. The notebook draws every chart inline as
-SVG, and the page leaves out nbconvert's CDN scripts (require.js, MathJax, Mermaid), so the
-file opens without a network. Its header holds the command that makes it again.
+be set. Here the request is checked while a fresh kernel (kernel.py) loads what the
+notebook imports, papermill runs the notebook in that kernel, and nbconvert turns it into
+HTML with the code hidden. The notebook draws every chart inline as SVG, and the page
+leaves out nbconvert's CDN scripts (require.js, MathJax, Mermaid), so the file opens
+without a network. Its header holds the command that makes it again.
 """
 
 from __future__ import annotations
@@ -172,10 +173,15 @@ def _execute(request: ReportRequest, out: Path, say: Callable[[str], None], kern
 
 
 def _html_exporter():
+    """The exporter, warmed up: its first page loads what nbconvert loads lazily (the templates, BeautifulSoup's
+    table of entities, CSS selectors), half a second that is spent here while the kernel still works."""
     # heavy: only when a report is written
     from jinja2 import DictLoader
     from nbconvert import HTMLExporter
+    from nbformat.v4 import new_markdown_cell, new_notebook  # (as above)
 
-    return HTMLExporter(template_name="lab", template_file="udnn_report.html.j2",
-                        extra_loaders=[DictLoader({"udnn_report.html.j2": _PAGE})],
-                        exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True)
+    exporter = HTMLExporter(template_name="lab", template_file="udnn_report.html.j2",
+                            extra_loaders=[DictLoader({"udnn_report.html.j2": _PAGE})],
+                            exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True)
+    exporter.from_notebook_node(new_notebook(cells=[new_markdown_cell("warm-up")]))
+    return exporter
