@@ -123,12 +123,12 @@ def test_a_bad_request_is_refused_before_any_kernel_starts(change, message):
 
 
 @pytest.mark.parametrize("model, by_construction", [
-    ("resnet18", True), ("ResNet-18", True), ("hf:gpt2", True), ("densenet121", True),
-    ("resnet164", False), ("mlp5", False), ("my_nets:small", False),
+    ("resnet18", True), ("ResNet-18", True), ("densenet121", True),
+    ("hf:gpt2", False), ("resnet164", False), ("mlp5", False), ("my_nets:small", False),
 ])
-def test_only_the_zoos_catalogue_models_skip_the_build_before_the_notebook(model, by_construction):
-    """A catalogue model builds in the kernel alone (building it here too would load torchvision or transformers
-    twice); a family member's size and your own factory are checked by building them first."""
+def test_only_the_zoos_fixed_models_skip_the_build_before_the_notebook(model, by_construction):
+    """A fixed model builds in the kernel alone (building it here too would load torchvision twice); a family
+    member's size, an hf: model's config and your own factory are checked by building them first."""
     assert ReportRequest(model, "6GiB").builds_by_construction is by_construction
 
 
