@@ -2,7 +2,9 @@
 
 It opens a copy of the quickstart, runs every cell from the Run menu, moves MemoryLab's
 budget slider from the keyboard and checks that the memory chart was drawn again; clicks
-the memory curve and reads the table of the tensors live at the op clicked; then types a
+the memory curve and reads the table of the tensors live at the op clicked; drags across ops
+on the curve and sees the stream bars of the other ops fade, and across time on the streams
+and sees the ops that start then marked on the curve; then types a
 budget no plan meets and checks the message is whole on screen, measures a real step and
 reads both lines in the legend, trains two steps and checks that another network clears
 the training view. Outside CI the test skips when chromium or playwright is missing; with
@@ -143,6 +145,7 @@ def test_quickstart_runs_in_jupyterlab_and_the_budget_slider_redraws_the_chart(c
         assert "fits" in summary.inner_text() and "Error" not in app.inner_text()
 
         a_click_on_the_memory_curve_lists_the_live_tensors(app)
+        ops_and_time_spans_select_across_the_curve_and_the_streams(app)
         measure_shows_both_lines(app)
         an_infeasible_budget_is_said_in_full(page, app)
         another_network_clears_the_training_view(app)
@@ -173,7 +176,7 @@ def run_all_cells(page, notebook_url: str):
     prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
     assert all(re.fullmatch(r"\[\d+\]:", prompt) for prompt in prompts), f"not every cell ran: {prompts}"
     assert page.locator("[data-mime-type='application/vnd.jupyter.error']").count() == 0
-    assert page.locator(".jp-OutputArea-output .vega-embed").count() >= 4  # two charts above, two in the app
+    assert page.locator(".jp-OutputArea-output .vega-embed").count() >= 3  # two charts above, one in the app
     return app
 
 
@@ -227,6 +230,41 @@ def a_click_on_the_memory_curve_lists_the_live_tensors(app) -> None:
     assert f"live at op {clicked}" in app.locator(".udnn-live-tensors").inner_text()
     assert app.locator(".widget-text").filter(has=app.page.get_by_text("inspect op", exact=True)).locator(
         "input").input_value() == str(clicked)
+
+
+def drag_across(page, box: dict, start: float, end: float) -> None:
+    """Press at ``start`` of the box's width, move to ``end``, release: halfway down the box."""
+    y = box["y"] + 0.5 * box["height"]
+    page.mouse.move(box["x"] + start * box["width"], y)
+    page.mouse.down()
+    for step in range(1, 11):
+        page.mouse.move(box["x"] + (start + (end - start) * step / 10) * box["width"], y)
+    page.mouse.up()
+
+
+def ops_and_time_spans_select_across_the_curve_and_the_streams(app) -> None:
+    """The memory curve and the streams are one chart: ops dragged across on the curve fade the bars of the
+    other ops; a span of time dragged across on the streams marks the ops that start in it on the curve."""
+    chart = app.locator(".vega-embed svg.marks").first
+    chart.scroll_into_view_if_needed()
+    faded = chart.locator("path[aria-roledescription='bar'][opacity='0.15']")
+    marked = chart.locator("line[stroke='#ff7f0e']")  # charts.linked's rules at the ops in a span of time
+    assert faded.count() == 0 and marked.count() == 0
+    drag_across(app.page, chart.locator(".mark-line path").first.bounding_box(), 0.15, 0.35)
+    deadline = time.monotonic() + 15
+    while faded.count() == 0:
+        assert time.monotonic() < deadline, "dragging across ops on the memory curve faded no stream bar"
+        time.sleep(0.25)
+    bars = [box for box in (bar.bounding_box() for bar in chart.locator("path[aria-roledescription='bar']").all())
+            if box is not None]
+    lanes = {"x": min(b["x"] for b in bars), "y": min(b["y"] for b in bars)}
+    lanes.update(width=max(b["x"] + b["width"] for b in bars) - lanes["x"],
+                 height=max(b["y"] + b["height"] for b in bars) - lanes["y"])
+    drag_across(app.page, lanes, 0.55, 0.75)
+    deadline = time.monotonic() + 15
+    while marked.count() == 0:
+        assert time.monotonic() < deadline, "dragging across time on the streams marked no op on the curve"
+        time.sleep(0.25)
 
 
 def measure_shows_both_lines(app) -> None:

@@ -122,6 +122,13 @@ def test_help_answers_at_once_without_loading_torch():
     assert elapsed < 1.5, f"udnn-lab --help took {elapsed:.2f} s"  # about 0.2 s; generous for a loaded machine
 
 
+def test_the_command_exits_with_its_code():
+    assert _run_command("zoo").returncode == 0
+    assert _run_command().returncode == 2  # no command: the help
+    failed = _run_command("analyze", "resnet-9000x")
+    assert failed.returncode == 1 and "unknown model 'resnet-9000x'" in failed.stderr
+
+
 def test_the_options_list_the_names_they_accept(capsys):
     with pytest.raises(SystemExit):
         main(["report", "--help"])

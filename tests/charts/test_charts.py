@@ -2,6 +2,7 @@ import re
 
 import pandas as pd
 import pytest
+import vl_convert
 
 import udnn_lab as ul
 from udnn_lab import charts, frames
@@ -235,5 +236,7 @@ def test_linked_memory_and_streams_selects_across_the_op_and_time_axes(small):
     marked = [layer for layer in memory["layer"] if "transform" in layer
               and f"{charts.TIME_RANGE}.start_ms" in str(layer["transform"][0].get("filter"))]
     assert len(marked) == 1 and marked[0]["encoding"]["x"]["field"] == "index"
+    assert all(len(params[name]["views"]) == 1 for name in (charts.OP_RANGE, charts.TIME_RANGE))
+    vl_convert.vegalite_to_svg(spec)  # vega compiles it: one definition of each selection's signals
     with pytest.raises(ValueError, match="frames.timeline"):
         charts.linked_memory_and_streams(frames.memory_curve(graph, sim), frames.memory_curve(graph, sim))

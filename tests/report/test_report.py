@@ -113,11 +113,23 @@ def test_the_template_ships_inside_the_package_with_a_parameters_cell():
     ({"model": "mlp3", "image_size": 32}, "not images"),
     ({"model": "hf:gpt2", "image_size": 32}, "leave out the image size"),
     ({"optimizer": "lion"}, "unknown optimizer 'lion'; use one of default,"),
+    ({"model": "hf:gpt-9000"}, "unknown Hugging Face model 'hf:gpt-9000'"),
+    ({"batch": 0}, "the batch size must be a whole number of at least 1, got 0"),
 ])
 def test_a_bad_request_is_refused_before_any_kernel_starts(change, message):
     fields = {"model": "resnet18", "budget": "6GiB", **change}
     with pytest.raises(ValueError, match=re.escape(message)):
-        ReportRequest(**fields).check()
+        ReportRequest(**fields).check_names()
+
+
+@pytest.mark.parametrize("model, by_construction", [
+    ("resnet18", True), ("ResNet-18", True), ("densenet121", True),
+    ("hf:gpt2", False), ("resnet164", False), ("mlp5", False), ("my_nets:small", False),
+])
+def test_only_the_zoos_fixed_models_skip_the_build_before_the_notebook(model, by_construction):
+    """A fixed model builds in the kernel alone (building it here too would load torchvision twice); a family
+    member's size, an hf: model's config and your own factory are checked by building them first."""
+    assert ReportRequest(model, "6GiB").builds_by_construction is by_construction
 
 
 def test_a_request_for_a_hugging_face_model_or_the_default_optimizer_passes_its_checks():

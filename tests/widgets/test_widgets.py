@@ -2,6 +2,7 @@
 
 import asyncio
 import html
+import json
 
 import altair as alt
 import pandas as pd
@@ -19,12 +20,12 @@ def rows(chart: alt.JupyterChart) -> list[dict]:
 
 
 def predicted_peak(lab: MemoryLab) -> int:
-    return max(r["bytes"] for r in rows(lab.memory_chart) if r.get("category") == "total"
+    return max(r["bytes"] for r in rows(lab.memory_and_streams) if r.get("category") == "total"
                and r.get("series") == "predicted")
 
 
 def rule_values(lab: MemoryLab) -> dict[str, float]:
-    return {r["label"]: r["value"] for r in rows(lab.memory_chart) if "label" in r}
+    return {r["label"]: r["value"] for r in rows(lab.memory_and_streams) if "label" in r}
 
 
 def peak_of(lab: MemoryLab) -> int:
@@ -34,13 +35,17 @@ def peak_of(lab: MemoryLab) -> int:
 
 def line_legend(lab: MemoryLab) -> list[str]:
     """The legend of the memory chart's total lines."""
-    def units(spec):
-        for child in spec.get("layer", []):
-            yield from units(child)
-        if "mark" in spec:
-            yield spec
-    line = next(u for u in units(lab.memory_chart.spec) if u["encoding"].get("stroke", {}).get("field") == "line")
+    line = next(u for u in units(lab.memory_and_streams.spec) if u["encoding"].get("stroke", {}).get("field") == "line")
     return line["encoding"]["stroke"]["scale"]["domain"]
+
+
+def units(spec: dict):
+    """The single-mark views of a chart's spec, through its layers and concatenations."""
+    for key in ("layer", "vconcat", "hconcat"):
+        for child in spec.get(key, []):
+            yield from units(child)
+    if "mark" in spec:
+        yield spec
 
 
 @pytest.fixture
@@ -54,15 +59,15 @@ def test_opens_with_the_prediction_charted(lab):
     assert predicted_peak(lab) > 0
     assert rule_values(lab)["budget"] == pytest.approx(lab.budget.value, rel=1e-3)
     assert "minimum feasible" in rule_values(lab) and "vdnn-all" in lab.minimum_text.value
-    assert {r["lane"] for r in rows(lab.timeline_chart) if "lane" in r} >= {"compute"}
+    assert {r["lane"] for r in rows(lab.memory_and_streams) if "lane" in r} >= {"compute"}
     assert "peak" in lab.summary.value
     assert lab.plan.policy == "vdnn-all" and lab.simulation.policy == "vdnn-all"  # what Train will run
 
 
 def test_batch_size_updates_the_same_chart_widget(lab):
-    chart, before = lab.memory_chart, predicted_peak(lab)
+    chart, before = lab.memory_and_streams, predicted_peak(lab)
     lab.batch.value = 64
-    assert lab.memory_chart is chart  # updated in place, not re-created
+    assert lab.memory_and_streams is chart  # updated in place, not re-created
     assert predicted_peak(lab) > before
     assert lab.status.value == ""
 
@@ -80,7 +85,7 @@ def test_the_budget_can_be_typed_and_reads_as_every_size_in_the_app(lab):
     assert lab.budget_bytes == 3 << 20 and abs(lab.budget.value - 3.0) <= lab.budget.step / 2  # on the grid
     assert rule_values(lab)["budget"] == pytest.approx(3.0)
     assert lab.budget_entry.value == "3.00 MiB" and f"of budget {format_bytes(3 << 20)}" in lab.summary.value
-    texts = {r["text"] for r in rows(lab.memory_chart) if "text" in r}
+    texts = {r["text"] for r in rows(lab.memory_and_streams) if "text" in r}
     assert f"budget {format_bytes(3 << 20)}" in texts  # the chart writes sizes as the text does
     lab.budget.value = round(lab.budget.value / lab.budget.step) * lab.budget.step  # a browser's slider snaps
     assert lab.budget_bytes == 3 << 20
@@ -129,7 +134,7 @@ def test_an_infeasible_budget_is_shown_in_the_app(lab):
     lab.budget.value = lab.budget.max * 0.05
     assert "cannot fit" in lab.status.value and "#d62728" in lab.status.value
     assert "white-space:normal" in lab.status.value and lab.layout.grid_template_rows.endswith("auto")  # wraps, grows
-    title = lab.memory_chart.spec["title"]
+    title = lab.memory_and_streams.spec["title"]
     assert title.endswith(f"vdnn-all cannot fit {format_bytes(lab.budget_bytes)} (shown: every tensor kept)")
     assert lab.budget.style.handle_color == "#d62728"
     assert "does not fit" in lab.summary.value
@@ -138,10 +143,10 @@ def test_an_infeasible_budget_is_shown_in_the_app(lab):
 
 
 def test_a_bad_network_name_is_an_error_in_the_app_and_the_chart_stays(lab):
-    spec = lab.memory_chart.spec
+    spec = lab.memory_and_streams.spec
     lab.network.value = "resnet_nope"
     assert "UnknownModelError" in lab.status.value and "the zoo knows" in lab.status.value
-    assert lab.memory_chart.spec == spec
+    assert lab.memory_and_streams.spec == spec
     lab.network.value = "mlp5"
     assert lab.status.value == ""
 
@@ -153,8 +158,8 @@ def test_policy_and_hardware_change_the_plan(lab):
     assert lab.status.value == "" and lab.setting.device == "cpu"
     assert lab.device_note.value == ""
     lab.policy.value = "auto"
-    assert lab.memory_chart.spec["title"].endswith(f"auto (chose {lab.plan.notes[-1].removeprefix('chose ')})") \
-        or lab.memory_chart.spec["title"].endswith(": auto")
+    assert lab.memory_and_streams.spec["title"].endswith(f"auto (chose {lab.plan.notes[-1].removeprefix('chose ')})") \
+        or lab.memory_and_streams.spec["title"].endswith(": auto")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has the profile's device")
@@ -166,10 +171,10 @@ def test_the_app_says_when_the_prediction_is_for_a_device_this_machine_lacks(lab
 def test_measure_overlays_a_real_step(lab):
     lab.measure_button.click()
     assert "measured on" in lab.status.value
-    measured = [r for r in rows(lab.memory_chart) if r.get("series") == "measured"]
+    measured = [r for r in rows(lab.memory_and_streams) if r.get("series") == "measured"]
     assert measured and max(r["bytes"] for r in measured) > 0
     lab.batch.value = 4  # another step: the old measurement no longer applies
-    assert not [r for r in rows(lab.memory_chart) if r.get("series") == "measured"]
+    assert not [r for r in rows(lab.memory_and_streams) if r.get("series") == "measured"]
 
 
 def test_measure_compares_like_with_like_and_names_both_lines():
@@ -183,12 +188,13 @@ def test_measure_compares_like_with_like_and_names_both_lines():
     status = html.unescape(lab.status.value)
     assert "measured on" in status and f"made for this machine's {here}" in status
     assert line_legend(lab) == [f"predicted ({here}, vdnn-all)", f"measured ({here}, vdnn-all)"]
-    totals = [r for r in rows(lab.memory_chart) if r.get("category") == "total"]
+    totals = [r for r in rows(lab.memory_and_streams) if r.get("category") == "total"]
     predicted_ops = sorted(r["index"] for r in totals if r["series"] == "predicted")
     assert predicted_ops == sorted(r["index"] for r in totals if r["series"] == "measured")  # one op axis
     assert predicted_ops[-1] + 1 == len(lab._measured.graph.ops) == len(lab._measured.measurement.ops)
     assert lab._measured.prediction.d2h_bytes > 0  # the plan was applied there, not every tensor kept
-    assert f"on this machine's {here}" in lab.memory_chart.spec["title"]
+    assert stream_rows(lab) == timeline_rows(lab._measured.prediction)  # its streams under its curve
+    assert f"on this machine's {here}" in lab.memory_and_streams.spec["title"]
     lab.budget.value = lab.budget.max  # another budget: measured under another plan, so it goes
     assert line_legend(lab) == [f"predicted ({lab.setting.device}, vdnn-all)"]
 
@@ -215,11 +221,11 @@ def test_measured_stream_events_join_the_timeline(lab):
     events = pd.DataFrame({"stream": ["compute", "d2h"], "kind": ["op", "offload"], "start_s": [0.0, 0.0],
                            "end_s": [1e-4, 2e-4]})
     lab.show_timeline(events)
-    assert {r["source"] for r in rows(lab.timeline_chart) if "source" in r} == {"simulated", "measured"}
+    assert {r["source"] for r in rows(lab.memory_and_streams) if "source" in r} == {"simulated", "measured"}
     lab.show_timeline(events.drop(columns=["end_s"]))
     assert "end_s" in lab.status.value
     lab.show_timeline(None)
-    assert {r["source"] for r in rows(lab.timeline_chart) if "source" in r} == {"simulated"}
+    assert {r["source"] for r in rows(lab.memory_and_streams) if "source" in r} == {"simulated"}
 
 
 def test_measure_train_and_stop_buttons_are_in_the_app(lab):
@@ -313,7 +319,7 @@ def click_on_op(chart: alt.JupyterChart, op: int) -> None:
 
 
 def picked_in_chart(lab: MemoryLab) -> list:
-    params = {p["name"]: p for p in lab.memory_chart.spec.get("params", [])}
+    params = {p["name"]: p for p in lab.memory_and_streams.spec.get("params", [])}
     return params[ul.charts.OP_SELECTION].get("value")
 
 
@@ -330,7 +336,7 @@ def test_the_live_tensors_at_the_peak_are_listed_until_an_op_is_picked(lab):
 
 def test_a_click_on_the_memory_curve_lists_the_tensors_live_at_that_op(lab):
     graph, sim = lab.session.graph(lab.setting), lab.simulation
-    click_on_op(lab.memory_chart, 3)
+    click_on_op(lab.memory_and_streams, 3)
     assert lab.drill.op.value == 3 and lab.drill.picked
     expected = ul.frames.live_tensors(graph, 3, sim)
     pd.testing.assert_frame_equal(lab.drill.frame, expected)
@@ -343,3 +349,47 @@ def test_a_click_on_the_memory_curve_lists_the_tensors_live_at_that_op(lab):
     assert picked_in_chart(lab) == [{"index": 3}]
     lab.drill.op.value = 5  # the box picks an op too
     assert "live at op 5</b>" in lab.drill.table.value
+
+
+def stream_rows(lab: MemoryLab) -> list[tuple]:
+    """The bars under the memory curve: (lane, kind, first op, last op) of each, in order."""
+    spec = lab.memory_and_streams.spec
+    bars = next(u for u in units(spec) if u["mark"]["type"] == "bar")
+    return sorted((r["lane"], r["kind"], r["op"], r["last_op"]) for r in spec["datasets"][bars["data"]["name"]])
+
+
+def timeline_rows(simulation) -> list[tuple]:
+    frame = ul.frames.timeline(simulation)
+    return sorted(zip(frame["lane"], frame["kind"], frame["op"], frame["last_op"]))
+
+
+def test_the_memory_curve_and_the_streams_select_in_each_other():
+    """One chart: a range of ops dragged on the curve fades the bars outside it, a span of time dragged on the
+    streams marks the ops that start in it; the bars are the streams of the plan the curve shows."""
+    lab = MemoryLab("resnet11", batch=16, image_size=32, optimizer="none", policy="vdnn-all", hardware="h100-sxm",
+                    debounce_s=0)
+    spec = lab.memory_and_streams.spec
+    params = {p["name"]: p for p in spec["params"]}
+    memory, streams = spec["vconcat"]
+    on_memory, on_streams = {u.get("name") for u in units(memory)}, {u.get("name") for u in units(streams)}
+    assert set(params[ul.charts.OP_RANGE]["views"]) <= on_memory
+    assert set(params[ul.charts.TIME_RANGE]["views"]) <= on_streams
+    bars = next(u for u in units(streams) if u["mark"]["type"] == "bar")
+    assert f"{ul.charts.OP_RANGE}.index" in bars["encoding"]["opacity"]["condition"]["test"]
+    assert [u for u in units(memory) if f"{ul.charts.TIME_RANGE}.start_ms" in json.dumps(u.get("transform", []))]
+    assert stream_rows(lab) == timeline_rows(lab.simulation)
+    lab.budget_entry.value = str((lab._minimum + peak_of(lab)) // 2)  # a plan that moves tensors: its own streams
+    assert stream_rows(lab) == timeline_rows(lab.simulation) and lab.simulation.d2h_bytes > 0
+
+
+def test_a_range_dragged_on_the_curve_leaves_the_drill_down_as_it_was(lab):
+    click_on_op(lab.memory_and_streams, 3)
+    lab.memory_and_streams._vl_selections = {
+        **lab.memory_and_streams._vl_selections,
+        ul.charts.OP_RANGE: {"value": {"index": [2, 9]},
+                             "store": [{"unit": "concat_0_layer_2", "fields": [{"field": "index", "channel": "x",
+                                                                                 "type": "R"}], "values": [[2, 9]]}]}}
+    assert getattr(lab.memory_and_streams.selections, ul.charts.OP_RANGE).value == {"index": [2, 9]}
+    assert lab.drill.op.value == 3 and "live at op 3</b>" in lab.drill.table.value
+    click_on_op(lab.memory_and_streams, 5)
+    assert lab.drill.op.value == 5

@@ -60,10 +60,16 @@ def memory_curve(frame: pd.DataFrame, budget_bytes: int | None = None, min_budge
 
 def memory_curve_layers(frame: pd.DataFrame, budget_bytes: int | None = None, min_budget_bytes: int | None = None,
                         height: int = 300, legends: Literal["right", "bottom"] = "right",
-                        select_op: bool = False, line_params: tuple[alt.Parameter, ...] = (),
+                        select_op: bool = False, pointer_params: tuple[alt.Parameter, ...] = (),
                         picked_op: int | None = None) -> list[Layer]:
-    """memory_curve's layers, for charts that add their own (charts.linked); ``line_params`` (selections) are
-    added to the total lines."""
+    """memory_curve's layers, for charts that add their own (charts.linked); ``pointer_params`` (selections) go
+    on the one layer that takes the pointer: the invisible points that pick an op with ``select_op``, else the
+    total lines.
+
+    One layer, because altair (6.3) gives a selection of a layered chart inside a concatenation every
+    layer of it that has a selection as its views, and two views of one interval selection are two
+    definitions of its signals (vega: "Duplicate signal name").
+    """
     check_columns(frame, ["index", "phase", "module", "op", "series", "category", "bytes"], "frames.memory_curve")
     largest = max([frame["bytes"].max() if len(frame) else 0, budget_bytes or 0, min_budget_bytes or 0])
     unit, scale = byte_unit(largest)
@@ -96,15 +102,15 @@ def memory_curve_layers(frame: pd.DataFrame, budget_bytes: int | None = None, mi
         x, alt.Y("value:Q", stack=None, title=y_title, scale=y_scale),
         stroke=alt.Stroke("line:N", scale=colors, title="total", legend=legend),
         strokeDash=alt.StrokeDash("line:N", scale=dashes, legend=None), tooltip=tooltip + ["line:N"])
-    if line_params:
-        total_lines = total_lines.add_params(*line_params)
+    if pointer_params and not select_op:
+        total_lines = total_lines.add_params(*pointer_params)
     layers.append(total_lines)
     if select_op:  # vega-lite finds the nearest point only for point marks: invisible ones on the totals
         picked = alt.selection_point(name=OP_SELECTION, fields=["index"], nearest=True, on="click", empty=False,
                                      value=alt.Undefined if picked_op is None else [{"index": picked_op}])
         layers.append(alt.Chart(totals).mark_point(opacity=0).encode(
             x, alt.Y("value:Q", stack=None, title=y_title, scale=y_scale), tooltip=tooltip + ["line:N"],
-        ).add_params(picked))
+        ).add_params(picked, *pointer_params))
         layers.append(alt.Chart(totals).mark_rule(color="#333333", strokeDash=[4, 2]).encode(
             x, tooltip=tooltip + ["line:N"]).transform_filter(picked))
     rule_marks = rules(marks, scale, unit)

@@ -1,22 +1,21 @@
 """``udnn-lab report``: one self-contained HTML document about a model's training step under a budget.
 
 The analysis is a notebook, template.ipynb, whose ``parameters`` cell lists what can
-be set. Here the request is checked, papermill runs the notebook in a fresh kernel, and
-nbconvert turns it into HTML with the code hidden. The notebook draws every chart inline as
-SVG, and the page leaves out nbconvert's CDN scripts (require.js, MathJax, Mermaid), so the
-file opens without a network. Its header holds the command that makes it again.
+be set. Here the request is checked while a fresh kernel (kernel.py) loads what the
+notebook imports, papermill runs the notebook in that kernel, and nbconvert turns it into
+HTML with the code hidden. The notebook draws every chart inline as SVG, and the page
+leaves out nbconvert's CDN scripts (require.js, MathJax, Mermaid), so the file opens
+without a network. Its header holds the command that makes it again.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from udnn_lab import zoo
 from udnn_lab.errors import ReportError
 from udnn_lab.hardware.profiles import Hardware
 from udnn_lab.planning.registry import POLICIES
+from udnn_lab.report.kernel import kernel_started
 from udnn_lab.units import format_bytes, parse_bytes
 from udnn_lab.vocabulary import ATTENTION_IMPLEMENTATIONS, AttentionImplementation
 from udnn_lab.zoo import DTYPES, OPTIMIZERS
@@ -64,6 +64,8 @@ class ReportRequest:
 
     def check_names(self) -> None:
         """Everything but building the model: quick, so it runs before any kernel starts."""
+        if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
+            raise ValueError(f"the batch size must be a whole number of at least 1, got {self.batch!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; the policies are: {', '.join(POLICIES)}")
         if self.dtype not in DTYPES:
@@ -79,6 +81,7 @@ class ReportRequest:
         Hardware.load(self.hardware)
         self._check_hf_options()
         if self.model.lower().startswith(zoo.hf_configs.PREFIX):
+            zoo.hf_configs.spec(self.model)
             if self.image_size is not None:
                 raise ValueError(f"{self.model} is built from its config, with its own input size: leave out the "
                                  "image size")
@@ -111,6 +114,16 @@ class ReportRequest:
                 optimizer=None if self.optimizer == "none" else self.optimizer, seq_len=self.seq_len,
                 attn_implementation=self.attn_implementation, lora_rank=self.lora_rank)
 
+    @property
+    def builds_by_construction(self) -> bool:
+        """One of the zoo's fixed models (resnet18, densenet121): once its name checks, building it can fail only
+        for want of an optional package (timm), which the notebook then says. Your factory, a family member whose
+        size is checked as it builds (resnet164) and an hf: model (checked as its config builds) are built before
+        the notebook runs."""
+        if ":" in self.model or self.model.lower().startswith(zoo.hf_configs.PREFIX):
+            return False
+        return zoo.entry(self.model).name in zoo.describe()
+
     def command(self, out: str | Path) -> str:
         """The shell command that writes this report to ``out``."""
         words = ["udnn-lab", "report", self.model, "--batch", str(self.batch)]
@@ -126,23 +139,30 @@ class ReportRequest:
         return shlex.join(words)
 
 
-def write_report(request: ReportRequest, out: str | Path, progress: Callable[[str], None] | None = None) -> Path:
+def write_report(request: ReportRequest, out: str | Path, progress: Callable[[str], None] | None = None,
+                 kernel: Any = None) -> Path:
     """Run the report notebook for ``request`` and write it to ``out`` as one HTML file; return its path.
 
     ``progress`` is called with a line of text as each stage starts. An infeasible budget is
     not an error: the report says so and gives the smallest budget that fits. If the
     notebook fails, ReportError names the failing cell and keeps the executed notebook
-    beside ``out`` (``*.failed.ipynb``).
+    beside ``out`` (``*.failed.ipynb``). ``kernel``: one from ``kernel_started()``, already
+    loading (``udnn-lab report`` starts it before it loads torch itself); without it, one is
+    started here once the request's names are checked.
     """
     say, start = progress or (lambda _: None), time.perf_counter()
     say("checking the model, hardware and budget ...")
     request.check_names()
     out = Path(out)
-    with _kernel_started() as kernel:  # it loads torch and udnn_lab while the model is checked here
-        request.check_model()
-        notebook = _execute(request, out, say, kernel)
+    with nullcontext(kernel) if kernel is not None else kernel_started() as running:
+        # the kernel loads torch and udnn_lab meanwhile; building one of the zoo's fixed models here would load
+        # torchvision a second time (a second or more), and the notebook builds it anyway
+        if not request.builds_by_construction:
+            request.check_model()
+        exporter = _html_exporter()
+        notebook = _execute(request, out, say, running)
     say("writing HTML ...")
-    page = _to_html(notebook, title=f"{request.model} memory report")
+    page, _ = exporter.from_notebook_node(notebook, resources={"metadata": {"name": f"{request.model} memory report"}})
     if _NETWORK_LOAD.search(page):
         raise ReportError(f"the report for {out} would load something from the network; this is a bug in "
                           "udnn_lab's report template, please report it")
@@ -174,54 +194,16 @@ def _execute(request: ReportRequest, out: Path, say: Callable[[str], None], kern
                               f"{error.evalue}. The executed notebook is kept at {kept}") from None
 
 
-# Imported by the kernel as it starts, while the request is still being checked here: the template's first cell
-# then finds them loaded.
-_PRELOAD = ("import torch, torchvision, altair, vl_convert, udnn_lab.zoo, udnn_lab.analysis, udnn_lab.planning, "
-            "udnn_lab.charts, udnn_lab.frames")
-
-
-@contextmanager
-def _kernel_started() -> Iterator[Any]:
-    """A kernel in this interpreter, started now and shut down when done (by error too).
-
-    This interpreter, not whatever 'python3' kernelspec the user has installed: the report runs
-    with the udnn_lab and torch that were asked for it. Local (IPC) sockets on POSIX, so the
-    kernel opens no unencrypted TCP ports (and does not warn about them). It starts in the
-    current directory, so a hardware profile or a factory module given by a relative path is found.
-    """
-    # heavy: jupyter_client comes with papermill and loads only when a report is written
-    from jupyter_client import AsyncKernelManager
-    from jupyter_client.kernelspec import KernelSpec
-    from jupyter_client.utils import run_sync  # (as above)
-    from traitlets import default  # (as above)
-
-    class ThisInterpreterKernel(AsyncKernelManager):
-        @default("transport")
-        def _local_sockets(self) -> str:
-            return "ipc" if os.name == "posix" else "tcp"
-
-        @property
-        def kernel_spec(self) -> KernelSpec:
-            return KernelSpec(argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-                              display_name=f"Python {sys.version.split()[0]} ({sys.executable})", language="python",
-                              name="python3")
-
-    kernel = ThisInterpreterKernel(kernel_name="python3")
-    run_sync(kernel.start_kernel)(cwd=os.getcwd(), extra_arguments=[f"--IPKernelApp.exec_lines={_PRELOAD}"])
-    try:
-        yield kernel
-    finally:
-        if kernel.has_kernel:
-            run_sync(kernel.shutdown_kernel)(now=True)
-
-
-def _to_html(notebook, title: str) -> str:
+def _html_exporter():
+    """The exporter, warmed up: its first page loads what nbconvert loads lazily (the templates, BeautifulSoup's
+    table of entities, CSS selectors), half a second that is spent here while the kernel still works."""
     # heavy: only when a report is written
     from jinja2 import DictLoader
     from nbconvert import HTMLExporter
+    from nbformat.v4 import new_markdown_cell, new_notebook  # (as above)
 
     exporter = HTMLExporter(template_name="lab", template_file="udnn_report.html.j2",
                             extra_loaders=[DictLoader({"udnn_report.html.j2": _PAGE})],
                             exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True)
-    page, _ = exporter.from_notebook_node(notebook, resources={"metadata": {"name": title}})
-    return page
+    exporter.from_notebook_node(new_notebook(cells=[new_markdown_cell("warm-up")]))
+    return exporter

@@ -1,8 +1,10 @@
 """MemoryLab: one widget app over the library: pick a step, a policy and a budget; see memory and streams.
 
 A thin shell: the controls are ipywidgets, the work is LabSession's calls into the library
-(widgets_state.py), the pictures are udnn_lab.charts.memory in two alt.JupyterChart widgets whose
-chart is replaced in place (never new output widgets). A click on the memory curve reaches
+(widgets/_state.py), the picture is charts.linked_memory_and_streams in one alt.JupyterChart whose
+chart is replaced in place (never new output widgets): the memory curve over the stream timeline of
+the same plan, a range of ops dragged on the curve fading the bars outside it and a span of time
+dragged on the timeline marking the ops in it, in the page alone. A click on the memory curve reaches
 Python through the chart's selections and lists the tensors live at that op (widgets/_drill.py).
 Changes are debounced; errors are shown in the app, never raised into the kernel.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import html
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import altair as alt
 import ipywidgets as widgets
@@ -31,6 +34,17 @@ from udnn_lab.widgets._state import LabSession, MeasuredStep, Setting
 from udnn_lab.widgets._training import TrainingPanel
 
 _GRAPH, _POLICY, _BUDGET = 2, 1, 0  # how much a change invalidates
+
+
+@dataclass(frozen=True)
+class _Drawing:
+    """What the chart shows besides measured stream events: a curve and the simulation whose streams go under it."""
+
+    curve: pd.DataFrame  # frames.memory_curve of ``simulation`` (and of a measured step)
+    simulation: Simulation  # its ops are the curve's, so that a range of ops selects the bars that ran them
+    budget_bytes: int
+    min_budget_bytes: int | None
+    title: str
 
 
 class _Debounce:
@@ -81,16 +95,15 @@ class MemoryLab(widgets.AppLayout):
         self._network: str | None = None  # the network the charts and the training view are of
         self._events: pd.DataFrame | None = None
         self._minimum: int | None = None  # the policy's smallest budget, once known
+        self._drawing: _Drawing | None = None
         self._debounce = _Debounce(debounce_s, self._update)
         enable_offline()
         self._build_controls(self.session.custom_name or str(model), batch, dtype, optimizer,
                              hardware.name if isinstance(hardware, Hardware) else hardware, policy)
-        self.memory_chart = alt.JupyterChart(None,  # type: ignore[arg-type]  # altair's hint omits None
-                                             layout=widgets.Layout(min_height="340px"))
+        self.memory_and_streams = alt.JupyterChart(None,  # type: ignore[arg-type]  # altair's hint omits None
+                                                   layout=widgets.Layout(min_height="520px"))
         self.drill = DrillPanel()  # the tensors live at the op clicked on the memory curve
-        self.memory_chart.observe(self.drill.on_selections, names="_vl_selections")  # what a click in the page sets
-        self.timeline_chart = alt.JupyterChart(None,  # type: ignore[arg-type]  # altair's hint omits None
-                                               layout=widgets.Layout(min_height="140px"))
+        self.memory_and_streams.observe(self.drill.on_selections, names="_vl_selections")  # what a click sets
         grows = widgets.Layout(height="auto", width="100%", margin="0")  # long messages wrap; the footer grows
         self.summary = widgets.HTML(layout=grows)
         self.status = widgets.HTML(layout=grows)
@@ -99,7 +112,7 @@ class MemoryLab(widgets.AppLayout):
             left_sidebar=widgets.VBox([self.network, self.batch, self.dtype, self.optimizer, self.hardware,
                                        self.device_note, self.policy, self.budget_entry, self.budget,
                                        self.minimum_text, self.actions]),
-            center=widgets.VBox([self.memory_chart, self.drill.box, self.timeline_chart, self.training.chart]),
+            center=widgets.VBox([self.memory_and_streams, self.drill.box, self.training.chart]),
             footer=widgets.VBox([self.summary, self.status], layout=widgets.Layout(height="auto")),
             pane_widths=["300px", 1, 0], pane_heights=["30px", 1, "80px"], height="auto")
         self.layout.grid_template_rows = "30px 1fr auto"  # pane_heights takes no 'auto': the footer fits its text
@@ -205,26 +218,30 @@ class MemoryLab(widgets.AppLayout):
         if measured is not None and measured.asked != (setting, policy, budget, hardware):
             measured = self._measured = None  # measured for another step, plan or budget
         if measured is None:
-            curve = frames.memory_curve(graph, sim, points=self.points)
-            minimum = self._minimum
+            drawing = _Drawing(frames.memory_curve(graph, sim, points=self.points), sim, budget, self._minimum, title)
             self.drill.show(graph, sim, _peak_op(sim))
-        else:  # like with like: the measured step's own device, plan and ops
+        else:  # like with like: the measured step's own device, plan, ops and streams
             curve = frames.memory_curve(measured.graph, measured.prediction, measured.measurement,
                                         measured.prediction, points=self.points)
-            self.drill.show(measured.graph, measured.prediction, _peak_op(measured.prediction))
-            minimum = None  # the policy's minimum is the profile's device's, not this one's
             title = f"{graph.model_name}, batch {setting.batch}, on this machine's {measured.graph.device}: " \
                     f"{measured.prediction.policy}"
-        self.memory_chart.chart = charts.memory_curve(curve, budget, minimum, width=560, height=260, title=title,
-                                                      legends="bottom", select_op=True, picked_op=self.drill.op.value)
-        self._show_timeline()
+            # the policy's minimum is the profile's device's, not this one's
+            drawing = _Drawing(curve, measured.prediction, budget, None, title)
+            self.drill.show(measured.graph, measured.prediction, _peak_op(measured.prediction))
+        self._drawing = drawing
+        self._draw()
         self.summary.value = _summary(sim)
 
-    def _show_timeline(self) -> None:
-        parts = [frames.timeline(self.simulation)]
+    def _draw(self) -> None:
+        drawing = self._drawing
+        if drawing is None:
+            return
+        parts = [frames.timeline(drawing.simulation)]
         if self._events is not None:
             parts.append(frames.timeline(self._events, source="measured"))
-        self.timeline_chart.chart = charts.timeline(pd.concat(parts, ignore_index=True), width=560)
+        self.memory_and_streams.chart = charts.linked_memory_and_streams(
+            drawing.curve, pd.concat(parts, ignore_index=True), drawing.budget_bytes, drawing.min_budget_bytes,
+            width=560, height=260, title=drawing.title, legends="bottom", picked_op=self.drill.op.value)
 
     def _show_status(self, message: str | Exception, note: str = "") -> None:
         if isinstance(message, Exception):
@@ -257,7 +274,7 @@ class MemoryLab(widgets.AppLayout):
             if events is not None:
                 frames.timeline(events, source="measured")  # check it before keeping it
             self._events = events
-            self._show_timeline()
+            self._draw()
         except Exception as error:
             self._show_status(error)
 
