@@ -163,13 +163,14 @@ class CostModel:
                               f"{self.hardware.title}: its op times may not hold there", HardwareMismatchWarning,
                               stacklevel=2)
             return np.asarray(self.profile.time_s) + self.profile.overhead_per_op_s
-        return np.array([self.roofline_s(op.name, op.flops, op.bytes_read + op.bytes_written) for op in graph.ops])
+        return np.array([self.roofline_s(op.name, op.flops, op.bytes_read + op.bytes_written, _compute_dtype(graph, op))
+                         for op in graph.ops])
 
-    def roofline_s(self, name: str, flops: int, nbytes: int) -> float:
-        """``overhead + max(flops / achieved rate, bytes / memory bandwidth)`` for one op."""
+    def roofline_s(self, name: str, flops: int, nbytes: int, dtype: str = "float32") -> float:
+        """``overhead + max(flops / achieved rate, bytes / memory bandwidth)`` for one op computing in ``dtype``."""
         rate = self.rates.flops_per_s(name, flops) if self.rates is not None and flops else None
         if rate is None:
-            rate = self._hardware_rate(op_kind(name, flops))
+            rate = self._hardware_rate(op_kind(name, flops), dtype)
         bandwidth = self.rates.memory_bytes_per_s(name) if self.rates is not None else None
         bandwidth = bandwidth or self.hardware.memory_bytes_per_s
         work = max(flops / rate if flops else 0.0, nbytes / bandwidth if nbytes else 0.0)
@@ -186,15 +187,30 @@ class CostModel:
         latency, bandwidth = self.memo[key]
         return latency + nbytes / bandwidth
 
-    def _hardware_rate(self, kind: str) -> float:
+    def _hardware_rate(self, kind: str, dtype: str = "float32") -> float:
         hw = self.hardware
-        if kind in ("conv", "conv_backward") and hw.conv_fp32_achieved_flops_per_s:
-            return hw.conv_fp32_achieved_flops_per_s
-        if kind in ("matmul", "attention") and hw.matmul_fp32_achieved_flops_per_s:
-            return hw.matmul_fp32_achieved_flops_per_s
-        return hw.fp32_flops_per_s
+        achieved = None
+        if kind in ("conv", "conv_backward"):
+            achieved = hw.conv_fp32_achieved_flops_per_s
+        elif kind in ("matmul", "attention"):
+            achieved = hw.matmul_fp32_achieved_flops_per_s
+        if dtype in _HALF and kind in _TENSOR_CORE_KINDS:
+            # tensor cores: the half-precision peak, at the efficiency the device reaches in fp32
+            return hw.peak_flops_per_s(_HALF[dtype]) * ((achieved or hw.fp32_flops_per_s) / hw.fp32_flops_per_s)
+        return achieved or hw.fp32_flops_per_s
 
     def _overhead_s(self) -> float:
         if self.rates is not None:
             return self.rates.op_overhead_s
         return CUDA_LAUNCH_S if self.hardware.device_type == "cuda" else 0.0
+
+
+_HALF = {"bfloat16": "bf16", "float16": "fp16"}  # the names Hardware.peak_flops_per_s takes
+_TENSOR_CORE_KINDS = ("conv", "conv_backward", "matmul", "attention")
+
+
+def _compute_dtype(graph: Graph, op) -> str:
+    """The dtype an op computes in: that of its first output (else first input) storage."""
+    for tensor in (*op.outputs, *op.inputs):
+        return graph.tensors[tensor].dtype.removeprefix("torch.")
+    return "float32"
