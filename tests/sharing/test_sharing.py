@@ -232,10 +232,13 @@ def test_interrupt_mid_run_ends_every_child():
             timer.start()
 
     config = StudyConfig(size="tiny", warmup=2, iterations=5, min_phase_s=30.0, questions=("q1",))
+    # Python's own Ctrl-C handler, whatever an earlier test in this process left installed (an event loop's)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
             run_jobs(sharing.document_004_jobs("tiny", ("mlp5",)), config, interrupt_soon)
     finally:
+        signal.signal(signal.SIGINT, previous)
         if timer is not None:
             timer.cancel()
     assert len(started["pids"]) == 1 and all(_gone(pid) for pid in started["pids"])
