@@ -9,27 +9,12 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from torch import nn
 
 import udnn_lab as ul
+from tests.planning.random_dag import RandomDAG
 from udnn_lab import zoo
 from udnn_lab.planning.pinning import pin_dp, pin_greedy, pinned_bytes
 from udnn_lab.simulation.simulator import cost_model, simulate_with
-
-
-class _Joins(nn.Module):
-    """Linear layers whose inputs are sums of earlier outputs (ResNet- and DenseNet-like joins)."""
-
-    def __init__(self, width, edges):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in edges)
-        self.edges = edges
-
-    def forward(self, x):
-        outputs = [x]
-        for layer, sources in zip(self.layers, self.edges):
-            outputs.append(layer(sum(outputs[s % len(outputs)] for s in sources)).relu())
-        return outputs[-1]
 
 
 def _check(graph, cost, budget):
@@ -45,7 +30,7 @@ def _check(graph, cost, budget):
 @given(edges=st.lists(st.lists(st.integers(0, 20), min_size=1, max_size=3), min_size=3, max_size=9),
        width=st.sampled_from([256, 384]), batch=st.sampled_from([64, 96, 160]), fraction=st.floats(0.3, 1.0))
 def test_on_random_graphs(edges, width, batch, fraction):
-    graph = ul.trace(_Joins(width, edges), torch.randn(batch, width), device="cuda")
+    graph = ul.trace(RandomDAG(width, edges), torch.randn(batch, width), device="cuda")
     _check(graph, cost_model(graph, "h100-sxm"), int(graph.cuda_peak_bytes * fraction))
 
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch import nn
 
 import udnn_lab as ul
+from tests.planning.random_dag import RandomDAG
 from udnn_lab import zoo
 from udnn_lab.hardware.profiles import Hardware
 from udnn_lab.planning import POLICIES, PlanInfeasible, min_budget, plan, sweep
@@ -167,27 +167,11 @@ def test_a_thousand_layer_network_is_planned_in_seconds():
     assert elapsed < 20  # the 2 s target is a benchmark (benchmarks/plan_policies.py), not a timed test
 
 
-class _RandomDAG(nn.Module):
-    """Linear layers whose inputs are any earlier outputs (DenseNet-like and ResNet-like joins)."""
-
-    def __init__(self, width, edges):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in edges)
-        self.edges = edges
-
-    def forward(self, x):
-        outputs = [x]
-        for layer, sources in zip(self.layers, self.edges):
-            joined = sum(outputs[s % len(outputs)] for s in sources)
-            outputs.append(layer(joined).relu())
-        return outputs[-1]
-
-
 @settings(max_examples=12, deadline=None)
 @given(edges=st.lists(st.lists(st.integers(0, 20), min_size=1, max_size=3), min_size=2, max_size=8),
        width=st.sampled_from([64, 128]), batch=st.integers(8, 64), fraction=st.sampled_from([0.5, 0.7, 0.9]))
 def test_random_dags_keep_planner_invariants(edges, width, batch, fraction):
-    model = _RandomDAG(width, edges)
+    model = RandomDAG(width, edges)
     graph = ul.trace(model, torch.randn(batch, width), device="cuda")
     budget = int(graph.cuda_peak_bytes * fraction)
     best = None

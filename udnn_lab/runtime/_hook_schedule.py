@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from udnn_lab.errors import PlanMismatch
@@ -21,7 +23,7 @@ class HookSchedule:
     """
 
     def __init__(self, events: tuple[HookEvent, ...], acting: set[int], op_families: tuple[str, ...],
-                 planned: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+                 planned: Collection[int] = ()) -> None:
         self.op_families = op_families
         self.seen = 0
         windows = _windows_for(events, acting, planned)
@@ -122,7 +124,7 @@ class HookSchedule:
 # that call's 'exit'), or the 'exit' of a call made outside every module (it closes at the next such
 # call's 'enter', or at the end of the step).
 
-def _windows_for(events: tuple[HookEvent, ...], acting: set[int], planned: set[int]) -> set[int] | None:
+def _windows_for(events: tuple[HookEvent, ...], acting: set[int], planned: Collection[int]) -> set[int] | None:
     """The windows that show every pack of a planned tensor, every top-level pack (the loss: the
     step's fingerprint), and a call at each acting boundary; None when one cannot be opened."""
     calls = _calls(events)
@@ -132,8 +134,11 @@ def _windows_for(events: tuple[HookEvent, ...], acting: set[int], planned: set[i
             if not _add_window(ordinal, calls, chosen):
                 return None
     visible, _ = _walk(events, chosen)
+    by_boundary: dict[int, list[int]] = {}
+    for ordinal, event in enumerate(events):
+        by_boundary.setdefault(event.boundary, []).append(ordinal)
     for boundary in acting:  # a call that stands for it must be seen
-        at_boundary = [i for i, e in enumerate(events) if e.boundary == boundary]
+        at_boundary = by_boundary.get(boundary, [])
         if any(visible[i] for i in at_boundary):
             continue
         unpacks = [i for i in at_boundary if events[i].kind == "unpack"]
