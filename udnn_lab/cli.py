@@ -198,6 +198,9 @@ def _add_fit_commands(commands, common: argparse.ArgumentParser, names: Names | 
     fit.add_argument("--start", type=int, default=1, help="the first size to try (default 1)")
     fit.add_argument("--limit", type=int, help="the largest size to try")
     fit.add_argument("--multiple-of", type=int, default=1, help="try only multiples of this (default 1)")
+    fit.add_argument("--host-budget", default="local",
+                     help="host memory a plan's offloads may take, e.g. 512GiB; 'local': half of what this machine "
+                          "has available (the default), 'none': not checked")
 
     batch = commands.add_parser("max-batch", parents=[fit, common], help=COMMANDS["max-batch"])
     batch.add_argument("--seq-len", type=int, help="sequence length of an hf: model (default 512)")
@@ -283,13 +286,15 @@ def _max_size(args: argparse.Namespace) -> int:
         options["dtype"] = zoo.DTYPES[args.dtype]
     options["optimizer"] = None if args.optimizer == "none" else args.optimizer
     search = dict(budget=args.budget, policy=args.policy, hardware=args.hardware, start=args.start, limit=args.limit,
-                  multiple_of=args.multiple_of, progress=None)
+                  multiple_of=args.multiple_of, progress=None,
+                  host_budget=None if args.host_budget.lower() == "none" else args.host_budget)
     found = max_batch(args.model, **search, **options) if args.dimension == "batch" else \
         max_seq_len(args.model, batch=args.batch, **search, **options)
-    print(f"{args.dimension:>8s} {'peak':>12s} {'traced peak':>12s}  fits")
+    host = found.host_budget_bytes is not None
+    print(f"{args.dimension:>8s} {'peak':>12s} {'traced peak':>12s}" + (f" {'host':>12s}" if host else "") + "  fits")
     for probe in sorted(found.probes, key=lambda p: p.size):
-        print(f"{probe.size:8d} {format_bytes(probe.peak_bytes):>12s} {format_bytes(probe.traced_peak_bytes):>12s}  "
-              f"{'yes' if probe.fits else 'no'}")
+        print(f"{probe.size:8d} {format_bytes(probe.peak_bytes):>12s} {format_bytes(probe.traced_peak_bytes):>12s}"
+              + (f" {format_bytes(probe.host_bytes):>12s}" if host else "") + f"  {'yes' if probe.fits else 'no'}")
     for note in found.notes:
         print(f"note: {note}")
     what = "batch size" if args.dimension == "batch" else "sequence length"

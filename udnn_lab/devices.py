@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from itertools import chain
 
@@ -47,3 +48,18 @@ def model_device(model: torch.nn.Module) -> torch.device:
         raise ValueError("the model has meta parameters (no data), so it cannot run for real: build it on a "
                          "device, e.g. ul.zoo.get(name, batch=..., device='cpu')")
     return first.device
+
+
+HOST_POOL_SHARE = 0.5  # the share of the host memory available that offloading may take by default
+
+
+def available_host_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what can be used without swapping), else physical memory."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -60,6 +60,31 @@ def test_a_policy_fits_a_larger_batch_than_keep_all_and_ul_plan_agrees():
     assert answer.peak_bytes <= ul.parse_bytes(budget) < answer.traced_peak_bytes  # the plan made it fit
 
 
+def test_a_plan_whose_offloads_do_not_fit_the_host_does_not_fit():
+    budget = "100 MiB"
+    free = ul.max_batch("mlp8", budget, policy="vdnn-all", multiple_of=64, host_budget=None, progress=False)
+    answer = next(p for p in free.probes if p.size == free.size)
+    assert answer.host_bytes > 0 and free.host_budget_bytes is None
+    host_budget = answer.host_bytes - 1  # one byte less than the answer's offloads take
+    held = ul.max_batch("mlp8", budget, policy="vdnn-all", multiple_of=64, host_budget=host_budget, progress=False)
+    assert 0 < held.size < free.size and held.host_budget_bytes == host_budget
+    assert all(p.fits == (p.peak_bytes <= held.budget_bytes and p.host_bytes <= host_budget) for p in held.probes)
+    refused = next(p for p in held.probes if p.size == held.failed_size)
+    assert refused.peak_bytes <= held.budget_bytes < refused.traced_peak_bytes  # the device would hold it
+    assert "of host memory" in held.stopped
+    frame = held.to_frame()
+    assert (frame["host_budget_bytes"] == host_budget).all() and (frame["host_bytes"] > 0).any()
+
+
+def test_by_default_offloads_may_take_half_of_this_machine_s_available_memory():
+    found = ul.max_batch("mlp8", "100 MiB", policy="vdnn-all", limit=64, progress=False)
+    assert 0 < found.host_budget_bytes <= ul.devices.available_host_bytes()
+    assert any("host memory" in note and "host_budget=" in note for note in found.notes)
+    assert ul.max_batch("mlp8", "100 MiB", limit=64, progress=False).host_budget_bytes is None  # keep-all: no offloads
+    with pytest.raises(ValueError, match="host budget"):
+        ul.max_batch("mlp8", "100 MiB", policy="vdnn-all", host_budget="lots", progress=False)
+
+
 def test_a_callable_builds_the_step_of_your_own_model():
     def step(batch: int) -> ul.Workload:
         with torch.device("meta"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from itertools import chain
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
+from udnn_lab.analysis._fake.attention import STAND_IN_ATTENTION_NOTE, CudaAttentionKernels
 from udnn_lab.analysis._fake.tensors import FAKE_LIMITS, fake_inputs, fake_optimizer, fake_state
 from udnn_lab.analysis._holders import forward_releases
 from udnn_lab.analysis._recorder import StepRecorder
@@ -93,17 +94,20 @@ def _trace_fake(work: Workload, device: torch.device, counted_as: str, fast_path
     optimizer = fake_optimizer(work.optimizer, model, fakes, fake_mode, device, counted_as)
     options = work.step_options
     recorder = StepRecorder(fake_mode=fake_mode, fast_paths=fast_paths)
+    substituted = counted_as != device.type
+    attention = CudaAttentionKernels() if substituted else nullcontext()
     try:
-        with _reparametrize_module(model, fakes, tie_weights=True), fake_mode, _quiet_fake_errors():
+        with _reparametrize_module(model, fakes, tie_weights=True), fake_mode, _quiet_fake_errors(), attention:
             scaler = grad_scaler(options, device)  # on the device whose kernels run the step
             record_step(recorder, model, args, kwargs, target, work.loss_fn, optimizer, track_saved=True,
                         options=options, scaler=scaler)
             holders = forward_releases(model, args, kwargs, target, work.loss_fn, recorder.run_op,  # [forward holders]
                                        options, scaler)
-            substituted = counted_as != device.type
             notes = [CPU_FOR_CUDA_NOTE] if substituted else []
             if substituted and options.mixed:
                 notes.append(CPU_AUTOCAST_NOTE)
+            if getattr(attention, "substituted", 0):
+                notes.append(STAND_IN_ATTENTION_NOTE)
             return graph_from_recording(recorder, work.name, counted_as, fake=True, notes=notes,
                                         cpu_stands_for_device=substituted, holders=holders)
     except FAKE_LIMITS as err:

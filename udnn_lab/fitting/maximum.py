@@ -12,6 +12,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from udnn_lab import zoo
+from udnn_lab.devices import HOST_POOL_SHARE, available_host_bytes
 from udnn_lab.fitting.probing import StepFactory, StepProber
 from udnn_lab.fitting.result import FitSearch, Probe, disagreements
 from udnn_lab.fitting.search import Bracket, largest_fitting
@@ -26,7 +27,7 @@ PROGRESS_SECONDS = 3.0  # by default a search shows its progress bar once it has
 
 def max_batch(model: str | Callable[[int], Workload], budget: int | str | None = None, *, policy: str = "keep-all",
               hardware: Hardware | str = "h100-sxm", start: int = 1, limit: int | None = None, multiple_of: int = 1,
-              progress: bool | None = None, **options: Any) -> FitSearch:
+              host_budget: int | str | None = "local", progress: bool | None = None, **options: Any) -> FitSearch:
     """The largest batch size whose training step fits ``budget`` (default: all of ``hardware``'s memory).
 
     ``model``: a zoo name, with ``options`` passed to ``ul.zoo.get`` (``seq_len=4096``,
@@ -35,20 +36,23 @@ def max_batch(model: str | Callable[[int], Workload], budget: int | str | None =
     traced peak is within the budget under ``policy="keep-all"``, and that ``ul.plan`` finds a plan
     under any other policy. ``hardware`` decides the device whose memory is counted (CUDA:
     512-byte blocks). Sizes double from ``start`` until one does not fit, then the gap is
-    bisected, trying only multiples of ``multiple_of``, never above ``limit``. ``progress``:
-    show a progress bar (default: once the search has run a few seconds).
+    bisected, trying only multiples of ``multiple_of``, never above ``limit``. ``host_budget``:
+    the host memory a plan's offloads may take (the runtime's pinned pool); by default ("local")
+    the share the runtime would take on this machine, half of what is available now; give the
+    training machine's figure when it is another, or None not to check. ``progress``: show a
+    progress bar (default: once the search has run a few seconds).
     """
     if "batch" in options:
         raise TypeError("max_batch searches the batch size: leave batch out of its options")
     build = _factory(model, options, lambda name, size: zoo.get(name, batch=size, **_on_meta(options)))
     return _search(build, _label(model), "batch", budget, policy, hardware, start, limit, multiple_of, progress,
-                   "the limit given")
+                   "the limit given", host_budget)
 
 
 def max_seq_len(model: str | Callable[[int], Workload], budget: int | str | None = None, *, batch: int = 1,
                 policy: str = "keep-all", hardware: Hardware | str = "h100-sxm", start: int = 1,
-                limit: int | None = None, multiple_of: int = 1, progress: bool | None = None,
-                **options: Any) -> FitSearch:
+                limit: int | None = None, multiple_of: int = 1, host_budget: int | str | None = "local",
+                progress: bool | None = None, **options: Any) -> FitSearch:
     """The longest sequence whose training step at ``batch`` fits ``budget``; as ``max_batch``, for 'hf:' text models.
 
     The search stops at the model's positions (its ``max_position_embeddings``) when every
@@ -65,18 +69,20 @@ def max_seq_len(model: str | Callable[[int], Workload], budget: int | str | None
         if positions is not None and (limit is None or positions < limit):
             limit, why = positions, f"the {positions} positions {model} has"
     build = _factory(model, options, lambda name, size: zoo.get(name, batch=batch, seq_len=size, **_on_meta(options)))
-    return _search(build, _label(model), "seq_len", budget, policy, hardware, start, limit, multiple_of, progress, why)
+    return _search(build, _label(model), "seq_len", budget, policy, hardware, start, limit, multiple_of, progress, why,
+                   host_budget)
 
 
 def _search(build: StepFactory, label: str, dimension: Dimension, budget: int | str | None, policy: str,
             hardware: Hardware | str, start: int, limit: int | None, multiple_of: int, progress: bool | None,
-            limit_reason: str) -> FitSearch:
+            limit_reason: str, host_budget: int | str | None) -> FitSearch:
     profile = hardware if isinstance(hardware, Hardware) else Hardware.load(hardware)
     budget_bytes = _budget(budget, profile)
+    host_budget_bytes, host_note = _host_budget(host_budget, policy)
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; the policies are: {', '.join(POLICIES)}")
     _check_sizes(start, limit, multiple_of)
-    prober = StepProber(build, budget_bytes, policy, profile, dimension)
+    prober = StepProber(build, budget_bytes, policy, profile, dimension, host_budget_bytes)
     name = "sequence length" if dimension == "seq_len" else "batch"
     bar = tqdm(desc=f"largest {name} of {label} in {format_bytes(budget_bytes)}", unit="probe", leave=False,
                disable=progress is False, delay=0 if progress else PROGRESS_SECONDS)
@@ -89,7 +95,7 @@ def _search(build: StepFactory, label: str, dimension: Dimension, budget: int | 
 
     with bar:
         bracket = largest_fitting(probe, start, limit, multiple_of)
-    notes = prober.notes + disagreements(bracket.probes)
+    notes = prober.notes + disagreements(bracket.probes) + host_note
     if budget_bytes > profile.memory_bytes:
         notes += (f"the budget is more than the {format_bytes(profile.memory_bytes)} {profile.name} holds",)
     return FitSearch(
@@ -97,16 +103,19 @@ def _search(build: StepFactory, label: str, dimension: Dimension, budget: int | 
         peak_bytes=bracket.fitting.peak_bytes if bracket.fitting else None,
         failed_size=bracket.failed.size if bracket.failed else None,
         failed_peak_bytes=bracket.failed.peak_bytes if bracket.failed else None,
-        stopped=_why_stopped(bracket, name, limit_reason, prober.weights_bytes), probes=bracket.probes,
+        stopped=_why_stopped(bracket, name, limit_reason, prober.weights_bytes, budget_bytes), probes=bracket.probes,
         budget_bytes=budget_bytes, policy=policy, hardware=profile.name, device=profile.device_type,
-        weights_bytes=prober.weights_bytes, multiple_of=multiple_of, limit=limit, notes=notes)
+        weights_bytes=prober.weights_bytes, host_budget_bytes=host_budget_bytes, multiple_of=multiple_of, limit=limit,
+        notes=notes)
 
 
-def _why_stopped(bracket: Bracket, name: str, limit_reason: str, weights: int) -> str:
+def _why_stopped(bracket: Bracket, name: str, limit_reason: str, weights: int, budget_bytes: int) -> str:
     if bracket.failed is None:
         assert bracket.fitting is not None
         return f"{name} {bracket.fitting.size} fits and is the largest to try ({limit_reason})"
     failed, needs = f"{name} {bracket.failed.size}", f"needs {format_bytes(bracket.failed.peak_bytes)}"
+    if bracket.failed.peak_bytes <= budget_bytes:  # the device fits it: the host memory for its offloads does not
+        needs = f"fits the device but its offloads need {format_bytes(bracket.failed.host_bytes)} of host memory"
     if bracket.fitting is None:
         return f"not even {failed} fits: it {needs}, the weights alone {format_bytes(weights)}"
     return f"{failed} {needs}"
@@ -159,6 +168,25 @@ def _budget(budget: int | str | None, hardware: Hardware) -> int:
     if budget_bytes <= 0:
         raise ValueError(f"the budget must be more than 0 bytes, got {budget!r}")
     return budget_bytes
+
+
+def _host_budget(host_budget: int | str | None, policy: str) -> tuple[int | None, tuple[str, ...]]:
+    """The host bytes offloads may take, and a note saying where the figure comes from."""
+    if host_budget is None or policy == "keep-all":
+        return None, ()
+    if host_budget == "local":
+        share = int(available_host_bytes() * HOST_POOL_SHARE)
+        return share, (f"offloads may take {format_bytes(share)} of host memory: {HOST_POOL_SHARE:.0%} of what this "
+                       "machine has available now, as the runtime would take here; pass host_budget= for the "
+                       "training machine's",)
+    try:
+        host_bytes = parse_bytes(host_budget)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"cannot read the host budget {host_budget!r}: {error}; give bytes, a size such as "
+                         "'512GiB', 'local' (this machine's) or None (not checked)") from None
+    if host_bytes < 0:
+        raise ValueError(f"the host budget cannot be negative, got {host_budget!r}")
+    return host_bytes, ()
 
 
 def _check_sizes(start: int, limit: int | None, multiple_of: int) -> None:

@@ -23,8 +23,9 @@ class StepProber:
     """Probes of one search: the same model, budget, policy and hardware at each size asked for."""
 
     def __init__(self, build: StepFactory, budget_bytes: int, policy: str, hardware: Hardware,
-                 dimension: Dimension) -> None:
+                 dimension: Dimension, host_budget_bytes: int | None = None) -> None:
         self.build, self.budget_bytes, self.policy = build, budget_bytes, policy
+        self.host_budget_bytes = host_budget_bytes
         self.hardware, self.dimension = hardware, dimension
         self.model_name = ""
         self.weights_bytes = 0
@@ -49,7 +50,9 @@ class StepProber:
             chosen = plan(graph, self.budget_bytes, self.policy, hardware=self.hardware)
         except PlanInfeasible as infeasible:
             return Probe(size, infeasible.minimum_bytes, False, traced)
-        return Probe(size, simulate(graph, chosen, hardware=self.hardware).peak_bytes, True, traced)
+        host = chosen.host_pool_bytes
+        fits_host = self.host_budget_bytes is None or host <= self.host_budget_bytes
+        return Probe(size, simulate(graph, chosen, hardware=self.hardware).peak_bytes, fits_host, traced, host)
 
     @property
     def _name(self) -> str:

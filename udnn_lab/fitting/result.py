@@ -18,8 +18,9 @@ class Probe:
     # What decided whether it fits, counted as the budget counts (512-byte blocks on CUDA): under keep-all the traced
     # peak; under another policy the simulated peak of its plan when one fits, else the smallest budget its plans meet
     peak_bytes: int
-    fits: bool  # peak_bytes <= the budget
+    fits: bool  # peak_bytes <= the budget and host_bytes <= the host budget
     traced_peak_bytes: int  # the traced peak with every tensor kept (the same as peak_bytes under keep-all)
+    host_bytes: int = 0  # host memory the plan's offloads take (Plan.host_pool_bytes); 0 when nothing is offloaded
 
 
 @dataclass(frozen=True, repr=False)
@@ -39,6 +40,7 @@ class FitSearch:
     hardware: str  # the profile's name; its device type decides how bytes are counted
     device: str  # 'cuda': the peaks count the caching allocator's 512-byte blocks; 'cpu': exact bytes
     weights_bytes: int  # the model's parameters, on the device all step whatever the size
+    host_budget_bytes: int | None = None  # host memory offloads may take; None: not checked
     multiple_of: int = 1  # only multiples of this were tried
     limit: int | None = None  # the largest size the search could try (given, or the model's positions)
     notes: tuple[str, ...] = ()
@@ -60,10 +62,11 @@ class FitSearch:
     def to_frame(self) -> pd.DataFrame:
         """One row per probe, by size: peak (as decided and as traced), fits, and the budget, to chart peak vs size."""
         rows = [{"model": self.model_name, "dimension": self.dimension, "size": p.size, "peak_bytes": p.peak_bytes,
-                 "traced_peak_bytes": p.traced_peak_bytes, "fits": p.fits, "budget_bytes": self.budget_bytes,
-                 "policy": self.policy, "probe": order} for order, p in enumerate(self.probes)]
-        columns = ["model", "dimension", "size", "peak_bytes", "traced_peak_bytes", "fits", "budget_bytes", "policy",
-                   "probe"]
+                 "traced_peak_bytes": p.traced_peak_bytes, "host_bytes": p.host_bytes, "fits": p.fits,
+                 "budget_bytes": self.budget_bytes, "host_budget_bytes": self.host_budget_bytes, "policy": self.policy,
+                 "probe": order} for order, p in enumerate(self.probes)]
+        columns = ["model", "dimension", "size", "peak_bytes", "traced_peak_bytes", "host_bytes", "fits",
+                   "budget_bytes", "host_budget_bytes", "policy", "probe"]
         return pd.DataFrame(rows, columns=columns).sort_values("size", kind="stable").reset_index(drop=True)
 
 

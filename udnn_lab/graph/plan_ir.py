@@ -13,7 +13,7 @@ from functools import cached_property
 from udnn_lab.errors import PlanError
 from udnn_lab.graph.hook_points import on_hook_points
 from udnn_lab.graph.step_graph import Graph, HookEvent, op_family, writes_in_place
-from udnn_lab.units import format_bytes
+from udnn_lab.units import cuda_block_bytes, format_bytes
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,16 @@ class Plan:
         return (f"Plan({self.policy!r}, budget {budget}: {_count(len(self.offloads), 'tensor')} offloaded{offloaded}, "
                 f"{restored} recomputed by re-running {_count(rerun, 'op')}, "
                 f"pinned pool {format_bytes(self.pinned_pool_bytes)})")
+
+    @property
+    def host_pool_bytes(self) -> int:
+        """Host memory the runtime sets aside for this plan: its pinned pool, or every offloaded tensor's CUDA blocks
+        if that is more (the runtime's pool then holds them all at once). Needs a located plan."""
+        if self.offloads and not self.sites:
+            raise PlanError("host_pool_bytes needs the plan's tensor sizes: use the plan ul.plan returns, or "
+                            "plan.located(graph)")
+        sizes = {site.tensor: site.nbytes for site in self.sites}
+        return max(self.pinned_pool_bytes, sum(cuda_block_bytes(sizes[o.tensor]) for o in self.offloads))
 
     @classmethod
     def keep_all(cls, graph: Graph, budget_bytes: int | None = None) -> Plan:

@@ -82,7 +82,6 @@ from udnn_lab.runtime._copies import Copies
 from udnn_lab.runtime._hook_schedule import HookSchedule
 from udnn_lab.runtime._replay import Replay, rng_state
 from udnn_lab.runtime.pinned_pool import HostPool
-from udnn_lab.units import cuda_block_bytes
 
 
 @dataclass(frozen=True)
@@ -237,15 +236,11 @@ class OffloadRuntime:
             needed = self.pool_bytes
             if not needed:
                 assert self.plan is not None  # only steps ask for the pool, and only a runtime with a plan makes them
-                needed = _pool_bytes(self.plan)
+                needed = self.plan.host_pool_bytes
             self.pool = HostPool(needed, pinned=device.type == "cuda", cap_bytes=self.host_cap_bytes)
         return self.pool
 
 
-def _pool_bytes(plan: Plan) -> int:
-    sizes = {site.tensor: site.nbytes for site in plan.sites}
-    offloaded = sum(cuda_block_bytes(sizes[o.tensor]) for o in plan.offloads)
-    return max(plan.pinned_pool_bytes, offloaded)
 
 
 class _Step:

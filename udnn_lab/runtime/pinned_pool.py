@@ -9,15 +9,14 @@ it is created) and says so before the machine would swap.
 from __future__ import annotations
 
 import bisect
-import os
 from dataclasses import dataclass
 
 import torch
 
+from udnn_lab.devices import HOST_POOL_SHARE, available_host_bytes
 from udnn_lab.errors import HostMemoryError
 from udnn_lab.units import CUDA_BLOCK_BYTES, format_bytes
 
-DEFAULT_CAP_FRACTION = 0.5
 _ALIGN = CUDA_BLOCK_BYTES  # every slice starts on a 512-byte boundary, as CUDA copies like
 
 
@@ -30,24 +29,12 @@ class PoolStats:
     grown: int  # times the pool had to grow after it was first allocated
 
 
-def available_host_bytes() -> int:
-    """MemAvailable from /proc/meminfo (what can be used without swapping), else physical memory."""
-    try:
-        with open("/proc/meminfo") as info:
-            for line in info:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 class HostPool:
     """A first-fit allocator over one host buffer; slices are uint8 views of it."""
 
     def __init__(self, nbytes: int, pinned: bool, cap_bytes: int | None = None) -> None:
         self.pinned = pinned
-        self.cap_bytes = cap_bytes if cap_bytes is not None else int(available_host_bytes() * DEFAULT_CAP_FRACTION)
+        self.cap_bytes = cap_bytes if cap_bytes is not None else int(available_host_bytes() * HOST_POOL_SHARE)
         self._buffer = self._allocate(max(_round(nbytes), _ALIGN))
         self._free: list[tuple[int, int]] = [(0, self._buffer.numel())]  # (offset, size), sorted by offset
         self._used: dict[int, int] = {}  # offset -> size
@@ -58,7 +45,7 @@ class HostPool:
         if nbytes > self.cap_bytes:
             raise HostMemoryError(
                 f"offloading needs {format_bytes(nbytes)} of host memory, more than the pool may take "
-                f"({format_bytes(self.cap_bytes)}: {DEFAULT_CAP_FRACTION:.0%} of the "
+                f"({format_bytes(self.cap_bytes)}: {HOST_POOL_SHARE:.0%} of the "
                 f"{format_bytes(available_host_bytes())} available now). Raise the budget (offload less), lower the "
                 "batch size, or pass a larger host_cap_bytes if the machine really has the memory")
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
