@@ -93,3 +93,17 @@ def test_a_model_in_another_precision_is_refused_not_converted():
         ul.train(work.model, [(work.example_input, work.target)], work.optimizer, precision="bf16-true",
                  progress=False)
     assert all(p.dtype == torch.float32 for p in work.model.parameters())
+
+
+@pytest.mark.parametrize("policy", ["vdnn-all", "recompute"])
+def test_autocast_s_weight_copies_are_offloaded_or_rebuilt_and_gradients_stay_eager_s(policy):
+    pytest.importorskip("transformers")
+    work = zoo.get("hf:llama-3-8b", batch=2, precision="bf16-mixed", **SMALL_GPT2)
+    graph = ul.trace(work)
+    chosen = ul.plan(graph, None, policy, hardware=CPU)
+    acted = {o.tensor for o in chosen.offloads} | {t for r in chosen.recomputes for t in r.tensors}
+    assert any(graph.tensors[t].category == "weight_cast" for t in acted)
+    loss, grads, params = _step(copy.deepcopy(work.model), work)
+    loss_b, grads_b, params_b = _step(copy.deepcopy(work.model), work, OffloadRuntime(chosen))
+    assert torch.equal(loss, loss_b) and all(torch.equal(a, b) for a, b in zip(grads, grads_b))
+    assert all(torch.equal(a, b) for a, b in zip(params, params_b))

@@ -1,9 +1,10 @@
 """What every policy looks at: the saved tensors a plan may act on, and where layers start.
 
-A candidate is a feature map on the graph's device: produced in forward, saved by autograd,
-read again in backward, and let go by the forward pass before backward (NOTE [forward
-holders]). Parameters, buffers, the input batch and what the training loop holds through
-backward (the output, the loss) are never candidates: moving them frees nothing.
+A candidate is a feature map, or autocast's low-precision copy of a weight, on the graph's
+device: produced in forward, saved by autograd, read again in backward, and let go by the
+forward pass before backward (NOTE [forward holders]). Parameters, buffers, the input batch
+and what the training loop holds through backward (the output, the loss) are never
+candidates: moving them frees nothing.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ from dataclasses import dataclass
 
 from udnn_lab.graph._memo import per_graph
 from udnn_lab.graph.step_graph import Graph
+
+# what a plan may move or rebuild: feature maps, and autocast's low-precision copies of the weights (each saved by
+# its matmul until that matmul's backward, rebuilt by one cast of a weight that never leaves the device)
+PLANNED_CATEGORIES = ("feature_map", "weight_cast")
 
 
 @dataclass(frozen=True)
@@ -35,7 +40,7 @@ def candidates(graph: Graph, size_floor: int = 0) -> list[Candidate]:
 def _all_candidates(graph: Graph) -> tuple[Candidate, ...]:
     found = []
     for t in graph.tensors:
-        if t.category != "feature_map" or not graph.on_device(t) or t.producer is None \
+        if t.category not in PLANNED_CATEGORIES or not graph.on_device(t) or t.producer is None \
                 or t.first_backward_use is None or t.held_past_forward:
             continue
         conv = any(graph.ops[i].name == "aten.convolution.default" for i in t.consumers
