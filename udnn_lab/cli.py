@@ -146,18 +146,18 @@ def _parser(names: Names | None = None) -> argparse.ArgumentParser:
                       help="attention of hf: models (default: what transformers picks, sdpa where torch has it)")
     step.add_argument("--lora-rank", type=int,
                       help="train LoRA adapters of this rank (PEFT, on PEFT's default modules) on the frozen hf: model")
+    step.add_argument("--precision", choices=PRECISIONS,
+                      help="the step's precision, named as PyTorch Lightning names it (default: --dtype's, "
+                           "32-true): -mixed runs autocast over float32 weights, 16-mixed with a GradScaler; "
+                           "-true trains weights and optimizer state in that dtype")
+    step.add_argument("--grad-accumulation", type=_positive_int, default=1, metavar="N",
+                      help="micro-batches of --batch examples whose gradients add up before each optimizer "
+                           "step (default 1)")
+    step.add_argument("--clip-grad-norm", type=_positive_float, metavar="MAX_NORM",
+                      help="clip the gradients' total norm to MAX_NORM before the optimizer step (default: no "
+                           "clipping)")
 
     analyze = commands.add_parser("analyze", parents=[step, common], help=COMMANDS["analyze"])
-    analyze.add_argument("--precision", choices=PRECISIONS,
-                         help="the step's precision, named as PyTorch Lightning names it (default: --dtype's, "
-                              "32-true): -mixed runs autocast over float32 weights, 16-mixed with a GradScaler; "
-                              "-true trains weights and optimizer state in that dtype")
-    analyze.add_argument("--grad-accumulation", type=_positive_int, default=1, metavar="N",
-                         help="micro-batches of --batch examples whose gradients add up before each optimizer "
-                              "step (default 1)")
-    analyze.add_argument("--clip-grad-norm", type=_positive_float, metavar="MAX_NORM",
-                         help="clip the gradients' total norm to MAX_NORM before the optimizer step (default: no "
-                              "clipping)")
     analyze.add_argument("--device", default="cpu", help="device whose step is predicted: cpu or cuda (default cpu)")
     analyze.add_argument("--out", type=Path, help="write the memory curve to OUT.csv and OUT.json")
     analyze.add_argument("--measure", action="store_true", help="also run the step for real here and compare")
@@ -266,7 +266,8 @@ def _report(args: argparse.Namespace) -> int:
     request = ReportRequest(args.model, args.budget, batch=args.batch, hardware=args.hardware, policy=args.policy,
                             image_size=args.image_size, input_shape=args.input_shape, optimizer=args.optimizer,
                             dtype=args.dtype, seq_len=args.seq_len, attn_implementation=args.attn_implementation,
-                            lora_rank=args.lora_rank)
+                            lora_rank=args.lora_rank, precision=args.precision,
+                            grad_accumulation=args.grad_accumulation, clip_grad_norm=args.clip_grad_norm)
     write_report(request, args.out, progress=lambda line: print(line, file=sys.stderr), kernel=args.kernel)
     return 0
 
@@ -316,9 +317,8 @@ def _workload(args: argparse.Namespace, device: str):
                    device=device, dtype=None if args.dtype == "float32" else zoo.DTYPES[args.dtype],
                    optimizer=None if args.optimizer == "none" else args.optimizer, seq_len=args.seq_len,
                    attn_implementation=args.attn_implementation, lora_rank=args.lora_rank,
-                   precision=getattr(args, "precision", None))
-    return as_workload(work, grad_accumulation=getattr(args, "grad_accumulation", None),
-                       clip_grad_norm=getattr(args, "clip_grad_norm", None))
+                   precision=args.precision)
+    return as_workload(work, grad_accumulation=args.grad_accumulation, clip_grad_norm=args.clip_grad_norm)
 
 
 def _print_summary(graph, elapsed: float) -> None:

@@ -158,3 +158,59 @@ def test_the_hf_options_reach_the_command_and_read_back():
 def test_bad_hf_options_are_refused_before_any_kernel_starts(change, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         ReportRequest(**{"model": "hf:gpt2", "budget": "6GiB", **change}).check_names()
+
+
+def test_a_report_of_a_hugging_face_step_in_todays_precision(tmp_path):
+    """Precision, accumulation, clipping, sequence length, attention and LoRA rank reach the traced step and the
+    page says them; the peak is that of the step with two micro-batches, not one."""
+    out = tmp_path / "gpt2.html"
+    assert main(["report", "hf:gpt2", "--batch", "1", "--seq-len", "32", "--lora-rank", "4",
+                 "--attn-implementation", "eager", "--precision", "bf16-mixed", "--grad-accumulation", "2",
+                 "--clip-grad-norm", "1.0", "--budget", "1GiB", "--out", str(out)]) == 0
+    page = out.read_text(encoding="utf-8")
+    work = ul.zoo.get("hf:gpt2", batch=1, seq_len=32, lora_rank=4, attn_implementation="eager",
+                      precision="bf16-mixed", device="meta")
+    accumulated = ul.trace(work, device="cuda", grad_accumulation=2, clip_grad_norm=1.0)
+    single = ul.trace(work, device="cuda")
+    assert accumulated.cuda_peak_bytes != single.cuda_peak_bytes
+
+    assert "Memory report: hf:gpt2 (eager attention, LoRA r=4), batch 1, 32 tokens, bf16-mixed, 2 micro-batches" \
+        in html.unescape(page)
+    top = header(page)
+    assert top["precision"] == "bf16-mixed: float32 weights, forward and loss under autocast in bfloat16"
+    assert top["step"] == (f"optimizer AdamW, 2 micro-batches of 1 per optimizer step, gradients clipped to total "
+                           f"norm 1, traced for cuda ({len(accumulated.ops)} ops)")
+    parsed = _parser(registered_names()).parse_args(shlex.split(top["reproduce with"])[1:])
+    assert (parsed.precision, parsed.grad_accumulation, parsed.clip_grad_norm) == ("bf16-mixed", 2, 1.0)
+    assert (parsed.seq_len, parsed.lora_rank, parsed.attn_implementation) == (32, 4, "eager")
+
+    assert f"{ul.format_bytes(accumulated.cuda_peak_bytes)} ({accumulated.cuda_peak_bytes:,} bytes)" in page
+    assert f"({single.cuda_peak_bytes:,} bytes)" not in page
+    assert accumulated.breakdown().loc["weight_cast", "bytes_at_peak"] > 0
+    assert re.search(r">\s*weight_cast\s*<", page)  # the breakdown's row
+    assert "Fits:" in page and "one optimizer step (2 micro-batches) takes" in page
+
+
+def test_the_step_options_reach_the_command_and_read_back():
+    request = ReportRequest("resnet18", "6GiB", precision="16-mixed", grad_accumulation=4, clip_grad_norm=0.5)
+    request.check_names()
+    parsed = _parser(registered_names()).parse_args(shlex.split(request.command("r.html"))[1:])
+    assert (parsed.precision, parsed.grad_accumulation, parsed.clip_grad_norm) == ("16-mixed", 4, 0.5)
+    plain = ReportRequest("resnet18", "6GiB").command("r.html")
+    assert not {"--precision", "--grad-accumulation", "--clip-grad-norm"} & set(shlex.split(plain))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"precision": "fp8"}, "unknown precision 'fp8': use one of 32-true, bf16-mixed"),
+    ({"grad_accumulation": 0}, "grad_accumulation counts micro-batches per optimizer step: a positive int, got 0"),
+    ({"clip_grad_norm": -1.0}, "clip_grad_norm is the largest total gradient norm allowed: a positive number"),
+    ({"dtype": "bfloat16", "precision": "bf16-mixed"},
+     "dtype bfloat16 means precision bf16-true, but precision bf16-mixed was asked for"),
+])
+def test_bad_step_options_are_refused_before_any_kernel_starts(change, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ReportRequest(**{"model": "resnet18", "budget": "6GiB", **change}).check_names()
+
+
+def test_a_precision_that_agrees_with_the_dtype_passes():
+    ReportRequest("resnet18", "6GiB", dtype="bfloat16", precision="bf16-true").check_names()

@@ -24,6 +24,11 @@ def predicted_peak(lab: MemoryLab) -> int:
                and r.get("series") == "predicted")
 
 
+def categories(lab: MemoryLab) -> set[str]:
+    """The categories the memory chart stacks (besides the total)."""
+    return {r["category"] for r in rows(lab.memory_and_streams) if r.get("series") == "predicted"} - {"total"}
+
+
 def rule_values(lab: MemoryLab) -> dict[str, float]:
     return {r["label"]: r["value"] for r in rows(lab.memory_and_streams) if "label" in r}
 
@@ -111,7 +116,7 @@ def test_at_the_peak_as_shown_nothing_moves(policy):
     assert "copied 0 B out" in lab.summary.value
 
 
-def test_dtype_optimizer_and_hardware_keep_the_users_budget(lab):
+def test_precision_optimizer_and_hardware_keep_the_users_budget(lab):
     peak = peak_of(lab)
     lab.budget.value = lab.budget.max * 0.6
     chosen = lab.budget_bytes
@@ -120,10 +125,10 @@ def test_dtype_optimizer_and_hardware_keep_the_users_budget(lab):
     lab.hardware.value = "a100-sxm-40gb" if "a100-sxm-40gb" in lab.hardware.options else "v100"
     assert lab.budget_bytes == chosen
     lab.optimizer.value = "none"
-    lab.dtype.value = "bfloat16"  # a much smaller peak: clamped to the slider's new top
+    lab.precision.value = "bf16-true"  # a much smaller peak: clamped to the slider's new top
     assert lab.budget_bytes == int(round(lab.budget.max * 2**20)) < chosen
     lab.budget.value = peak_of(lab) / 2**20  # a budget at the peak follows the peak
-    lab.dtype.value = "float32"
+    lab.precision.value = "32-true"
     assert lab.budget_bytes == peak_of(lab)
     lab.budget.value = lab.budget.max * 0.5
     lab.network.value = "mlp3"  # another network starts at its own peak
@@ -213,8 +218,11 @@ def test_your_own_module():
     lab = MemoryLab(model, input_shape=(32,), batch=4, policy="keep-all", debounce_s=0)
     assert lab.network.value == "Sequential (yours)" and lab.status.value == ""
     assert predicted_peak(lab) > 0
-    lab.dtype.value = "float16"
-    assert "float32" in lab.status.value
+    assert lab.precision.value == "32-true"  # your module's own
+    lab.precision.value = "16-true"  # never converted by the app: the error says how to
+    assert "model.to(torch.float16)" in lab.status.value
+    lab.precision.value = "bf16-mixed"  # autocast over its float32 weights
+    assert lab.status.value == "" and "weight_cast" in categories(lab)
 
 
 def test_measured_stream_events_join_the_timeline(lab):

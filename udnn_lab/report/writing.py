@@ -26,7 +26,8 @@ from udnn_lab.hardware.profiles import Hardware
 from udnn_lab.planning.registry import POLICIES
 from udnn_lab.report.kernel import kernel_started
 from udnn_lab.units import format_bytes, parse_bytes
-from udnn_lab.vocabulary import ATTENTION_IMPLEMENTATIONS, AttentionImplementation
+from udnn_lab.vocabulary import ATTENTION_IMPLEMENTATIONS, AttentionImplementation, Precision
+from udnn_lab.workload import COMPUTE_DTYPES, StepOptions
 from udnn_lab.zoo import DTYPES, OPTIMIZERS
 
 TEMPLATE = Path(__file__).with_name("template.ipynb")
@@ -56,6 +57,9 @@ class ReportRequest:
     seq_len: int | None = None  # tokens per example of an hf: model; None: the zoo's default
     attn_implementation: AttentionImplementation | None = None  # of an hf: model; None: what transformers picks
     lora_rank: int | None = None  # train LoRA adapters of this rank on the frozen hf: model
+    precision: Precision | None = None  # PyTorch Lightning's names; None: dtype's '-true' one (32-true)
+    grad_accumulation: int = 1  # micro-batches of ``batch`` examples per optimizer step
+    clip_grad_norm: float | None = None  # max total gradient norm; None: no clipping
 
     def check(self) -> None:
         """Raise ValueError (or the zoo's and hardware's own errors): the names, then the model itself."""
@@ -79,6 +83,7 @@ class ReportRequest:
         if budget_bytes <= 0:
             raise ValueError(f"the budget must be more than 0 bytes, got {self.budget!r}")
         Hardware.load(self.hardware)
+        self._check_step_options()
         self._check_hf_options()
         if self.model.lower().startswith(zoo.hf_configs.PREFIX):
             zoo.hf_configs.spec(self.model)
@@ -94,6 +99,16 @@ class ReportRequest:
         kind = zoo.entry(self.model).input_kind
         if self.image_size is not None and kind != "image":
             raise ValueError(f"{self.model} takes {kind} inputs, not images: leave out the image size")
+
+    def _check_step_options(self) -> None:
+        StepOptions(self.precision or "32-true", self.grad_accumulation, self.clip_grad_norm)  # says what is wrong
+        if self.precision is None or self.dtype == "float32":
+            return
+        implied = next(name for name, dtype in COMPUTE_DTYPES.items()
+                       if name.endswith("-true") and dtype == DTYPES[self.dtype])
+        if self.precision != implied:
+            raise ValueError(f"dtype {self.dtype} means precision {implied}, but precision {self.precision} was "
+                             "asked for: give one of them (precision is the newer way)")
 
     def _check_hf_options(self) -> None:
         given = [name for name, value in (("seq_len", self.seq_len), ("attn_implementation", self.attn_implementation),
@@ -112,7 +127,7 @@ class ReportRequest:
         zoo.get(self.model, batch=self.batch, image_size=self.image_size, input_shape=self.input_shape,
                 device="meta", dtype=None if self.dtype == "float32" else DTYPES[self.dtype],
                 optimizer=None if self.optimizer == "none" else self.optimizer, seq_len=self.seq_len,
-                attn_implementation=self.attn_implementation, lora_rank=self.lora_rank)
+                attn_implementation=self.attn_implementation, lora_rank=self.lora_rank, precision=self.precision)
 
     @property
     def builds_by_construction(self) -> bool:
@@ -135,7 +150,12 @@ class ReportRequest:
                               ("--lora-rank", self.lora_rank)):
             words += [option, str(value)] if value is not None else []
         words += ["--budget", str(self.budget), "--hardware", self.hardware, "--policy", self.policy,
-                  "--optimizer", self.optimizer, "--dtype", self.dtype, "--out", str(out)]
+                  "--optimizer", self.optimizer, "--dtype", self.dtype]
+        accumulation = self.grad_accumulation if self.grad_accumulation != 1 else None
+        for option, setting in (("--precision", self.precision), ("--grad-accumulation", accumulation),
+                                ("--clip-grad-norm", self.clip_grad_norm)):
+            words += [option, str(setting)] if setting is not None else []
+        words += ["--out", str(out)]
         return shlex.join(words)
 
 

@@ -25,19 +25,23 @@ from udnn_lab.measurement.measuring import Measurement, measure
 from udnn_lab.planning.budget import min_budget, plan
 from udnn_lab.simulation.simulator import Simulation, resolve_hardware, simulate
 from udnn_lab.units import format_bytes
+from udnn_lab.vocabulary import AttentionImplementation, Precision
+from udnn_lab.widgets._networks import zoo_request
 from udnn_lab.workload import Workload
-from udnn_lab.zoo import DTYPES
 
 
 @dataclass(frozen=True)
 class Setting:
     """One training step as the app's controls describe it."""
 
-    network: str  # a zoo name, or the label of the module passed in
+    network: str  # a zoo name, an hf: one with '-small' (widgets/_networks.py), or the label of the module passed in
     batch: int
-    dtype: str  # a key of DTYPES
+    precision: Precision
     optimizer: str  # one of OPTIMIZERS
     device: str  # 'cuda' or 'cpu': the device whose memory is predicted (the hardware profile's)
+    seq_len: int | None = None  # tokens per example of an hf: network; None for the others
+    lora_rank: int | None = None  # LoRA adapters of this rank on the frozen hf: network; None: a full fine-tune
+    attn_implementation: AttentionImplementation | None = None  # of an hf: network
 
 
 @dataclass(frozen=True)
@@ -93,16 +97,16 @@ class LabSession:
 
     def workload(self, setting: Setting, device: str) -> Workload:
         """The step on ``device`` ('meta' to trace without weights, 'cpu' to run it)."""
-        dtype = DTYPES[setting.dtype]
         optimizer = None if setting.optimizer == "none" else setting.optimizer
         if setting.network == self.custom_name:
-            if dtype != torch.float32:
-                raise ValueError(f"your module is traced as it is; convert it with .to({dtype}) yourself and pass "
-                                 "it again, or pick float32")
             assert self.model is not None  # custom_name is set only with a model
-            return zoo.get(self.model, batch=setting.batch, input_shape=self.input_shape, optimizer=optimizer)
-        return zoo.get(setting.network, batch=setting.batch, image_size=self.image_size, device=device,
-                       dtype=None if dtype == torch.float32 else dtype, optimizer=optimizer)
+            # the zoo checks that your module is in the precision's dtype, and says how to convert it if not
+            return zoo.get(self.model, batch=setting.batch, input_shape=self.input_shape, optimizer=optimizer,
+                           precision=setting.precision)
+        name, small = zoo_request(setting.network)
+        return zoo.get(name, batch=setting.batch, image_size=self.image_size, device=device, optimizer=optimizer,
+                       precision=setting.precision, small=small, seq_len=setting.seq_len,
+                       lora_rank=setting.lora_rank, attn_implementation=setting.attn_implementation)
 
     def graph(self, setting: Setting) -> Graph:
         return self._graphs.get_or_make(setting, lambda: trace(self.workload(setting, "meta"), device=setting.device))

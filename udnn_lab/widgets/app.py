@@ -23,15 +23,20 @@ from torch import nn
 
 from udnn_lab import charts, frames, zoo
 from udnn_lab.charts.base import enable_offline
+from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware.profiles import Hardware
 from udnn_lab.planning.budget import PlanInfeasible
 from udnn_lab.planning.registry import POLICIES
 from udnn_lab.simulation.simulator import Simulation
 from udnn_lab.units import format_bytes, format_seconds
+from udnn_lab.vocabulary import PRECISIONS, AttentionImplementation, Precision
 from udnn_lab.widgets._budget import BudgetControl
 from udnn_lab.widgets._drill import DrillPanel
+from udnn_lab.widgets._hf_controls import HFControls
+from udnn_lab.widgets._networks import offered
 from udnn_lab.widgets._state import LabSession, MeasuredStep, Setting
 from udnn_lab.widgets._training import TrainingPanel
+from udnn_lab.workload import precision_of
 
 _GRAPH, _POLICY, _BUDGET = 2, 1, 0  # how much a change invalidates
 
@@ -75,20 +80,28 @@ class _Debounce:
 class MemoryLab(widgets.AppLayout):
     """Predicted memory and streams of one training step, under a policy and a budget, updated as you go.
 
-    ``model``: a zoo name (``ul.zoo.names()``) or your own ``nn.Module`` (then give
-    ``input_shape``, one example's shape). ``hardware``: a profile name or a Hardware (e.g.
-    from ``ul.Hardware.measure()``). The step is traced with fake tensors for the profile's
-    device; "Measure" runs it for real on this machine, under the same policy and budget
-    planned again for the device it runs on, and charts it beside that device's prediction.
+    ``model``: a zoo name (``ul.zoo.names()``; 'hf:gpt2-small' for the zoo's small version of an
+    hf: model) or your own ``nn.Module`` (then give ``input_shape``, one example's shape).
+    ``precision``: PyTorch Lightning's names, '32-true' by default (your module's own dtype for
+    your module). ``seq_len``, ``lora_rank`` (0: a full fine-tune) and ``attn_implementation``
+    apply to hf: networks. ``hardware``: a profile name or a Hardware (e.g. from
+    ``ul.Hardware.measure()``). The step is traced with fake tensors for the profile's device;
+    "Measure" runs it for real on this machine, under the same policy and budget planned again
+    for the device it runs on, and charts it beside that device's prediction.
     """
 
     def __init__(self, model: str | nn.Module = "resnet50", *, input_shape: tuple[int, ...] | None = None,
-                 batch: int = 32, dtype: str = "float32", optimizer: str = "sgd",
+                 batch: int = 32, precision: Precision | None = None, optimizer: str = "sgd",
                  hardware: str | Hardware = "h100-sxm", policy: str = "auto", image_size: int | None = None,
+                 seq_len: int = 512, lora_rank: int = 0, attn_implementation: AttentionImplementation = "sdpa",
                  debounce_s: float = 0.3, points: int = frames.DEFAULT_POINTS) -> None:
         extra = {hardware.name: hardware} if isinstance(hardware, Hardware) else {}
         custom = model if isinstance(model, nn.Module) else None
+        if precision is None:
+            precision = precision_of(custom) if custom is not None else "32-true"
         self.session = LabSession(custom, input_shape, image_size, extra)
+        self.hf = HFControls(seq_len, lora_rank, attn_implementation, "290px")
+        self.seq_len, self.lora_rank, self.attention = self.hf.controls
         self.points = points
         self._dirty = -1
         self._measured: MeasuredStep | None = None
@@ -98,7 +111,7 @@ class MemoryLab(widgets.AppLayout):
         self._drawing: _Drawing | None = None
         self._debounce = _Debounce(debounce_s, self._update)
         enable_offline()
-        self._build_controls(self.session.custom_name or str(model), batch, dtype, optimizer,
+        self._build_controls(self.session.custom_name or str(model), batch, precision, optimizer,
                              hardware.name if isinstance(hardware, Hardware) else hardware, policy)
         self.memory_and_streams = alt.JupyterChart(None,  # type: ignore[arg-type]  # altair's hint omits None
                                                    layout=widgets.Layout(min_height="520px"))
@@ -109,8 +122,8 @@ class MemoryLab(widgets.AppLayout):
         self.status = widgets.HTML(layout=grows)
         super().__init__(
             header=widgets.HTML("<b>udnn_lab · MemoryLab</b>: predicted memory of one training step"),
-            left_sidebar=widgets.VBox([self.network, self.batch, self.dtype, self.optimizer, self.hardware,
-                                       self.device_note, self.policy, self.budget_entry, self.budget,
+            left_sidebar=widgets.VBox([self.network, self.batch, self.precision, self.optimizer, *self.hf.controls,
+                                       self.hardware, self.device_note, self.policy, self.budget_entry, self.budget,
                                        self.minimum_text, self.actions]),
             center=widgets.VBox([self.memory_and_streams, self.drill.box, self.training.chart]),
             footer=widgets.VBox([self.summary, self.status], layout=widgets.Layout(height="auto")),
@@ -119,15 +132,18 @@ class MemoryLab(widgets.AppLayout):
         self._request(_GRAPH, now=True)
 
     # -- controls ----------------------------------------------------------------------------
-    def _build_controls(self, network: str, batch: int, dtype: str, optimizer: str, hardware: str,
+    def _build_controls(self, network: str, batch: int, precision: Precision, optimizer: str, hardware: str,
                         policy: str) -> None:
-        names = ([self.session.custom_name] if self.session.custom_name else []) + \
-            [name for name in zoo.names() if "<" not in name]  # families like resnet<depth> are typed in
         wide = widgets.Layout(width="290px")
-        self.network = widgets.Combobox(value=network, options=names, description="network", ensure_option=False,
-                                        continuous_update=False, layout=wide)
+        self.network = widgets.Combobox(value=network, options=offered(self.session.custom_name),
+                                        description="network", ensure_option=False, continuous_update=False,
+                                        layout=wide)
         self.batch = widgets.BoundedIntText(value=batch, min=1, max=1 << 20, description="batch", layout=wide)
-        self.dtype = widgets.Dropdown(options=list(zoo.DTYPES), value=dtype, description="dtype", layout=wide)
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+        self.precision = widgets.Dropdown(options=list(PRECISIONS), value=precision, description="precision",
+                                          layout=wide, tooltip="-mixed: float32 weights, autocast; -true: weights, "
+                                                               "gradients and optimizer state in that dtype")
         self.optimizer = widgets.Dropdown(options=list(zoo.OPTIMIZERS), value=optimizer, description="optimizer",
                                           layout=wide)
         self.hardware = widgets.Dropdown(options=self.session.hardware_names(), value=hardware,
@@ -144,7 +160,9 @@ class MemoryLab(widgets.AppLayout):
         self.actions = widgets.VBox([widgets.HBox([self.measure_button, self.training.train_button,
                                                    self.training.stop_button]),
                                      self.training.steps, self.training.progress])
-        for control in (self.network, self.batch, self.dtype, self.optimizer, self.hardware):
+        self.hf.follow(network)
+        self.network.observe(lambda change: self.hf.follow(str(change.new).strip()), names="value")
+        for control in (self.network, self.batch, self.precision, self.optimizer, *self.hf.controls, self.hardware):
             control.observe(lambda _: self._request(_GRAPH), names="value")
         self.policy.observe(lambda _: self._request(_POLICY), names="value")
         self.measure_button.on_click(lambda _: self.measure())
@@ -156,8 +174,9 @@ class MemoryLab(widgets.AppLayout):
     @property
     def setting(self) -> Setting:
         device = self.session.hardware(self.hardware.value).device_type
-        return Setting(str(self.network.value).strip(), int(self.batch.value), self.dtype.value,
-                       self.optimizer.value, device)
+        network = str(self.network.value).strip()
+        return Setting(network, int(self.batch.value), self.precision.value, self.optimizer.value, device,
+                       **self.hf.options(network))
 
     @property
     def budget_bytes(self) -> int:
@@ -213,7 +232,7 @@ class MemoryLab(widgets.AppLayout):
             infeasible = True
         self.simulation = sim
         graph = self.session.graph(setting)
-        title = f"{graph.model_name}, batch {setting.batch}: {_named(policy, self.plan, infeasible, budget)}"
+        title = f"{_step_named(graph, setting)}: {_named(policy, self.plan, infeasible, budget)}"
         measured = self._measured
         if measured is not None and measured.asked != (setting, policy, budget, hardware):
             measured = self._measured = None  # measured for another step, plan or budget
@@ -223,7 +242,7 @@ class MemoryLab(widgets.AppLayout):
         else:  # like with like: the measured step's own device, plan, ops and streams
             curve = frames.memory_curve(measured.graph, measured.prediction, measured.measurement,
                                         measured.prediction, points=self.points)
-            title = f"{graph.model_name}, batch {setting.batch}, on this machine's {measured.graph.device}: " \
+            title = f"{_step_named(graph, setting)}, on this machine's {measured.graph.device}: " \
                     f"{measured.prediction.policy}"
             # the policy's minimum is the profile's device's, not this one's
             drawing = _Drawing(curve, measured.prediction, budget, None, title)
@@ -294,6 +313,13 @@ class MemoryLab(widgets.AppLayout):
                 thread.join()
         except Exception as error:
             self._show_status(error)
+
+
+def _step_named(graph: Graph, setting: Setting) -> str:
+    """The network (with its attention and LoRA rank), the batch, and the sequence and precision when they apply."""
+    tokens = f", {setting.seq_len} tokens" if setting.seq_len is not None else ""
+    precision = f", {setting.precision}" if setting.precision != "32-true" else ""
+    return f"{graph.model_name}, batch {setting.batch}{tokens}{precision}"
 
 
 def _named(policy: str, plan, infeasible: bool, budget_bytes: int) -> str:

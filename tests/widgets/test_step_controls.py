@@ -1,0 +1,122 @@
+"""MemoryLab's precision and Hugging Face controls (sequence length, LoRA rank, attention), set as a user sets them."""
+
+import pytest
+
+import udnn_lab as ul
+from tests.widgets.test_widgets import categories, peak_of, predicted_peak, rows
+from udnn_lab.widgets.app import MemoryLab
+
+
+def traced_peak(name: str, **options) -> int:
+    return ul.trace(ul.zoo.get(name, device="meta", **options), device="cuda").cuda_peak_bytes
+
+
+def title(lab: MemoryLab) -> str:
+    return lab.memory_and_streams.spec["title"]
+
+
+def most(lab: MemoryLab, category: str) -> int:
+    """The most bytes the memory chart shows in ``category`` over the step."""
+    return max(r["bytes"] for r in rows(lab.memory_and_streams)
+               if r.get("series") == "predicted" and r.get("category") == category)
+
+
+@pytest.fixture
+def llama():
+    """The zoo's small Llama-3 (2 layers, hidden 64), a full fine-tune with AdamW."""
+    return MemoryLab("hf:llama-3-8b-small", batch=2, seq_len=64, optimizer="adamw", policy="keep-all",
+                     hardware="h100-sxm", debounce_s=0)
+
+
+def test_bf16_mixed_changes_the_peak_adds_weight_casts_and_keeps_the_budget():
+    lab = MemoryLab("mlp5", batch=8, policy="vdnn-all", hardware="h100-sxm", debounce_s=0)
+    assert lab.precision.value == "32-true" and "weight_cast" not in categories(lab)
+    before, shown = peak_of(lab), predicted_peak(lab)
+    lab.budget.value = lab.budget.max  # above the peak
+    chosen = lab.budget_bytes
+    lab.precision.value = "bf16-mixed"
+    assert lab.status.value == ""
+    assert peak_of(lab) == traced_peak("mlp5", batch=8, optimizer="sgd", precision="bf16-mixed") != before
+    assert predicted_peak(lab) != shown and "weight_cast" in categories(lab)
+    assert lab.budget_bytes == chosen  # a larger peak: the user's budget is in range and stays
+    assert ", bf16-mixed:" in title(lab)
+    lab.precision.value = "32-true"
+    assert peak_of(lab) == before and "weight_cast" not in categories(lab)
+
+
+def test_the_small_hf_models_are_offered_and_the_hf_controls_follow_the_network():
+    lab = MemoryLab("mlp5", batch=8, policy="keep-all", hardware="h100-sxm", debounce_s=0)
+    offered = list(lab.network.options)
+    assert {"hf:gpt2-small", "hf:llama-3-8b-small"} <= set(offered)
+    assert offered.index("hf:gpt2-small") < offered.index("hf:gpt2")  # the ones a CPU runs come first
+    assert lab.seq_len.disabled and lab.lora_rank.disabled and lab.attention.disabled
+    traced = len(lab.session._graphs)
+    lab.seq_len.value = 128  # disabled: no part of this step, nothing traced again
+    assert lab.setting.seq_len is None and len(lab.session._graphs) == traced
+    lab.network.value = "hf:llama-3-8b-small"
+    assert not (lab.seq_len.disabled or lab.lora_rank.disabled or lab.attention.disabled)
+    assert lab.status.value == ""
+    assert lab.session.graph(lab.setting).model_name == "hf:llama-3-8b-small (sdpa attention)"
+    assert peak_of(lab) == traced_peak("hf:llama-3-8b", small=True, batch=8, seq_len=128, optimizer="sgd",
+                                       attn_implementation="sdpa")
+    assert title(lab).startswith("hf:llama-3-8b-small (sdpa attention), batch 8, 128 tokens: keep-all")
+    lab.network.value = "hf:vit-b-16-small"  # images: no sequence length
+    assert lab.seq_len.disabled and not lab.lora_rank.disabled and lab.status.value == ""
+    assert lab.setting.seq_len is None and "tokens" not in title(lab)
+
+
+def test_lora_rank_8_holds_less_optimizer_state_than_a_full_fine_tune(llama):
+    full = most(llama, "optimizer_state")
+    assert full == llama.session.graph(llama.setting).breakdown().loc["optimizer_state", "max_bytes"]
+    llama.lora_rank.value = 8
+    assert llama.status.value == "" and llama.setting.lora_rank == 8
+    assert "hf:llama-3-8b-small (sdpa attention, LoRA r=8)" in title(llama)
+    lora = most(llama, "optimizer_state")
+    assert 0 < lora < full / 10
+    assert lora == ul.trace(ul.zoo.get("hf:llama-3-8b", small=True, batch=2, seq_len=64, optimizer="adamw",
+                                       lora_rank=8, device="meta"), device="cuda").breakdown().loc[
+        "optimizer_state", "max_bytes"]
+    llama.lora_rank.value = 0  # a full fine-tune again
+    assert most(llama, "optimizer_state") == full and llama.setting.lora_rank is None
+
+
+def test_sequence_length_and_attention_trace_again_and_keep_the_budget(llama):
+    llama.budget.value = llama.budget.max * 0.9
+    chosen, short = llama.budget_bytes, peak_of(llama)
+    llama.seq_len.value = 128
+    longer = peak_of(llama)
+    assert longer == traced_peak("hf:llama-3-8b", small=True, batch=2, seq_len=128, optimizer="adamw") > short
+    assert llama.budget_bytes == chosen and ", 128 tokens" in title(llama)
+    llama.attention.value = "eager"  # keeps the seq x seq scores for backward
+    assert "(eager attention)" in title(llama)
+    assert peak_of(llama) == traced_peak("hf:llama-3-8b", small=True, batch=2, seq_len=128, optimizer="adamw",
+                                         attn_implementation="eager") > longer
+    assert llama.budget_bytes == chosen
+
+
+def test_a_sequence_longer_than_the_models_positions_is_an_error_in_the_app():
+    lab = MemoryLab("hf:gpt2-small", batch=2, seq_len=64, policy="keep-all", debounce_s=0)
+    spec = lab.memory_and_streams.spec
+    lab.seq_len.value = 2048
+    assert "seq_len must be between 1 and 1024" in lab.status.value
+    assert lab.memory_and_streams.spec == spec
+    lab.seq_len.value = 1024
+    assert lab.status.value == ""
+
+
+def test_measure_runs_a_small_hf_step_on_this_machine(llama):
+    llama.measure()
+    assert "measured on" in llama.status.value
+    measured = [r for r in rows(llama.memory_and_streams) if r.get("series") == "measured"]
+    assert measured and max(r["bytes"] for r in measured) > 0
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"precision": "fp8"}, "unknown precision 'fp8': use one of 32-true, bf16-mixed"),
+    ({"lora_rank": -1}, "an int of 0 or more, got -1"),
+    ({"seq_len": 0}, "seq_len is the tokens per example of an hf: network: a positive int, got 0"),
+    ({"attn_implementation": "flash"}, "unknown attn_implementation 'flash': use one of sdpa, eager"),
+])
+def test_bad_step_options_are_refused_with_what_to_give(options, message):
+    with pytest.raises(ValueError, match=message):
+        MemoryLab("mlp5", batch=8, debounce_s=0, **options)
