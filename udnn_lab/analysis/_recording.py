@@ -97,6 +97,9 @@ def _register_optimizer_state(recorder: StepRecorder, optimizer, named: Mapping[
                 recorder.register(value, "optimizer_state", f"{owner}.{key}")
 
 
+HALF_ONLY_KERNEL = "to be BFloat16 or supported Float16"  # the meta kernel of aten._grouped_mm, refusing float32
+
+
 def _explain(err: Exception, recorder: StepRecorder, args: tuple, kwargs: dict) -> Exception:
     """Turn a failure inside the model or the loss into an error that names where it happened."""
     if isinstance(err, FAKE_LIMITS):
@@ -105,6 +108,12 @@ def _explain(err: Exception, recorder: StepRecorder, args: tuple, kwargs: dict) 
     if recorder.phase == "forward" and recorder.module_stack:
         path, kind, shapes = recorder.module_stack[-1]
         where = f"module {path!r} ({kind})" if path else f"the model ({kind})"
+        if HALF_ONLY_KERNEL in str(err):
+            return ModelInputError(
+                f"{where} calls a kernel that takes bfloat16 or float16 only (torch's grouped matmul, which "
+                f"transformers' MoE experts use), and its weights are float32: {_first_line(err).rstrip('.')}. "
+                "Trace the model in bfloat16 (precision='bf16-true', or dtype=torch.bfloat16), or with a real small "
+                "batch (ul.trace(..., fake=False)), where the CPU kernel takes float32")
         return ModelInputError(
             f"the example input does not fit the model: {where} got input shapes {shapes} and failed with: "
             f"{_first_line(err)}. The example input has shapes {given}; check its shape, dtype and device."
