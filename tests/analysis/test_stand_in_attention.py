@@ -54,6 +54,22 @@ def test_autocast_casts_the_fused_kernel_s_inputs_as_it_casts_sdpa_s():
     assert {graph.tensors[t].dtype for t in fused.inputs} == {"bfloat16"}
 
 
+class Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Attention(0.1, False)
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+def test_a_checkpointed_segment_rebuilds_with_the_same_kernel_in_backward():
+    graph = _trace(Checkpointed(), torch.randn(2, 64, 32), "cuda")
+    fused = [op for op in graph.ops if op.name == "aten._scaled_dot_product_efficient_attention.default"]
+    assert [op.phase for op in fused] == ["forward", "backward"]  # the forward, and its rebuild in backward
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention  # put back afterwards
+
+
 def test_a_gpt2_step_with_attention_dropout_is_no_longer_overestimated_for_cuda():
     pytest.importorskip("transformers")
     work = zoo.get("hf:gpt2", batch=2, small=True, seq_len=256, device="meta", precision="bf16-mixed")

@@ -95,7 +95,7 @@ def _trace_fake(work: Workload, device: torch.device, counted_as: str, fast_path
     options = work.step_options
     recorder = StepRecorder(fake_mode=fake_mode, fast_paths=fast_paths)
     substituted = counted_as != device.type
-    attention = CudaAttentionKernels() if substituted else nullcontext()
+    attention = CudaAttentionKernels(fake_mode) if substituted else nullcontext()
     try:
         with _reparametrize_module(model, fakes, tie_weights=True), fake_mode, _quiet_fake_errors(), attention:
             scaler = grad_scaler(options, device)  # on the device whose kernels run the step
