@@ -4,8 +4,8 @@ Each run is the command in a fresh Python process (``python -m udnn_lab.cli``), 
 start to exit: wall time, and the CPU time of the process and its children (the report's
 kernel included). Runs alternate between the commands (and the source trees), so that a
 machine shared with others loads them alike; the load average before each run is recorded
-beside it. Prints a table of medians and writes JSON with the machine, versions, date and
-every run.
+beside it, and the 1, 5 and 15-minute load averages at the start and the end. Prints a table
+of medians and writes JSON with the machine, versions, date and every run.
 
     python benchmarks/report_speed.py [--repeats 5] [--model resnet18 --batch 8 --budget 1GiB]
         [--compare ../other-checkout] [--out data/benchmarks/report_speed.json]
@@ -61,6 +61,7 @@ def time_once(tree: Path, words: list[str], scratch: Path) -> dict:
 
 def run(trees: dict[str, Path], repeats: int, model: str, batch: int, budget: str, out: Path) -> dict:
     rows = []
+    load_at_start = _load_averages()
     with tempfile.TemporaryDirectory(prefix="report-speed-") as scratch:
         cases = commands(model, batch, budget, Path(scratch) / "report.html")
         _check_imports(trees, Path(scratch))
@@ -84,12 +85,18 @@ def run(trees: dict[str, Path], repeats: int, model: str, batch: int, budget: st
     document = {"benchmark": "report_speed", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "machine": _machine(), "case": {"model": model, "batch": batch, "budget": budget},
                 "trees": {label: _describe(tree) for label, tree in trees.items()}, "repeats": repeats,
+                "load_average_at_start": load_at_start, "load_average_at_end": _load_averages(),
                 "target_report_s": TARGET_REPORT_S, "summary": summary, "runs": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(document, indent=1))
     _print(document)
     print(f"\nwrote {out}")
     return document
+
+
+def _load_averages() -> dict[str, float]:
+    """The machine's load averages (runnable processes, others' included) over the last 1, 5 and 15 minutes."""
+    return dict(zip(("1min", "5min", "15min"), os.getloadavg()))
 
 
 def _env(tree: Path) -> dict[str, str]:
@@ -107,8 +114,11 @@ def _check_imports(trees: dict[str, Path], scratch: Path) -> None:
 
 def _print(document: dict) -> None:
     case = document["case"]
+    start, end = document["load_average_at_start"], document["load_average_at_end"]
     print(f"\n{case['model']}, batch {case['batch']}, budget {case['budget']}; {document['repeats']} runs each, "
-          f"{document['machine']['cores']} cores")
+          f"{document['machine']['cores']} cores; load average (1, 5, 15 min) {start['1min']:.2f} "
+          f"{start['5min']:.2f} {start['15min']:.2f} at the start, {end['1min']:.2f} {end['5min']:.2f} "
+          f"{end['15min']:.2f} at the end")
     print(f"{'tree':30s} {'command':8s} {'wall median':>12s} {'min':>7s} {'max':>7s} {'CPU median':>11s} "
           f"{'load before':>12s}")
     for row in document["summary"]:

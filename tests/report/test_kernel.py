@@ -46,6 +46,9 @@ def test_after_preload_the_template_finds_everything_it_uses_loaded():
         f"missing = [name for name in {sorted(used)!r} if name not in sys.modules]\n"
         "assert not missing, missing\n"
         "assert sys.modules.get('rfc3987_syntax', 'absent') is None, 'rfc3987_syntax was loaded'\n"
+        "assert sys.modules.get('anywidget', 'absent') is None and 'ipywidgets' not in sys.modules, 'widgets loaded'\n"
+        "import gc\n"
+        "assert gc.isenabled() and gc.get_freeze_count() > 100_000, (gc.isenabled(), gc.get_freeze_count())\n"
         "import altair as alt\n"
         "alt.Chart(alt.Data(values=[{'x': 1}])).mark_point().encode(x='x:Q').to_dict()  # validates\n")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -58,6 +61,16 @@ def test_iri_checks_stay_when_jsonschema_is_loaded_already():
         "loaded = 'rfc3987_syntax' in sys.modules\n"
         "without_iri_format_checks()\n"
         "assert ('rfc3987_syntax' in sys.modules) == loaded and sys.modules.get('rfc3987_syntax', 1) is not None\n")
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_jupyter_chart_stays_when_altair_is_loaded_already():
+    done = _python(
+        "import sys, altair\n"
+        "from udnn_lab.report.kernel import without_jupyter_chart\n"
+        "loaded = 'anywidget' in sys.modules\n"
+        "without_jupyter_chart()\n"
+        "assert ('anywidget' in sys.modules) == loaded and sys.modules.get('anywidget', 1) is not None\n")
     assert done.returncode == 0, done.stderr[-3000:]
 
 

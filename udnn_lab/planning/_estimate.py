@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from udnn_lab.graph.liveness import live_bytes
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.planning._candidates import Candidate
 from udnn_lab.units import cuda_block_bytes
@@ -20,9 +21,9 @@ Window = Callable[[Candidate], tuple[int, int]]  # ops [first, last) a candidate
 
 class CurveEstimate:
     def __init__(self, graph: Graph) -> None:
-        curve = graph.memory_curve()
+        live = live_bytes(graph)  # the memory curve's totals, without building its DataFrame
         self.cuda = graph.device == "cuda"
-        self.live = curve["cuda_live_bytes" if self.cuda else "live_bytes"].to_numpy(dtype=np.float64).copy()
+        self.live = (live.cuda_total if self.cuda else live.total).astype(np.float64)
 
     def size(self, candidate: Candidate) -> int:
         return cuda_block_bytes(candidate.nbytes) if self.cuda else candidate.nbytes

@@ -8,6 +8,7 @@ request, and the template's first cell finds them loaded. This module imports no
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import sys
@@ -61,16 +62,29 @@ def kernel_started() -> Iterator[Any]:
 
 
 def preload() -> None:
-    """Run by the kernel as it starts: load what the template imports, and start the chart renderer meanwhile."""
-    without_iri_format_checks()
-    # heavy, and only in the report's kernel: the renderer's engine starts in a thread (it releases the GIL)
-    import altair
-    import vl_convert
+    """Run by the kernel as it starts: load what the template imports, and start the chart renderer meanwhile.
 
-    version = "_".join(altair.SCHEMA_VERSION.split(".")[:2])  # the Vega-Lite that altair draws with, as 'v6_4'
-    threading.Thread(target=vl_convert.vegalite_to_svg, args=(_FIRST_DRAWING, version), daemon=True).start()
-    for name in PRELOADED:
-        importlib.import_module(name)
+    The cyclic collector is off while the modules load and their objects are frozen after: as torch,
+    sympy (under torch._dynamo) and altair load, its sweeps go over their objects again and again (about
+    a sixth of the loading's CPU), and frozen, the notebook's own collections skip them.
+    """
+    without_iri_format_checks()
+    without_jupyter_chart()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        # heavy, and only in the report's kernel: the renderer's engine starts in a thread (it releases the GIL)
+        import altair
+        import vl_convert
+
+        version = "_".join(altair.SCHEMA_VERSION.split(".")[:2])  # the Vega-Lite that altair draws with, as 'v6_4'
+        threading.Thread(target=vl_convert.vegalite_to_svg, args=(_FIRST_DRAWING, version), daemon=True).start()
+        for name in PRELOADED:
+            importlib.import_module(name)
+    finally:
+        gc.freeze()
+        if collecting:
+            gc.enable()
 
 
 def without_iri_format_checks() -> None:
@@ -82,3 +96,13 @@ def without_iri_format_checks() -> None:
     """
     if "jsonschema" not in sys.modules and "rfc3987_syntax" not in sys.modules:
         sys.modules["rfc3987_syntax"] = None  # type: ignore[assignment]  # None: importing it raises ImportError
+
+
+def without_jupyter_chart() -> None:
+    """Keep altair, in the report's kernel, from loading anywidget (and ipywidgets under it) for its JupyterChart.
+
+    The report draws every chart as SVG and shows no widget; altair then defines a JupyterChart that says
+    anywidget is missing if it is used. Loading them costs the kernel about 0.15 s.
+    """
+    if "altair" not in sys.modules and "anywidget" not in sys.modules:
+        sys.modules["anywidget"] = None  # type: ignore[assignment]  # None: importing it raises ImportError

@@ -28,8 +28,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
-import numpy as np
 import pandas as pd
 import torch
 
@@ -40,16 +40,19 @@ from udnn_lab.graph.liveness import op_table
 from udnn_lab.graph.plan_ir import Offload, Plan, Recompute
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware.profiles import Hardware
+from udnn_lab.simulation._tables import StepRecord, compute_time_s, counted_peak_bytes, curve_frame, timeline_frame
 from udnn_lab.units import Bytes, format_bytes, format_seconds
-from udnn_lab.vocabulary import CATEGORIES
 
 _KEPT_SIMULATIONS = 48  # per cost model: enough for one plan() or one budget of a sweep
-TIMELINE_COLUMNS = ["stream", "kind", "start_s", "end_s", "op", "name", "module", "tensor", "nbytes"]
 
 
 @dataclass(frozen=True, repr=False)
 class Simulation:
-    """The predicted step: timeline, memory curve, time, stalls and traffic."""
+    """The predicted step: timeline, memory curve, time, stalls and traffic.
+
+    The totals are computed as the step is simulated; the two tables (``timeline``, ``curve``) are
+    built the first time they are read, since planners simulate many plans and read only the totals.
+    """
 
     model_name: str
     policy: str
@@ -62,8 +65,7 @@ class Simulation:
     h2d_bytes: int
     lower_bound_s: float  # max(compute time, D2H bytes / bandwidth, H2D bytes / bandwidth)
     peak_bytes: int  # as the budget counts them: 512-byte blocks on CUDA, exact on CPU
-    timeline: pd.DataFrame  # one row per op, copy and stall (TIMELINE_COLUMNS)
-    curve: pd.DataFrame  # Graph.memory_curve()'s columns, plus start_s and end_s
+    record: StepRecord = field(compare=False)  # what happened, as rows (with the graph): the tables come from it
     released_before: Mapping[int, int] = field(default_factory=dict)  # offloaded tensor -> op it was freed before
     # what the plan changes of the analyzer's liveness: (first op it holds for, +1 back on / -1 off the device,
     # tensor id), in the order they happened; a tensor is on the device at op i when the graph has it live there
@@ -78,6 +80,16 @@ class Simulation:
     @property
     def fits(self) -> bool:
         return self.budget_bytes is None or self.peak_bytes <= self.budget_bytes
+
+    @cached_property
+    def timeline(self) -> pd.DataFrame:
+        """One row per op, copy and stall (simulation._tables.TIMELINE_COLUMNS), by start time."""
+        return timeline_frame(self.record)
+
+    @cached_property
+    def curve(self) -> pd.DataFrame:
+        """Graph.memory_curve()'s columns under the plan, plus each op's start_s and end_s."""
+        return curve_frame(self.record)
 
     def memory_curve(self) -> pd.DataFrame:
         return self.curve.copy()
@@ -166,6 +178,7 @@ class _Run:
         self.cancelled: set[int] = set()  # offloads whose prefetch came before their copy completed
         self.timeline: list[tuple] = []
         self.d2h_free = self.h2d_free = 0.0
+        self.d2h_bytes = self.h2d_bytes = 0
         self.h2d_end: dict[int, float] = {}
         self.d2h_end: dict[int, float] = {}
         self.stall = 0.0
@@ -337,6 +350,7 @@ class _Run:
         start = max(self.d2h_free, after)
         end = start + self.cost.transfer_time_s(t.nbytes, "d2h", offload.pinned)
         self.d2h_free = self.d2h_end[t.id] = end
+        self.d2h_bytes += t.nbytes
         if t.id not in self.release_op:  # else freed at its release point
             heapq.heappush(self.pending, (end, t.id))
         self.timeline.append(("d2h", "offload", start, end, op, t.name, t.module, t.name, t.nbytes))
@@ -353,6 +367,7 @@ class _Run:
         start = max(self.h2d_free, issued)
         end = start + self.cost.transfer_time_s(t.nbytes, "h2d", offload.pinned)
         self.h2d_free = self.h2d_end[t.id] = end
+        self.h2d_bytes += t.nbytes
         self.timeline.append(("h2d", "prefetch", start, end, op, t.name, t.module, t.name, t.nbytes))
 
     def _recompute(self, recompute: Recompute, start: float, op: int) -> float:
@@ -367,53 +382,17 @@ class _Run:
         return end
 
     def _result(self, spans: list[tuple[float, float]], clock: float) -> Simulation:
-        graph = self.graph
-        curve = self._curve(spans)
-        timeline = pd.DataFrame(self.timeline, columns=TIMELINE_COLUMNS).sort_values(["start_s", "stream"],
-                                                                                       kind="stable")
-        counted = curve["cuda_live_bytes"] if self.cuda else curve["live_bytes"]
-        base = graph.cuda_baseline_bytes if self.cuda else graph.baseline_bytes
-        d2h = int(timeline.loc[timeline.stream == "d2h", "nbytes"].sum())
-        h2d = int(timeline.loc[timeline.stream == "h2d", "nbytes"].sum())
-        work = timeline[(timeline.stream == "compute") & timeline.kind.isin(["op", "recompute"])]
-        compute = float((work["end_s"] - work["start_s"]).sum())
-        step = max(clock, self.d2h_free, self.h2d_free)
+        graph, d2h, h2d = self.graph, self.d2h_bytes, self.h2d_bytes
+        compute = compute_time_s(self.timeline)
         hw = self.cost.hardware
         bound = max(compute, d2h / hw.bandwidth_bytes_per_s("d2h", True) if d2h else 0.0,
                     h2d / hw.bandwidth_bytes_per_s("h2d", True) if h2d else 0.0)
+        changes = tuple(self.changes)
         return Simulation(
             model_name=graph.model_name, policy=self.plan.policy, device=graph.device,
-            budget_bytes=self.budget, step_time_s=step, compute_time_s=compute, stall_time_s=self.stall,
-            d2h_bytes=d2h, h2d_bytes=h2d, lower_bound_s=bound,
-            peak_bytes=Bytes(max(base, counted.max() if len(counted) else 0)),
-            timeline=timeline.reset_index(drop=True), curve=curve, released_before=dict(self.released),
-            device_changes=tuple(self.changes),
+            budget_bytes=self.budget, step_time_s=max(clock, self.d2h_free, self.h2d_free), compute_time_s=compute,
+            stall_time_s=self.stall, d2h_bytes=d2h, h2d_bytes=h2d, lower_bound_s=bound,
+            peak_bytes=Bytes(counted_peak_bytes(graph, changes)),
+            record=StepRecord(graph, tuple(self.timeline), tuple(spans), changes),
+            released_before=dict(self.released), device_changes=changes,
         )
-
-    def _curve(self, spans: list[tuple[float, float]]) -> pd.DataFrame:
-        """The analyzer's curve with each action's changes from the op it takes effect at."""
-        curve = self.graph.memory_curve()
-        n = len(curve)
-        per_category = np.zeros((n + 1, len(CATEGORIES)), dtype=np.int64)
-        blocks = np.zeros(n + 1, dtype=np.int64)
-        allocated = np.zeros(n + 1, dtype=np.int64)
-        released = np.zeros(n + 1, dtype=np.int64)
-        static = self.static
-        for first, sign, tensor in self.changes:
-            per_category[first, static.category[tensor]] += sign * static.exact[tensor]
-            blocks[first] += sign * static.block[tensor]
-            if sign > 0:
-                allocated[first] += static.exact[tensor]
-            elif first > 0:
-                released[first - 1] += static.exact[tensor]  # gone before op ``first``: released after the one before
-        per_category = np.cumsum(per_category[:n], axis=0)
-        for j, category in enumerate(CATEGORIES):
-            curve[category] = curve[category].to_numpy() + per_category[:, j]
-        curve["live_bytes"] = curve[list(CATEGORIES)].sum(axis=1)
-        curve["cuda_live_bytes"] = curve["cuda_live_bytes"].to_numpy() + np.cumsum(blocks[:n])
-        curve["allocated_bytes"] = curve["allocated_bytes"].to_numpy() + allocated[:n]
-        curve["released_bytes"] = curve["released_bytes"].to_numpy() + released[:n]
-        curve["start_s"] = [start for start, _ in spans]
-        curve["end_s"] = [end for _, end in spans]
-        return curve
-
