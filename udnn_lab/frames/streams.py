@@ -3,7 +3,7 @@
 A measured training run feeds the same frame: give ``timeline`` a DataFrame of events
 with at least ``stream`` ('compute', 'd2h', 'h2d'), ``kind``, ``start_s`` and ``end_s``
 (seconds from the step's start), and optionally ``op``, ``name``, ``module``, ``tensor``
-and ``nbytes`` (simulate.TIMELINE_COLUMNS), with ``source='measured'``.
+and ``nbytes`` (the columns of Simulation.timeline), with ``source='measured'``.
 """
 
 from __future__ import annotations
