@@ -134,7 +134,7 @@ def _describe(tree: Path) -> dict:
     dirty = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
                            capture_output=True, text=True)
     name = commit.stdout.strip() or "unknown"
-    return {"path": str(tree), "commit": name + ("+changes" if dirty.stdout.strip() else "")}
+    return {"commit": name + ("+changes" if dirty.stdout.strip() else "")}
 
 
 def _machine() -> dict:
