@@ -401,3 +401,18 @@ def test_a_range_dragged_on_the_curve_leaves_the_drill_down_as_it_was(lab):
     assert lab.drill.op.value == 3 and "live at op 3</b>" in lab.drill.table.value
     click_on_op(lab.memory_and_streams, 5)
     assert lab.drill.op.value == 5
+
+
+def test_the_drill_down_says_why_the_plan_does_what_it_does_with_each_tensor():
+    lab = MemoryLab("resnet20", batch=32, policy="vdnn-all", hardware="h100-sxm", debounce_s=0)
+    lab.budget_entry.value = str((lab._minimum + peak_of(lab)) // 2)  # below the peak: vdnn-all offloads
+    assert lab.plan.offloads
+    expected = ul.frames.plan_reasons(lab.session.graph(lab.setting), lab.plan, lab.simulation)
+    assert lab.drill.reasons == dict(zip(expected["id"], expected["reason"]))
+    table = lab.drill.table.value
+    assert "why (the plan)" in table and "class='udnn-why'" in table
+    shown = lab.drill.frame.head(20)
+    offloaded = shown[shown["id"].isin([o.tensor for o in lab.plan.offloads])]
+    assert len(offloaded) and all(html.escape(lab.drill.reasons[i]) in table for i in offloaded["id"])
+    lab.policy.value = "keep-all"  # nothing moved: nothing to explain
+    assert lab.drill.reasons == {} and "why (the plan)" not in lab.drill.table.value

@@ -13,7 +13,8 @@ import pandas as pd
 from altair.utils.selection import PointSelection
 
 from udnn_lab.charts import OP_SELECTION
-from udnn_lab.frames import live_tensors
+from udnn_lab.frames import live_tensors, plan_reasons
+from udnn_lab.graph.plan_ir import Plan
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.simulation.simulator import Simulation
 from udnn_lab.units import format_bytes, format_seconds
@@ -33,14 +34,19 @@ class DrillPanel:
         self.picked = False  # the user chose the op: keep it across replans; else follow the peak
         self.graph: Graph | None = None
         self.simulation: Simulation | None = None
+        self.reasons: dict[int, str] = {}  # saved tensor id -> why the plan on screen does what it does with it
         self.frame: pd.DataFrame | None = None
         self._quiet = False
         self.op.observe(self._on_op, names="value")
 
-    def show(self, graph: Graph, simulation: Simulation, peak_op: int) -> None:
+    def show(self, graph: Graph, simulation: Simulation, peak_op: int, plan: Plan | None = None) -> None:
         """The step and plan on screen changed: the same op if the user picked one (and the step has it), else
-        the peak."""
+        the peak. With the ``plan`` simulated, each saved tensor's row says why the plan does what it does."""
         self.graph, self.simulation = graph, simulation
+        self.reasons = {}
+        if plan is not None and (plan.offloads or plan.recomputes):
+            why = plan_reasons(graph, plan, simulation)
+            self.reasons = dict(zip(why["id"], why["reason"]))
         last = len(graph.ops) - 1
         op = self.op.value if self.picked and self.op.value <= last else peak_op
         self.picked = self.picked and self.op.value <= last
@@ -75,10 +81,10 @@ class DrillPanel:
         if self.graph is None or self.simulation is None:
             return
         self.frame = live_tensors(self.graph, self.op.value, self.simulation)
-        self.table.value = _table(self.frame)
+        self.table.value = _table(self.frame, self.reasons)
 
 
-def _table(frame: pd.DataFrame) -> str:
+def _table(frame: pd.DataFrame, reasons: dict[int, str]) -> str:
     on = frame[frame["on_device"]]
     off = frame[~frame["on_device"]]
     attrs = frame.attrs
@@ -88,9 +94,10 @@ def _table(frame: pd.DataFrame) -> str:
     if len(off):
         head += f"; {len(off)} off it ({format_bytes(int(off['nbytes'].sum()))})"
     shown = frame.head(ROWS_SHOWN)
-    cells = "".join(_row(row) for row in shown.itertuples())
+    cells = "".join(_row(row, reasons) for row in shown.itertuples())
     more = f"<div><i>… and {len(frame) - len(shown)} smaller</i></div>" if len(frame) > len(shown) else ""
-    columns = ["tensor", "size", "category", "state", "produced by", "module", "live ops", "lives"]
+    columns = ["tensor", "size", "category", "state", "produced by", "module", "live ops", "lives"] + \
+        (["why (the plan)"] if reasons else [])
     header = "".join(f"<th style='text-align:left;padding:1px 6px'>{c}</th>" for c in columns)
     scrolls = "line-height:1.3;font-size:12px;max-width:100%;overflow-x:auto"  # a wide table scrolls, never cut
     return (f"<div class='udnn-live-tensors' style='{scrolls}'><div>{head}</div>"
@@ -98,7 +105,7 @@ def _table(frame: pd.DataFrame) -> str:
             f"{more}</div>")
 
 
-def _row(row) -> str:
+def _row(row, reasons: dict[int, str]) -> str:
     producer = html.escape(row.producer_op) if row.producer < 0 else f"#{row.producer} {html.escape(row.producer_op)}"
     free = "end" if pd.isna(row.free_op) else str(row.free_op)
     first = "start" if row.alloc_op < 0 else str(row.alloc_op)
@@ -106,4 +113,7 @@ def _row(row) -> str:
     values = [html.escape(row.tensor), format_bytes(int(row.nbytes)), html.escape(row.category), row.state, producer,
               html.escape(row.module or "(model)"), f"{first} → {free}", lives]
     cells = "".join(f"<td style='padding:1px 6px;white-space:nowrap'>{v}</td>" for v in values)
+    if reasons:
+        why = html.escape(reasons.get(row.id, ""))
+        cells += f"<td class='udnn-why' style='padding:1px 6px;white-space:normal;min-width:22em'>{why}</td>"
     return f"<tr class='udnn-live-tensor'>{cells}</tr>"

@@ -238,7 +238,7 @@ class MemoryLab(widgets.AppLayout):
             measured = self._measured = None  # measured for another step, plan or budget
         if measured is None:
             drawing = _Drawing(frames.memory_curve(graph, sim, points=self.points), sim, budget, self._minimum, title)
-            self.drill.show(graph, sim, _peak_op(sim))
+            self.drill.show(graph, sim, _peak_op(sim), self.plan)
         else:  # like with like: the measured step's own device, plan, ops and streams
             curve = frames.memory_curve(measured.graph, measured.prediction, measured.measurement,
                                         measured.prediction, points=self.points)
