@@ -32,6 +32,8 @@ def build(name: str, batch: int, *, seq_len: int | None, small: bool, config_ove
     with torch.device(device):
         torch.manual_seed(seed)
         model = getattr(transformers, found.model_class)(config)
+    if getattr(model, "loss_type", "") is None and found.task == "causal-lm":
+        model.loss_type = "ForCausalLM"  # the loss transformers falls back to for GPT2LMHeadModel, without its warning
     if dtype is not None:
         model = model.to(dtype)
     if lora_rank is not None:
