@@ -132,7 +132,7 @@ def simulate_with(graph: Graph, plan: Plan, cost: CostModel) -> Simulation:
 
 
 def resolve_hardware(hardware: Hardware | str | None, device: str) -> Hardware:
-    """A Hardware profile from a name, or the profile that matches this machine's ``device``."""
+    """A Hardware profile from a name, or the profile that matches this machine's ``device`` (a measured one first)."""
     if isinstance(hardware, Hardware):
         return hardware
     if isinstance(hardware, str):
@@ -141,10 +141,10 @@ def resolve_hardware(hardware: Hardware | str | None, device: str) -> Hardware:
         raise TypeError(f"hardware must be a Hardware, a profile name or None, got {type(hardware).__name__}")
     if device == "cpu" or device == "cuda" and _cuda_here():
         here = device_name(device)
-        for name in Hardware.names():
-            candidate = Hardware.load(name)
-            if candidate.device_type == device and here in candidate.device_names:
-                return candidate
+        matches = [candidate for candidate in map(Hardware.load, Hardware.names())
+                   if candidate.device_type == device and here in candidate.device_names]
+        if matches:  # a profile measured on this kind of device before one of datasheet figures
+            return next((candidate for candidate in matches if candidate.measured), matches[0])
     raise ValueError(f"no hardware profile matches this machine's {device}: pass hardware= one of "
                      f"{Hardware.names()}, or measure it with ul.Hardware.measure() and pass the result")
 
