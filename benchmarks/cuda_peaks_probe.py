@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 import udnn_lab as ul  # noqa: E402
 from udnn_lab.analysis.step import compute_loss, split_input  # noqa: E402
 from udnn_lab.units import cuda_block_bytes  # noqa: E402
+from udnn_lab.workload import optimizer_like  # noqa: E402
 
 CASES = (("resnet50", 64), ("transformer", 16))
 
@@ -45,7 +46,7 @@ def _plans(graph, hardware) -> dict:
 
 def _steps(work, plan, device) -> list[dict]:
     model = copy.deepcopy(work.model)
-    optimizer = type(work.optimizer)(model.parameters(), **work.optimizer.defaults)
+    optimizer = optimizer_like(work.optimizer, model.parameters())
     runtime = ul.OffloadRuntime(plan)
     args, kwargs = split_input(work.example_input)
     rows = []

@@ -38,6 +38,7 @@ from udnn_lab.runtime import HostMemoryError
 from udnn_lab.runtime.live_bytes import LiveBytes
 from udnn_lab.runtime.pinned_pool import empty_pinned_cache
 from udnn_lab.units import cuda_block_bytes
+from udnn_lab.workload import optimizer_like
 
 GPU_CASES = [("resnet50", 256, {}), ("vgg16", 128, {}), ("densenet201", 128, {}), ("transformer", 64, {})]
 CPU_CASES = [("resnet18", 16, {"image_size": 64}), ("vgg11", 8, {"image_size": 64}), ("mlp5", 256, {}),
@@ -63,7 +64,7 @@ class Bench:
     def measure(self, context_factory, model: nn.Module | None = None) -> dict:
         """Median step time and peak over ``steps`` steps after one warm-up, each inside ``context_factory()``."""
         model = model or copy.deepcopy(self.work.model)
-        optimizer = type(self.work.optimizer)(model.parameters(), **self.work.optimizer.defaults)
+        optimizer = optimizer_like(self.work.optimizer, model.parameters())
         args, kwargs = split_input(self.work.example_input)
         times, peaks = [], []
         for index in range(self.steps + 1):

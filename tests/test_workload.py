@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from udnn_lab import zoo
-from udnn_lab.workload import StepOptions, Workload, as_workload
+from udnn_lab.workload import StepOptions, Workload, as_workload, optimizer_like
 
 
 def test_a_workload_reads_as_a_short_summary_not_its_tensors():
@@ -57,3 +57,18 @@ def test_a_precision_the_model_is_not_in_is_refused_and_the_model_left_alone(mod
 def test_bad_step_options_say_what_they_take(options, message):
     with pytest.raises(ValueError, match=message):
         StepOptions(**options)
+
+
+@pytest.mark.parametrize("make", [lambda p: torch.optim.AdamW(p, lr=3e-4, weight_decay=0.1),
+                                  lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                                  lambda p: torch.optim.Adafactor(p, lr=1e-2)])
+def test_an_optimizer_like_another_has_its_class_and_settings_and_no_state(make):
+    model, other = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+    original = make(model.parameters())
+    model(torch.randn(2, 3)).sum().backward()
+    original.step()
+    fresh = optimizer_like(original, other.parameters())
+    assert type(fresh) is type(original) and not fresh.state
+    shared = set(fresh.defaults) & set(original.defaults)
+    assert {key: fresh.defaults[key] for key in shared} == {key: original.defaults[key] for key in shared}
+    assert [p for group in fresh.param_groups for p in group["params"]] == list(other.parameters())

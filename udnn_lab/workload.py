@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -138,6 +139,17 @@ class Workload:
             ("clip_grad_norm", self.clip_grad_norm, None)) if value != default)
         return (f"Workload({self.name!r}: {type(self.model).__name__}, input={_summary(self.example_input)}{target}, "
                 f"loss={loss}, optimizer={optimizer}{options})")
+
+
+def optimizer_like(optimizer: torch.optim.Optimizer, params: Any) -> torch.optim.Optimizer:
+    """A new optimizer of ``optimizer``'s class and settings over ``params`` (another copy of the model), with no state.
+
+    ``defaults`` may hold settings the constructor does not take (AdamW's ``decoupled_weight_decay``): only the
+    ones it takes are passed.
+    """
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    settings = {key: value for key, value in optimizer.defaults.items() if key in accepted}
+    return type(optimizer)(params, **settings)
 
 
 def _summary(value: Any) -> str:

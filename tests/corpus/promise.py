@@ -34,6 +34,7 @@ from udnn_lab.analysis.step import ensure_optimizer_state, input_tensors, run_st
 from udnn_lab.errors import PlanInfeasible, PlanMismatch, ReplayError
 from udnn_lab.planning import POLICIES
 from udnn_lab.runtime.live_bytes import LiveBytes
+from udnn_lab.workload import optimizer_like
 
 HARDWARE = "cpu-amd-epyc-2cpu"
 SEED = 0
@@ -167,7 +168,7 @@ def run(work: ul.Workload, runtime: ul.OffloadRuntime | None = None) -> Outcome:
     model = copy.deepcopy(work.model)
     optimizer = None
     if work.optimizer is not None:
-        optimizer = type(work.optimizer)(model.parameters(), **work.optimizer.defaults)
+        optimizer = optimizer_like(work.optimizer, model.parameters())
         ensure_optimizer_state(optimizer)
     outcome = Outcome()
     for step in range(1 if runtime is None else 2):

@@ -14,6 +14,7 @@ from udnn_lab.planning import POLICIES, PlanInfeasible, plan
 from udnn_lab.runtime import HostMemoryError, OffloadRuntime, PlanMismatch
 from udnn_lab.simulation.simulator import simulate
 from udnn_lab.units import cuda_block_bytes
+from udnn_lab.workload import optimizer_like
 
 CPU = ul.Hardware.load("cpu-amd-epyc-2cpu")
 # The same CPU with copies that take no time: the runtime's CPU copies are synchronous memcpys.
@@ -31,7 +32,7 @@ ZOO = [("alexnet", {"image_size": 64}), ("vgg11", {"image_size": 32}), ("vgg16",
 
 def _step(model, work, runtime=None):
     args, kwargs = split_input(work.example_input)
-    optimizer = type(work.optimizer)(model.parameters(), **work.optimizer.defaults)
+    optimizer = optimizer_like(work.optimizer, model.parameters())
     torch.manual_seed(0)
     if runtime is None:
         _, loss = run_step(model, args, kwargs, loss_fn=work.loss_fn, target=work.target, optimizer=optimizer)

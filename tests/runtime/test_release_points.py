@@ -9,6 +9,7 @@ import udnn_lab as ul
 from udnn_lab import zoo
 from udnn_lab.analysis.step import compute_loss, split_input
 from udnn_lab.units import cuda_block_bytes
+from udnn_lab.workload import optimizer_like
 
 
 @pytest.mark.gpu
@@ -18,7 +19,7 @@ def test_offloaded_memory_leaves_at_its_release_point_while_the_gpu_lags():
     chosen = ul.plan(graph, None, "vdnn-all", hardware="h100-sxm")
     predicted = ul.simulate(graph, chosen, hardware="h100-sxm").peak_bytes
     model = copy.deepcopy(work.model)
-    optimizer = type(work.optimizer)(model.parameters(), **work.optimizer.defaults)
+    optimizer = optimizer_like(work.optimizer, model.parameters())
     args, kwargs = split_input(work.example_input)
     runtime = ul.OffloadRuntime(chosen)
     peaks = []
