@@ -1,0 +1,105 @@
+"""One rank of a step spread over many: DDP or FSDP2 run for real on a fake copy of the model, in a fake
+process group (NOTE [one rank of N] in _fake_group.py), recorded as any traced step is.
+
+The user's model and optimizer are never touched: a deep copy with fake parameters is wrapped as
+``spec.apply`` wraps a model for a real run, an optimizer of the same class and settings is made over the
+wrapped parameters, one warm-up step brings wrapper and optimizer to their steady state (FSDP's lazy init,
+DDP's bucket rebuild, optimizer state), and the next step is recorded. The fake process group is destroyed
+on the way out, whatever happened; the copy goes with it.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
+
+from udnn_lab.analysis._fake.attention import CudaAttentionKernels
+from udnn_lab.analysis._fake.tensors import fake_inputs, fake_replica
+from udnn_lab.analysis._fake_group import CompletedCollectives, fake_process_group, rebuild_buckets
+from udnn_lab.analysis._holders import forward_releases
+from udnn_lab.analysis._recorder import StepRecorder
+from udnn_lab.analysis._recording import graph_from_recording, record_step
+from udnn_lab.analysis.step import grad_scaler, run_step, same_optimizer, split_input
+from udnn_lab.analysis.tracing import substitution_notes
+from udnn_lab.graph.step_graph import Graph
+from udnn_lab.parallel import DDP, Parallel, check_spec, describe
+from udnn_lab.workload import Workload
+
+# how the step ran on CPU kernels, where FSDP2 and DDP on CUDA would use streams of their own
+STREAMS_NOTE = ("one rank's memory as referenced (memory_allocated): on CUDA, FSDP2 and DDP copy and communicate on "
+                "streams of their own and hold each buffer until the stream that uses it is done, as here")
+
+
+def trace_one_rank(work: Workload, parallel: Parallel, counted_as: str, fast_paths: bool) -> Graph:
+    """The Graph of rank 0 of ``parallel.world_size`` ranks running ``work``'s step (see the module's doc)."""
+    spec = check_spec(parallel)
+    device = torch.device("cpu")  # the fake group's mesh is a CPU one; counted as ``counted_as``
+    substituted = counted_as != device.type
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_process_group(spec.world_size) as mesh, CompletedCollectives():
+        replica = fake_replica(work.model, fake_mode, device)
+        with fake_mode:
+            model = _wrapped(replica, spec, mesh)
+        optimizer = _optimizer_over(work, model, counted_as)
+        args, kwargs = split_input(fake_inputs(work.example_input, fake_mode, device))
+        target = fake_inputs(work.target, fake_mode, device)
+        options = work.step_options
+        recorder = StepRecorder(fake_mode=fake_mode, fast_paths=fast_paths)
+        attention = CudaAttentionKernels() if substituted else nullcontext()
+        with fake_mode, attention:
+            scaler = grad_scaler(options, device)
+            _warm_up(recorder, model, args, kwargs, target, work, optimizer, scaler)
+            record_step(recorder, model, args, kwargs, target, work.loss_fn, optimizer, track_saved=True,
+                        options=options, scaler=scaler)
+            holders = forward_releases(model, args, kwargs, target, work.loss_fn, recorder.run_op,  # [forward holders]
+                                       options, scaler)
+            notes = [f"rank 0 of {describe(spec)}", STREAMS_NOTE, *substitution_notes(substituted, options, attention)]
+            return graph_from_recording(recorder, work.name, counted_as, fake=True, notes=notes,
+                                        cpu_stands_for_device=substituted, holders=holders)
+
+
+def _wrapped(replica: torch.nn.Module, spec: Parallel, mesh: DeviceMesh) -> torch.nn.Module:
+    if isinstance(spec, DDP):
+        # no broadcast of rank 0's weights: in a fake group it moves nothing, and its check reads values
+        return spec.apply(replica, process_group=mesh.get_group(), init_sync=False)
+    return spec.apply(replica, mesh=mesh)  # NOTE [one rank of N] 2: the mesh made outside fake mode
+
+
+def _optimizer_over(work: Workload, model: torch.nn.Module, counted_as: str) -> torch.optim.Optimizer | None:
+    """The workload's optimizer class and settings over the wrapped model's parameters, group by group."""
+    optimizer = work.optimizer
+    if optimizer is None:
+        return None
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    wrapped = dict(inner.named_parameters(remove_duplicate=False))
+    names = {id(p): name for name, p in work.model.named_parameters(remove_duplicate=False)}
+    groups = []
+    for group in optimizer.param_groups:
+        unknown = [p for p in group["params"] if id(p) not in names]
+        if unknown:
+            raise ValueError(f"the optimizer holds {len(unknown)} tensor(s) that are not parameters of the model: "
+                             "a parallel trace can only map the model's own parameters onto their shards")
+        settings = {k: v for k, v in group.items() if k != "params"}
+        # on CUDA PyTorch steps DTensor and plain parameters with foreach kernels; CPU stand-ins would loop
+        if counted_as == "cuda" and settings.get("foreach", False) is None and not settings.get("fused") \
+                and not settings.get("differentiable"):
+            settings["foreach"] = True
+        groups.append({**settings, "params": [wrapped[names[id(p)]] for p in group["params"]]})
+    return same_optimizer(optimizer, groups)
+
+
+def _warm_up(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwargs: dict, target, work: Workload,
+             optimizer: torch.optim.Optimizer | None, scaler: torch.amp.GradScaler | None) -> None:
+    """One step run as the recorded one runs (the recorder's fast paths, not recording), then DDP's rebuild."""
+
+    def mark(phase: str, scope: str | None) -> None:
+        recorder.phase, recorder.scope = phase, scope
+
+    with recorder:
+        run_step(model, args, kwargs, loss_fn=work.loss_fn, target=target, optimizer=optimizer,
+                 options=work.step_options, scaler=scaler, mark=mark)
+    rebuild_buckets(model)
