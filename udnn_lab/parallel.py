@@ -29,9 +29,11 @@ Shard = Callable[..., Any]  # fully_shard with a spec's settings: shard(module, 
 Wrap = Callable[[nn.Module, Shard], Any]  # picks the modules to shard: wrap(model, shard)
 
 
-def _check_world_size(world_size: Any) -> None:
+def _check_ranks(world_size: Any, rank: Any) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size counts the ranks (processes, one per GPU): a positive int, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank is the rank a trace describes: 0 to world_size - 1 = {world_size - 1}, got {rank!r}")
 
 
 def _check_flags(spec: Any, names: tuple[str, ...]) -> None:
@@ -62,9 +64,10 @@ class DDP:
     forward_sync_buffers: bool = True  # buffers (batch-norm statistics) go from rank 0 to all before each forward
     static_graph: bool = False
     find_unused_parameters: bool = False
+    rank: int = 0  # the rank a trace describes (every DDP rank holds the same); a real run's is its process's
 
     def __post_init__(self) -> None:
-        _check_world_size(self.world_size)
+        _check_ranks(self.world_size, self.rank)
         if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)) \
                 or not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb is the size of a gradient bucket in MiB: a positive number, "
@@ -96,9 +99,13 @@ class FSDP:
     mp_policy: MixedPrecisionPolicy | None = None  # e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     offload_params: bool = False  # CPUOffloadPolicy: sharded parameters, gradients and optimizer state on the host
     wrap: Wrap | None = None  # wrap(model, shard): which modules are sharded (None: shard_blocks)
+    # the rank a trace describes; rank 0 holds the most: a dimension that does not split evenly leaves the last
+    # ranks shorter shards (of optimizer state and its scratch; FSDP pads parameters and gradients). A real
+    # run's rank is its process's.
+    rank: int = 0
 
     def __post_init__(self) -> None:
-        _check_world_size(self.world_size)
+        _check_ranks(self.world_size, self.rank)
         reshard = self.reshard_after_forward
         if not isinstance(reshard, bool) and (not isinstance(reshard, int) or reshard < 1):
             raise ValueError(f"reshard_after_forward is True, False, or the number of ranks to reshard onto after "
@@ -171,14 +178,16 @@ def _holds_parameters(module: nn.Module) -> bool:
 
 
 def describe(spec: Parallel) -> str:
-    """One line for notes and titles: 'FSDP2 over 8 ranks (reshard after forward)'."""
+    """One line for notes and titles: 'rank 0 of FSDP2 over 8 ranks (reshard after forward)'."""
     if isinstance(spec, DDP):
-        return f"DDP over {spec.world_size} ranks ({spec.bucket_cap_mb:g} MiB buckets)"
+        return f"rank {spec.rank} of DDP over {spec.world_size} ranks ({spec.bucket_cap_mb:g} MiB buckets)"
     if isinstance(spec.reshard_after_forward, bool):
         reshard = "reshard after forward" if spec.reshard_after_forward else "no reshard after forward"
     else:
         reshard = f"reshard onto {spec.reshard_after_forward} ranks after forward"
-    return f"FSDP2 over {spec.world_size} ranks ({reshard})"
+    dtype = spec.mp_policy.param_dtype if spec.mp_policy is not None else None
+    gathered = f", parameters gathered in {str(dtype).removeprefix('torch.')}" if dtype is not None else ""
+    return f"rank {spec.rank} of FSDP2 over {spec.world_size} ranks ({reshard}{gathered})"
 
 
 def check_spec(parallel: Any) -> Parallel:

@@ -1,10 +1,11 @@
 """One rank of N in this process: a fake process group, and the two things DDP and FSDP2 need of it.
 
 NOTE [one rank of N]
-  1. A parallel trace runs the real DDP or FSDP2 code of rank 0 under fake tensors, in torch's fake
-     process group (backend "fake", a FakeStore): each collective returns at once and moves nothing,
-     so world size 1024 costs what 2 costs. Rank 0 stands for every rank: FSDP2 pads each shard to
-     one size on every rank, and DDP's replicas are the same everywhere.
+  1. A parallel trace runs the real DDP or FSDP2 code of one rank (0 by default) under fake tensors, in
+     torch's fake process group (backend "fake", a FakeStore): each collective returns at once and moves
+     nothing, so world size 1024 costs what 2 costs. DDP's ranks are alike; FSDP2's are but for uneven
+     shards (a dimension that does not split evenly leaves the last ranks shorter ones), and rank 0
+     holds the most.
   2. PyTorch's FSDPMemTracker recipe (fully_shard under FakeTensorMode) stops with
      DataDependentOutputException: aten._local_scalar_dense. The value is read by DeviceMesh, not by
      FSDP's step: fully_shard without a mesh makes the default one, and DeviceMesh.__init__ reads its
@@ -39,14 +40,14 @@ _INT_DTYPES = (torch.int32, torch.int64)
 
 
 @contextmanager
-def fake_process_group(world_size: int) -> Iterator[DeviceMesh]:
-    """This process as rank 0 of ``world_size`` in a fake process group; yields its 1-D CPU mesh
+def fake_process_group(world_size: int, rank: int = 0) -> Iterator[DeviceMesh]:
+    """This process as ``rank`` of ``world_size`` in a fake process group; yields its 1-D CPU mesh
     (NOTE [one rank of N] 2). The group is destroyed on exit, whatever happened."""
     if dist.is_initialized():
         raise RuntimeError(
-            "a parallel trace runs rank 0 of a fake process group of its own, and this process already has a "
+            "a parallel trace runs one rank of a fake process group of its own, and this process already has a "
             "process group: trace before torch.distributed.init_process_group, or in a process without one")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield init_device_mesh("cpu", (world_size,))
     finally:

@@ -35,12 +35,12 @@ STREAMS_NOTE = ("one rank's memory as referenced (memory_allocated): on CUDA, FS
 
 
 def trace_one_rank(work: Workload, parallel: Parallel, counted_as: str, fast_paths: bool) -> Graph:
-    """The Graph of rank 0 of ``parallel.world_size`` ranks running ``work``'s step (see the module's doc)."""
+    """The Graph of rank ``parallel.rank`` of ``parallel.world_size`` running ``work``'s step (the module's doc)."""
     spec = check_spec(parallel)
     device = torch.device("cpu")  # the fake group's mesh is a CPU one; counted as ``counted_as``
     substituted = counted_as != device.type
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_process_group(spec.world_size) as mesh, CompletedCollectives():
+    with fake_process_group(spec.world_size, spec.rank) as mesh, CompletedCollectives():
         replica = fake_replica(work.model, fake_mode, device)
         with fake_mode:
             model = _wrapped(replica, spec, mesh)
@@ -57,7 +57,7 @@ def trace_one_rank(work: Workload, parallel: Parallel, counted_as: str, fast_pat
                         options=options, scaler=scaler)
             holders = forward_releases(model, args, kwargs, target, work.loss_fn, recorder.run_op,  # [forward holders]
                                        options, scaler)
-            notes = [f"rank 0 of {describe(spec)}", STREAMS_NOTE, *substitution_notes(substituted, options, attention)]
+            notes = [describe(spec), STREAMS_NOTE, *substitution_notes(substituted, options, attention)]
             return graph_from_recording(recorder, work.name, counted_as, fake=True, notes=notes,
                                         cpu_stands_for_device=substituted, holders=holders)
 
