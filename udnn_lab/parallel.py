@@ -8,9 +8,10 @@ one rank of a fake process group (the prediction), so both describe one step.
 FSDP's blocks, by default (``shard_blocks``): every child of the outermost ``nn.ModuleList`` and ``nn.Sequential``
 containers that holds parameters (a transformer's layers, a ResNet's blocks, an MLP's Linear layers); a model
 without such containers has its top-level children that hold parameters; then the root, which takes what is
-left (embeddings, heads). ``FSDP(wrap=...)`` replaces the rule: ``wrap(model, shard)`` calls ``shard(module)``
-(``fully_shard`` with the spec's settings, overridable per call: ``shard(layer, reshard_after_forward=False)``)
-on the modules it picks; the root is sharded after it unless it was.
+left (embeddings, heads) and keeps its parameters from forward to backward (FSDP2's own rule for a root,
+whose parameters backward needs first). ``FSDP(wrap=...)`` replaces the rule: ``wrap(model, shard)`` calls
+``shard(module)`` (``fully_shard`` with the spec's settings, overridable per call:
+``shard(layer, reshard_after_forward=False)``) on the modules it picks; the root is sharded after it unless it was.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class FSDP:
     """FSDP2 (``torch.distributed.fsdp.fully_shard``): parameters, gradients and optimizer state are split
     over the ranks; each block's parameters are all-gathered before its forward and backward and freed after
     (``reshard_after_forward=False`` keeps them from forward to backward; an int reshards onto that many ranks),
-    its gradients reduce-scattered after its backward."""
+    its gradients reduce-scattered after its backward. The root keeps its own from forward to backward."""
 
     world_size: int
     reshard_after_forward: bool | int = True
@@ -144,7 +145,7 @@ class FSDP:
 
         (self.wrap or shard_blocks)(model, shard)
         if not isinstance(model, FSDPModule):
-            shard(model)
+            shard(model, reshard_after_forward=None)  # FSDP2's rule for a root: kept, backward needs it first
         return model
 
 

@@ -1,8 +1,8 @@
 """Each rank's measured live bytes against ``trace(..., parallel=spec)``: real DDP and FSDP2 ranks, gloo on CPU.
 
-One spawn of two ranks measures every case the way ``ul.measure`` counts (live storages after each op); this
-process traces each case once, as rank 0 of a fake process group. Two things of gloo's own are set aside, and
-only those (``_gloo_view``):
+One spawn of four ranks measures every case on two of them (and a few on all four) the way ``ul.measure``
+counts (live storages after each op); this process traces each rank of each case in a fake process group.
+Two things of gloo's own are set aside, and only those (``_gloo_view``):
   1. gloo's reduce-scatter copies its input into a buffer of its own on its worker thread, and in
      ``work.wait()`` splits it and copies this rank's chunk into the output (``aten.split``, ``aten.copy_``
      right after ``c10d._reduce_scatter_base_``). NCCL reduces in place, and so does the trace. Those two ops,
@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import udnn_lab as ul
@@ -48,8 +49,8 @@ CASES = {  # name: (zoo model, spec for a world size)
     "resnet20 FSDP, no reshard": ("resnet20", lambda world: FSDP(world, reshard_after_forward=False)),
     "gpt2-small FSDP": ("hf:gpt2", lambda world: FSDP(world)),
 }
-ON_FOUR_RANKS = ("mlp3 DDP", "mlp3 FSDP", "resnet20 FSDP")  # four processes on a small machine: a few cases
-RUNS = [(2, case) for case in CASES] + [(4, case) for case in ON_FOUR_RANKS]
+RANKS = 4  # one spawn: every case on ranks 0 and 1, a few on all four (uneven shards: 10 rows over 4 ranks)
+RUNS = [(2, case) for case in CASES] + [(RANKS, case) for case in ("mlp3 DDP", "mlp3 FSDP", "resnet20 FSDP")]
 _COMMUNICATION = CATEGORIES.index("communication")
 _REDUCE_SCATTER, _SPLIT, _COPY = "c10d._reduce_scatter_base_.default", "aten.split.Tensor", "aten.copy_.default"
 
@@ -60,30 +61,40 @@ def _workload(name: str) -> ul.Workload:
     return zoo.get(name, batch=4, optimizer="adam", seed=0)
 
 
-def _rank(rank: int, world: int, store: str, out: str, cases: list[str]) -> None:
-    """One real rank: wrap each case's model as its spec says, measure a step after two warm-up steps (DDP
-    rebuilds its buckets in the second), and leave the recorded steps in ``out``."""
+def _rank(rank: int, store: str, out: str) -> None:
+    """One real rank of four: for each run, wrap the case's model as its spec says (two-rank runs on ranks 0
+    and 1, in a group of their own), measure a step after two warm-up steps (DDP rebuilds its buckets in the
+    second), and leave the recorded steps in ``out``."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=RANKS)
     try:
+        groups = {2: dist.new_group([0, 1]), RANKS: dist.group.WORLD}
         recorded = {}
-        for case in cases:
+        for world, case in RUNS:
+            if rank >= world:
+                continue
             name, spec = CASES[case]
             work = _workload(name)
-            model = spec(world).apply(work.model)
+            model = _wrapped(spec(world), work.model, groups[world])
             optimizer = same_optimizer(work.optimizer, [{"params": list(model.parameters())}])
             measured = ul.measure(model, work.example_input, work.loss_fn, optimizer, target=work.target,
                                   warmup=2, name=case)
-            recorded[case] = measured.recorded
+            recorded[world, case] = measured.recorded
     finally:
         dist.destroy_process_group()
     Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(recorded))
 
 
-def _spawned(world: int, cases: list[str], out: Path) -> list[dict[str, ul.Graph]]:
-    """Each rank's measured steps of ``cases``; no rank outlives this call, whatever happens."""
-    context = mp.start_processes(_rank, args=(world, str(out / "store"), str(out), cases), nprocs=world,
-                                 join=False, start_method="spawn")
+def _wrapped(spec: DDP | FSDP, model: torch.nn.Module, group: dist.ProcessGroup) -> torch.nn.Module:
+    if isinstance(spec, DDP):
+        return spec.apply(model, process_group=group)
+    return spec.apply(model, mesh=DeviceMesh.from_group(group, "cpu"))
+
+
+def _spawned(out: Path) -> list[dict[tuple[int, str], ul.Graph]]:
+    """Each rank's measured steps of every run; no rank outlives this call, whatever happens."""
+    context = mp.start_processes(_rank, args=(str(out / "store"), str(out)), nprocs=RANKS, join=False,
+                                 start_method="spawn")
     deadline = time.monotonic() + RANKS_TIMEOUT_S
     try:
         while not context.join(timeout=max(1.0, deadline - time.monotonic())):  # a failed rank raises here
@@ -95,20 +106,18 @@ def _spawned(world: int, cases: list[str], out: Path) -> list[dict[str, ul.Graph
                 process.kill()
             process.join(10)
         assert not any(p.is_alive() for p in context.processes), "a rank process was left behind"
-    return [pickle.loads(Path(out, f"rank{rank}.pkl").read_bytes()) for rank in range(world)]
+    return [pickle.loads(Path(out, f"rank{rank}.pkl").read_bytes()) for rank in range(RANKS)]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{(world size, case): [(traced Graph, measured Graph) of each rank]}."""
+    measured = _spawned(tmp_path_factory.mktemp("ranks"))
     found = {}
-    for world in sorted({w for w, _ in RUNS}):
-        cases = [case for w, case in RUNS if w == world]
-        measured = _spawned(world, cases, tmp_path_factory.mktemp(f"ranks{world}"))
-        for case in cases:
-            name, spec = CASES[case]
-            found[world, case] = [(ul.trace(_workload(name), parallel=replace(spec(world), rank=rank)), m[case])
-                                  for rank, m in enumerate(measured)]
+    for world, case in RUNS:
+        name, spec = CASES[case]
+        found[world, case] = [(ul.trace(_workload(name), parallel=replace(spec(world), rank=rank)), m[world, case])
+                              for rank, m in enumerate(measured[:world])]
     return found
 
 

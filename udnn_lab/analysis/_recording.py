@@ -62,7 +62,7 @@ def record_step(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwa
                     recorder.register(param.grad, "parameter_gradient", f"grad:{name}")
             _register_optimizer_state(recorder, optimizer, named, scaler)
         except Exception as err:
-            explained = _explain(err, recorder, args, kwargs)
+            explained = explained_error(err, recorder, args, kwargs)
             if explained is err:
                 raise
             raise explained from err
@@ -100,7 +100,7 @@ def _register_optimizer_state(recorder: StepRecorder, optimizer, named: Mapping[
                 recorder.register(value, "optimizer_state", f"{owner}.{key}")
 
 
-def _explain(err: Exception, recorder: StepRecorder, args: tuple, kwargs: dict) -> Exception:
+def explained_error(err: Exception, recorder: StepRecorder, args: tuple, kwargs: dict) -> Exception:
     """Turn a failure inside the model or the loss into an error that names where it happened."""
     if isinstance(err, FAKE_LIMITS):
         return err  # trace() explains these: the model needs real values

@@ -11,6 +11,7 @@ on the way out, whatever happened; the copy goes with it.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -22,11 +23,11 @@ from udnn_lab.analysis._fake.tensors import fake_inputs, fake_replica
 from udnn_lab.analysis._fake_group import CompletedCollectives, fake_process_group, rebuild_buckets
 from udnn_lab.analysis._holders import forward_releases
 from udnn_lab.analysis._recorder import StepRecorder
-from udnn_lab.analysis._recording import graph_from_recording, record_step
+from udnn_lab.analysis._recording import explained_error, graph_from_recording, record_step
 from udnn_lab.analysis.step import grad_scaler, run_step, same_optimizer, split_input
 from udnn_lab.analysis.tracing import substitution_notes
 from udnn_lab.graph.step_graph import Graph
-from udnn_lab.parallel import DDP, Parallel, check_spec, describe
+from udnn_lab.parallel import DDP, FSDP, Parallel, check_spec, describe
 from udnn_lab.workload import Workload
 
 # how the step ran on CPU kernels, where FSDP2 and DDP on CUDA would use streams of their own
@@ -37,6 +38,11 @@ STREAMS_NOTE = ("one rank's memory as referenced (memory_allocated): on CUDA, FS
 def trace_one_rank(work: Workload, parallel: Parallel, counted_as: str, fast_paths: bool) -> Graph:
     """The Graph of rank ``parallel.rank`` of ``parallel.world_size`` running ``work``'s step (the module's doc)."""
     spec = check_spec(parallel)
+    if isinstance(spec, FSDP) and spec.offload_params:
+        raise ValueError("FSDP(offload_params=True) is not traced yet: its shards live in pinned host memory, "
+                         "which a trace on CPU kernels cannot tell from the device's. Trace without it: the device "
+                         "then holds what it holds with offload, plus the sharded parameters, gradients and "
+                         "optimizer state (the breakdown's rows of those)")
     device = torch.device("cpu")  # the fake group's mesh is a CPU one; counted as ``counted_as``
     substituted = counted_as != device.type
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -94,12 +100,21 @@ def _optimizer_over(work: Workload, model: torch.nn.Module, counted_as: str) -> 
 
 def _warm_up(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwargs: dict, target, work: Workload,
              optimizer: torch.optim.Optimizer | None, scaler: torch.amp.GradScaler | None) -> None:
-    """One step run as the recorded one runs (the recorder's fast paths, not recording), then DDP's rebuild."""
+    """One step of one micro-batch, run as the recorded one runs (the recorder's fast paths, not recording), then
+    DDP's rebuild, which a second micro-batch's forward would otherwise start with (NOTE [one rank of N] 4)."""
 
     def mark(phase: str, scope: str | None) -> None:
         recorder.phase, recorder.scope = phase, scope
 
-    with recorder:
-        run_step(model, args, kwargs, loss_fn=work.loss_fn, target=target, optimizer=optimizer,
-                 options=work.step_options, scaler=scaler, mark=mark)
+    try:
+        with recorder.watching(model), recorder:
+            run_step(model, args, kwargs, loss_fn=work.loss_fn, target=target, optimizer=optimizer,
+                     options=replace(work.step_options, grad_accumulation=1), scaler=scaler, mark=mark)
+    except Exception as err:
+        explained = explained_error(err, recorder, args, kwargs)
+        if explained is err:
+            raise
+        raise explained from err
+    finally:
+        recorder.module_stack.clear()
     rebuild_buckets(model)
