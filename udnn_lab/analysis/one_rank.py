@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from udnn_lab.analysis._fake.attention import CudaAttentionKernels
-from udnn_lab.analysis._fake.tensors import fake_inputs, fake_replica
+from udnn_lab.analysis._fake.tensors import fake_inputs, fake_replica, meta_replica
 from udnn_lab.analysis._fake_group import CompletedCollectives, fake_process_group, rebuild_buckets
 from udnn_lab.analysis._holders import forward_releases
 from udnn_lab.analysis._recorder import StepRecorder
@@ -47,14 +47,12 @@ def trace_one_rank(work: Workload, parallel: Parallel, counted_as: str, fast_pat
     substituted = counted_as != device.type
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_process_group(spec.world_size, spec.rank) as mesh, CompletedCollectives():
-        replica = fake_replica(work.model, fake_mode, device)
-        with fake_mode:
-            model = _wrapped(replica, spec, mesh)
+        model = _wrapped(work.model, spec, mesh, fake_mode, device)
+        recorder = StepRecorder(fake_mode=fake_mode, fast_paths=fast_paths)
         optimizer = _optimizer_over(work, model, counted_as)
         args, kwargs = split_input(fake_inputs(work.example_input, fake_mode, device))
         target = fake_inputs(work.target, fake_mode, device)
         options = work.step_options
-        recorder = StepRecorder(fake_mode=fake_mode, fast_paths=fast_paths)
         attention = CudaAttentionKernels() if substituted else nullcontext()
         with fake_mode, attention:
             scaler = grad_scaler(options, device)
@@ -68,11 +66,20 @@ def trace_one_rank(work: Workload, parallel: Parallel, counted_as: str, fast_pat
                                         cpu_stands_for_device=substituted, holders=holders)
 
 
-def _wrapped(replica: torch.nn.Module, spec: Parallel, mesh: DeviceMesh) -> torch.nn.Module:
+def _wrapped(model: torch.nn.Module, spec: Parallel, mesh: DeviceMesh, fake_mode: FakeTensorMode,
+             device: torch.device) -> torch.nn.Module:
+    """A copy of ``model`` wrapped as ``spec`` says, its parameters and buffers fake tensors on ``device``."""
     if isinstance(spec, DDP):
-        # no broadcast of rank 0's weights: in a fake group it moves nothing, and its check reads values
-        return spec.apply(replica, process_group=mesh.get_group(), init_sync=False)
-    return spec.apply(replica, mesh=mesh)  # NOTE [one rank of N] 2: the mesh made outside fake mode
+        replica = fake_replica(model, fake_mode, device)
+        with fake_mode:  # its buckets are made as it is built, after the parameters' kind
+            # no broadcast of rank 0's weights: in a fake group it moves nothing, and its check reads values
+            return spec.apply(replica, process_group=mesh.get_group(), init_sync=False)
+    # FSDP2's meta-device initialization: sharded on meta, where its world_size views of each parameter cost
+    # nothing (fake ones take a fake dispatch each), then made fake; the mesh comes from outside fake mode
+    # (NOTE [one rank of N] 2)
+    sharded = spec.apply(meta_replica(model), mesh=mesh)
+    with fake_mode:
+        return sharded.to_empty(device=device)
 
 
 def _optimizer_over(work: Workload, model: torch.nn.Module, counted_as: str) -> torch.optim.Optimizer | None:
