@@ -63,7 +63,7 @@ class CompletedCollectives(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func.namespace == "c10d" and isinstance(out, tuple) and len(out) == 2 \
                 and isinstance(out[1], torch.ScriptObject):
-            future: torch.futures.Future = torch.futures.Future()
+            future = torch.futures.Future()
             future.set_result(out[0])
             return out[0], _create_work_from_future(future).boxed()
         return out
