@@ -1,11 +1,12 @@
 """One rank of a step spread over many: DDP or FSDP2 run for real on a fake copy of the model, in a fake
 process group (NOTE [one rank of N] in _fake_group.py), recorded as any traced step is.
 
-The user's model and optimizer are never touched: a deep copy with fake parameters is wrapped as
-``spec.apply`` wraps a model for a real run, an optimizer of the same class and settings is made over the
-wrapped parameters, one warm-up step brings wrapper and optimizer to their steady state (FSDP's lazy init,
-DDP's bucket rebuild, optimizer state), and the next step is recorded. The fake process group is destroyed
-on the way out, whatever happened; the copy goes with it.
+The user's model and optimizer are never touched: a deep copy is wrapped as ``spec.apply`` wraps a model for
+a real run (DDP over fake parameters; FSDP2 on meta ones, then made fake, as its meta-device initialization
+goes), an optimizer of the same class and settings is made over the wrapped parameters, one warm-up step
+brings wrapper and optimizer to their steady state (FSDP's lazy init, DDP's bucket rebuild, optimizer state),
+and the next step is recorded. The fake process group is destroyed on the way out, whatever happened; the
+copy goes with it.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from udnn_lab.graph.step_graph import Graph
 from udnn_lab.parallel import DDP, FSDP, Parallel, check_spec, describe
 from udnn_lab.workload import Workload
 
-# how the step ran on CPU kernels, where FSDP2 and DDP on CUDA would use streams of their own
-STREAMS_NOTE = ("one rank's memory as referenced (memory_allocated): on CUDA, FSDP2 and DDP copy and communicate on "
-                "streams of their own and hold each buffer until the stream that uses it is done, as here")
+STREAMS_NOTE = ("one rank's memory as its tensors hold it (memory_allocated): on CUDA, FSDP2 and DDP copy and "
+                "communicate on streams of their own and keep each buffer referenced until the stream that uses it "
+                "is done, as they do here; the collectives' backend (NCCL's watchdog) may let go of one a little later")
 
 
 def trace_one_rank(work: Workload, parallel: Parallel, counted_as: str, fast_paths: bool) -> Graph:
