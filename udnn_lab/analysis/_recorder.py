@@ -12,6 +12,10 @@ NOTE [storage lifetimes]
      does not delay any release it observes.
   3. A release observed while op ``i`` is the latest recorded op is attributed to
      "right after op ``i``": it happened before op ``i + 1`` started.
+  4. The callback runs on the thread that lets go last: in a real run with several
+     ranks, that can be a collective backend's worker thread (gloo's, NCCL's watchdog)
+     finishing with a buffer after the step has; the release is then attributed to the
+     op recorded latest at that moment, which is when the memory came back.
 
 NOTE [host reads in the optimizer step]
   1. Some optimizer steps read a tensor's value on the host: the GradScaler's inf check
