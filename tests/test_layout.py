@@ -18,7 +18,8 @@ LATE_IMPORTS_ALLOWED = {"altair", "ipywidgets", "timm", "transformers", "peft", 
 LATE_MODULES_ALLOWED = {"udnn_lab.widgets"}  # the app: it imports altair and ipywidgets
 # Modules that may import more inside functions (still with a comment): the shell command loads torch and the
 # stage a command needs when that command runs, so that 'udnn-lab --help' answers at once (startup time).
-LATE_IMPORTS_BY_MODULE = {"udnn_lab.cli": {"torch", "udnn_lab"}}
+# A trace loads the one-rank tracer (DTensor and FSDP2: most of a second) only when a parallel trace is asked for.
+LATE_IMPORTS_BY_MODULE = {"udnn_lab.cli": {"torch", "udnn_lab"}, "udnn_lab.analysis.tracing": {"udnn_lab"}}
 
 
 def _modules() -> dict[str, Path]:
@@ -140,7 +141,7 @@ def test_no_import_inside_a_function_but_optional_heavy_packages_with_a_comment(
     assert not offenders, "imports inside functions:\n" + "\n".join(offenders)
 
 
-BASICS = {"errors", "units", "vocabulary", "devices", "workload"}
+BASICS = {"errors", "units", "vocabulary", "devices", "workload", "parallel"}
 ABOVE = {  # what each subpackage may import besides BASICS: the table in udnn_lab/README.md
     "graph": set(), "hardware": set(), "zoo": set(), "analysis": {"graph"},
     "cost": {"graph", "hardware", "analysis"}, "simulation": {"graph", "hardware", "cost"},

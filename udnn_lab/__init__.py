@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from udnn_lab.graph import Graph, NetworkWide, Offload, Plan, Recompute, network_wide
     from udnn_lab.hardware import Hardware
     from udnn_lab.measurement import Measurement, measure
+    from udnn_lab.parallel import DDP, FSDP
     from udnn_lab.planning import min_budget, plan, sweep
     from udnn_lab.runtime import OffloadRuntime, Run, train
     from udnn_lab.simulation import Simulation, network_wide_saving, simulate
@@ -60,6 +61,7 @@ _HOMES = {
     "BudgetTooSmall": "udnn_lab.errors",
     "Hardware": "udnn_lab.hardware",
     **dict.fromkeys(["Measurement", "measure"], "udnn_lab.measurement"),
+    **dict.fromkeys(["DDP", "FSDP"], "udnn_lab.parallel"),
     **dict.fromkeys(["min_budget", "plan", "sweep"], "udnn_lab.planning"),
     **dict.fromkeys(["OffloadRuntime", "Run", "train"], "udnn_lab.runtime"),
     **dict.fromkeys(["Simulation", "network_wide_saving", "simulate"], "udnn_lab.simulation"),
@@ -76,7 +78,7 @@ __all__ = [
     "TraceMismatch", "UdnnLabError", "UnknownHardwareError", "UnknownModelError", "Workload", "format_bytes",
     "format_seconds", "measure", "min_budget", "network_wide", "network_wide_saving", "parse_bytes", "plan",
     "profile", "simulate", "sweep", "trace", "train", "zoo",
-    "BudgetTooSmall", "FitSearch", "max_batch", "max_seq_len",
+    "BudgetTooSmall", "FitSearch", "max_batch", "max_seq_len", "DDP", "FSDP",
 ]
 assert sorted(__all__) == sorted(_HOMES), "every public name has a home, and only those"
 __version__ = "0.1.0"

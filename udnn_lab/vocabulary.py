@@ -19,6 +19,7 @@ Category = Literal[
     "gradient_map",  # produced in backward, not a parameter's gradient
     "parameter_gradient",
     "optimizer_state",
+    "communication",  # a collective's buffer: DDP's gradient buckets, FSDP's all-gather and reduce-scatter buffers
     "temporary",  # everything else: forward scratch, the loss, optimizer scratch
 ]
 CATEGORIES: tuple[Category, ...] = get_args(Category)

@@ -6,6 +6,8 @@ import vl_convert
 
 import udnn_lab as ul
 from udnn_lab import charts, frames
+from udnn_lab.charts.base import CATEGORY_COLORS
+from udnn_lab.vocabulary import CATEGORIES
 
 HW = "titan-x-maxwell"
 
@@ -240,3 +242,8 @@ def test_linked_memory_and_streams_selects_across_the_op_and_time_axes(small):
     vl_convert.vegalite_to_svg(spec)  # vega compiles it: one definition of each selection's signals
     with pytest.raises(ValueError, match="frames.timeline"):
         charts.linked_memory_and_streams(frames.memory_curve(graph, sim), frames.memory_curve(graph, sim))
+
+
+def test_every_memory_category_has_a_colour_of_its_own():
+    assert list(CATEGORY_COLORS) == list(CATEGORIES)  # communication included, in the stacking order
+    assert len(set(CATEGORY_COLORS.values())) == len(CATEGORIES)

@@ -1,8 +1,9 @@
 """Analysis: trace one training step (forward, backward, optimizer) at the level of aten ops.
 
 ``trace`` runs the step under fake tensors (no memory, no GPU) and returns a Graph; the
-recorder follows every storage from allocation to release (NOTE [storage lifetimes]).
-May import: the Graph, the vocabulary, units, errors, devices and the workload.
+recorder follows every storage from allocation to release (NOTE [storage lifetimes]). With
+``parallel=`` it is one rank's step under DDP or FSDP2 (one_rank.py, NOTE [one rank of N]).
+May import: the Graph, the vocabulary, units, errors, devices, the workload and the parallel specs.
 """
 
 from udnn_lab.analysis.tracing import trace

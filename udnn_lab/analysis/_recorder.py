@@ -12,6 +12,10 @@ NOTE [storage lifetimes]
      does not delay any release it observes.
   3. A release observed while op ``i`` is the latest recorded op is attributed to
      "right after op ``i``": it happened before op ``i + 1`` started.
+  4. The callback runs on the thread that lets go last: in a real run with several
+     ranks, that can be a collective backend's worker thread (gloo's, NCCL's watchdog)
+     finishing with a buffer after the step has; the release is then attributed to the
+     op recorded latest at that moment, which is when the memory came back.
 
 NOTE [host reads in the optimizer step]
   1. Some optimizer steps read a tensor's value on the host: the GradScaler's inf check
@@ -22,6 +26,13 @@ NOTE [host reads in the optimizer step]
      Adafactor's norms then give its smallest step size, which changes no op and no size.
   3. Only in the optimizer phase: a value read in forward or backward can decide which ops
      run, and the trace stops there (FakeTensorUnsupported).
+
+NOTE [wrapper tensors]
+  A tensor subclass that wraps others (DTensor: FSDP2's sharded parameters, their gradients and
+  optimizer state) owns no storage of its own. The recorder lets such a subclass run its own
+  dispatch first (it answers NotImplemented), so it sees the ops the subclass runs on the plain
+  tensors inside, which own the storages; a wrapper registered by role stands for its first inner
+  tensor (a DTensor for its local shard).
 """
 
 from __future__ import annotations
@@ -36,11 +47,12 @@ from functools import cache, partial
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
 from udnn_lab.analysis._fake.fast_paths import FakeFastPaths
 from udnn_lab.analysis._fake.tensors import HOST_READ, zero_of
 from udnn_lab.analysis._op_work import OpWork
+from udnn_lab.analysis._sharded import ResizedStorage
 from udnn_lab.vocabulary import AUTOGRAD_SCOPE, OPTIMIZER_SCOPE, Category
 
 _NO_SEQUENCE = 2**64 - 1  # sequence number of AccumulateGrad nodes
@@ -49,7 +61,8 @@ _NO_SEQUENCE = 2**64 - 1  # sequence number of AccumulateGrad nodes
 # step and a plain eager step would otherwise disagree on op indices).
 _SKIPPED_NAMESPACES = ("prim", "profiler")
 _SKIPPED_OPS = ("aten.detach.default",)
-_SKIP, _RECORD = "skip", "record"
+_SKIP, _RECORD, _COLLECTIVE = "skip", "record", "collective"
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")  # a process group's collectives (all-reduce, all-gather, ...)
 
 
 @cache
@@ -70,6 +83,7 @@ class StorageRecord:
     producer: int | None
     alloc_step: int
     fake: bool = False  # a fake tensor's storage (a real one may sit beside it, e.g. a step counter)
+    communicated: bool = False  # a collective (all-reduce, all-gather, ...) read or wrote it
     role: Category | None = None  # preset category: parameter, buffer, input, optimizer_state, ...
     name: str | None = None
     free_step: int | None = None
@@ -128,7 +142,10 @@ class StepRecorder(TorchDispatchMode):
         self._refs: dict[int, weakref.ref] = {}
         self._work = OpWork()
         self._names: dict = {}  # op -> its name
-        self._kinds: dict = {}  # op -> _SKIP or _RECORD
+        self._kinds: dict = {}  # op -> _SKIP, _RECORD or _COLLECTIVE
+        self._wrappers: dict[type, bool] = {}  # tensor type -> wraps other tensors (NOTE [wrapper tensors])
+        self._resizable: list[list] = []  # [weakref to storage, bytes last seen, ResizedStorage]
+        self._refilled: list[int] = []  # sids refilled before the op about to be recorded
         self._sequence_to_op: dict[int, int] = {}
         self._last_sequence = torch._C._autograd._get_sequence_nr()
         self._param_paths: dict[int, str] = {}  # id(parameter) -> name, for AccumulateGrad nodes
@@ -141,6 +158,7 @@ class StepRecorder(TorchDispatchMode):
         ``produced``: an unseen storage is an output of the op being recorded (else it
         came from outside the dispatcher, e.g. a constant, and has no producer).
         """
+        tensor = _innermost(tensor)
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):
@@ -187,15 +205,45 @@ class StepRecorder(TorchDispatchMode):
         if self.recording:
             self.sid_of(tensor, produced=True)
 
+    def watch_resizes(self, watched: list[ResizedStorage]) -> None:
+        """Follow storages that are emptied and refilled in place (NOTE [resized storages]); call before the step."""
+        self._resizable = []
+        for item in watched:
+            storage = _innermost(item.tensor).untyped_storage()
+            self._resizable.append([weakref.ref(storage), storage.nbytes(), item])
+            if storage.nbytes():
+                self.register(item.tensor, "parameter", item.name)
+
+    def poll_resizes(self) -> None:
+        """Release the watched storages found emptied, and count those found refilled as new (NOTE [resized
+        storages] 2)."""
+        for entry in self._resizable:
+            storage = entry[0]()
+            if storage is None or storage.nbytes() == entry[1]:
+                continue
+            entry[1] = size = storage.nbytes()
+            key = id(storage)
+            if key in self._live:
+                self._released(key, self._live[key], None)
+            if size:
+                item = entry[2]
+                sid = self._new_storage(storage, _innermost(item.tensor), key, produced=True)
+                self.storages[sid].role, self.storages[sid].name = "parameter", item.name
+                self._refilled.append(sid)
+
     def name_parameters(self, named: Mapping[str, torch.Tensor]) -> None:
         self._param_paths = {id(p): name for name, p in named.items()}
 
     # -- dispatch ------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(self._wraps(t) for t in types):
+            return NotImplemented  # NOTE [wrapper tensors]
         kwargs = kwargs or {}
         kind = self._kinds.get(func)
         if kind is None:
             kind = self._kinds[func] = self._classify(func)
+        if self._resizable and kind is not _SKIP and self.recording:
+            self.poll_resizes()
         out = self.run_op(func, args, kwargs)
         if kind is not _SKIP and self.recording:
             self._record(func, args, kwargs, out)
@@ -209,9 +257,17 @@ class StepRecorder(TorchDispatchMode):
             return zero_of(args[0].dtype)  # NOTE [host reads in the optimizer step] 2
         return self._fake.run(func, args, kwargs)
 
+    def _wraps(self, kind: type) -> bool:
+        wraps = self._wrappers.get(kind)
+        if wraps is None:
+            wraps = self._wrappers[kind] = is_traceable_wrapper_subclass_type(kind)
+        return wraps
+
     def _classify(self, func) -> str:
         self._names[func] = str(func)
-        return _RECORD if records_op(func) else _SKIP
+        if not records_op(func):
+            return _SKIP
+        return _COLLECTIVE if func.namespace in _COLLECTIVE_NAMESPACES else _RECORD
 
     def _record(self, func, args, kwargs, out) -> None:
         index = len(self.ops)
@@ -231,10 +287,16 @@ class StepRecorder(TorchDispatchMode):
             shapes.append(tuple(t.shape))
             if storages[sid].producer == index:
                 allocated.append(sid)
+        if self._refilled:  # NOTE [resized storages] 2: refilled for this op
+            allocated += [sid for sid in self._refilled if sid not in allocated]
+            self._refilled.clear()
         module, forward_op = self._where(index)
         flops, read, written = self._work.measure(func, args, kwargs, out)
         self.ops.append(OpRecord(index, self.phase, module, self._names[func], tuple(inputs), tuple(outputs),
                                  tuple(allocated), forward_op, tuple(shapes), flops, read, written))
+        if self._kinds[func] is _COLLECTIVE:
+            for sid in (*inputs, *outputs):
+                storages[sid].communicated = True
         if self.after_op is not None:
             self.after_op()
 
@@ -349,6 +411,14 @@ class StepRecorder(TorchDispatchMode):
             call.last_op = len(self.ops) - 1
             call.outputs = tuple(sid for t in _tensors((output,), None) if (sid := self.sid_of(t)) is not None)
             self.calls.append(call)
+
+
+def _innermost(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor a wrapper subclass holds first (a DTensor's local shard); a plain tensor itself."""
+    while is_traceable_wrapper_subclass_type(type(tensor)):
+        attributes, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+        tensor = getattr(tensor, attributes[0])
+    return tensor
 
 
 def _tensors(args, kwargs):

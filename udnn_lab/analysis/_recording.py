@@ -11,6 +11,7 @@ import torch
 
 from udnn_lab.analysis._fake.tensors import FAKE_LIMITS
 from udnn_lab.analysis._recorder import StepRecorder, StorageRecord
+from udnn_lab.analysis._sharded import resized_storages
 from udnn_lab.analysis.step import input_tensors, run_step, scaler_state
 from udnn_lab.errors import ModelInputError
 from udnn_lab.graph.step_graph import Graph, HookEvent, ModuleCall, OpInfo, TensorInfo
@@ -40,6 +41,7 @@ def record_step(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwa
     for name, buffer in model.named_buffers():
         recorder.register(buffer, "buffer", name)
     _register_optimizer_state(recorder, optimizer, named, scaler)
+    recorder.watch_resizes(resized_storages(model))
 
     def mark(phase: str, scope: str | None) -> None:
         recorder.phase, recorder.scope = phase, scope
@@ -54,12 +56,13 @@ def record_step(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwa
         try:
             run_step(model, args, kwargs, loss_fn=loss_fn, target=target, optimizer=optimizer, options=options,
                      scaler=scaler, mark=mark)
+            recorder.poll_resizes()  # what the step's end released (NOTE [resized storages] 2)
             for name, param in named.items():
                 if param.grad is not None:
                     recorder.register(param.grad, "parameter_gradient", f"grad:{name}")
             _register_optimizer_state(recorder, optimizer, named, scaler)
         except Exception as err:
-            explained = _explain(err, recorder, args, kwargs)
+            explained = explained_error(err, recorder, args, kwargs)
             if explained is err:
                 raise
             raise explained from err
@@ -100,7 +103,7 @@ def _register_optimizer_state(recorder: StepRecorder, optimizer, named: Mapping[
 HALF_ONLY_KERNEL = "to be BFloat16 or supported Float16"  # the meta kernel of aten._grouped_mm, refusing float32
 
 
-def _explain(err: Exception, recorder: StepRecorder, args: tuple, kwargs: dict) -> Exception:
+def explained_error(err: Exception, recorder: StepRecorder, args: tuple, kwargs: dict) -> Exception:
     """Turn a failure inside the model or the loss into an error that names where it happened."""
     if isinstance(err, FAKE_LIMITS):
         return err  # trace() explains these: the model needs real values
@@ -212,6 +215,8 @@ def _freeze(recorder: StepRecorder, model_name: str, device: str, fake: bool, no
 def _category(record: StorageRecord, recorder: StepRecorder) -> Category:
     if record.role is not None:
         return record.role
+    if record.communicated:
+        return "communication"
     if record.producer is None:
         return "buffer"  # a constant from outside the step (e.g. a tensor attribute that is not a buffer)
     producer = recorder.ops[record.producer]

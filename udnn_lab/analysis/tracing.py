@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from itertools import chain
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -35,7 +35,10 @@ from udnn_lab.analysis.step import (
 from udnn_lab.errors import FakeTensorUnsupported
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.vocabulary import Precision
-from udnn_lab.workload import Workload, as_workload
+from udnn_lab.workload import StepOptions, Workload, as_workload
+
+if TYPE_CHECKING:
+    from udnn_lab.parallel import Parallel
 
 CPU_FOR_CUDA_NOTE = ("no CUDA device here: traced with CPU kernels; sizes are those of the CUDA step, "
                      "cuDNN-specific saved tensors and workspaces are not included")
@@ -46,7 +49,8 @@ CPU_AUTOCAST_NOTE = ("autocast ran with the CPU's lists of ops to cast (CPU kern
 def trace(model: torch.nn.Module | Workload, example_input: Any = None, loss_fn: Callable | None = None,
           optimizer: torch.optim.Optimizer | None = None, *, target: Any = None, device: str | None = None,
           fake: bool = True, name: str | None = None, fast_paths: bool = True, precision: Precision | None = None,
-          grad_accumulation: int | None = None, clip_grad_norm: float | None = None) -> Graph:
+          grad_accumulation: int | None = None, clip_grad_norm: float | None = None,
+          parallel: Parallel | None = None) -> Graph:
     """Record one training step (forward, backward, optimizer step) as a :class:`Graph`.
 
     ``example_input``: a tensor, a tuple of positional tensors or a dict of keyword
@@ -59,12 +63,27 @@ def trace(model: torch.nn.Module | Workload, example_input: Any = None, loss_fn:
     '16-mixed', 'bf16-true', ...; by default the model's own dtype), ``grad_accumulation``
     (micro-batches per optimizer step) and ``clip_grad_norm`` (max total gradient norm): how
     the step runs (a Workload's own unless given here).
+
+    ``parallel``: ``ul.DDP(world_size, ...)`` or ``ul.FSDP(world_size, ...)``: the Graph of one rank of a step
+    spread over ``world_size`` ranks, traced from this process (NOTE [one rank of N]): DDP's or FSDP2's own code
+    runs on a copy of the model (yours stays as it is), with its gradient buckets, sharded parameters,
+    gradients and optimizer state, and all-gather and reduce-scatter buffers ("communication" in the breakdown).
     """
     work = as_workload(model, example_input, loss_fn=loss_fn, optimizer=optimizer, target=target, name=name,
                        precision=precision, grad_accumulation=grad_accumulation, clip_grad_norm=clip_grad_norm)
     run_on, counted_as = _resolve_device(work, device, fake)
+    if parallel is not None:
+        if not fake:
+            raise ValueError("a parallel trace runs under fake tensors (one rank of a fake process group): "
+                             "leave fake=True, or measure the real ranks with ul.measure in each process")
+        # DTensor and FSDP2 take most of a second to import: loaded only when a parallel trace is asked for
+        from udnn_lab.analysis.one_rank import trace_one_rank
+
+        with _explained_fake_limits():
+            return trace_one_rank(work, parallel, counted_as, fast_paths)
     if fake:
-        return _trace_fake(work, run_on, counted_as, fast_paths)
+        with _explained_fake_limits():
+            return _trace_fake(work, run_on, counted_as, fast_paths)
     return _trace_real(work, run_on)
 
 
@@ -96,36 +115,42 @@ def _trace_fake(work: Workload, device: torch.device, counted_as: str, fast_path
     recorder = StepRecorder(fake_mode=fake_mode, fast_paths=fast_paths)
     substituted = counted_as != device.type
     attention = CudaAttentionKernels(fake_mode) if substituted else nullcontext()
+    with _reparametrize_module(model, fakes, tie_weights=True), fake_mode, attention:
+        scaler = grad_scaler(options, device)  # on the device whose kernels run the step
+        record_step(recorder, model, args, kwargs, target, work.loss_fn, optimizer, track_saved=True,
+                    options=options, scaler=scaler)
+        holders = forward_releases(model, args, kwargs, target, work.loss_fn, recorder.run_op,  # [forward holders]
+                                   options, scaler)
+        return graph_from_recording(recorder, work.name, counted_as, fake=True,
+                                    notes=substitution_notes(substituted, options, attention),
+                                    cpu_stands_for_device=substituted, holders=holders)
+
+
+def substitution_notes(substituted: bool, options: StepOptions, attention: Any) -> list[str]:
+    """What the graph's notes say when CPU kernels stood in for CUDA ones."""
+    notes = [CPU_FOR_CUDA_NOTE] if substituted else []
+    if substituted and options.mixed:
+        notes.append(CPU_AUTOCAST_NOTE)
+    if getattr(attention, "substituted", 0):
+        notes.append(STAND_IN_ATTENTION_NOTE)
+    return notes
+
+
+@contextmanager
+def _explained_fake_limits():
+    """An op fake tensors cannot run becomes FakeTensorUnsupported; FakeTensorMode's own log of every failing
+    meta kernel (at ERROR) is silenced, since the error raised says it better."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
     try:
-        with _reparametrize_module(model, fakes, tie_weights=True), fake_mode, _quiet_fake_errors(), attention:
-            scaler = grad_scaler(options, device)  # on the device whose kernels run the step
-            record_step(recorder, model, args, kwargs, target, work.loss_fn, optimizer, track_saved=True,
-                        options=options, scaler=scaler)
-            holders = forward_releases(model, args, kwargs, target, work.loss_fn, recorder.run_op,  # [forward holders]
-                                       options, scaler)
-            notes = [CPU_FOR_CUDA_NOTE] if substituted else []
-            if substituted and options.mixed:
-                notes.append(CPU_AUTOCAST_NOTE)
-            if getattr(attention, "substituted", 0):
-                notes.append(STAND_IN_ATTENTION_NOTE)
-            return graph_from_recording(recorder, work.name, counted_as, fake=True, notes=notes,
-                                        cpu_stands_for_device=substituted, holders=holders)
+        yield
     except FAKE_LIMITS as err:
         op = getattr(err, "func", None) or str(err)
         raise FakeTensorUnsupported(
             f"op {op} cannot run under fake tensors: its result depends on tensor values. "
             f"Trace with a real small batch instead: ul.trace(model, small_batch, ..., fake=False)"
         ) from err
-
-
-@contextmanager
-def _quiet_fake_errors():
-    """FakeTensorMode logs every failing meta kernel at ERROR; the error we raise says it better."""
-    log = logging.getLogger("torch._subclasses.fake_tensor")
-    level = log.level
-    log.setLevel(logging.CRITICAL)
-    try:
-        yield
     finally:
         log.setLevel(level)
 

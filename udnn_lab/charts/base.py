@@ -19,7 +19,7 @@ SAVE_FORMATS: tuple[Literal["html", "png", "svg", "pdf", "json"], ...] = ("html"
 CATEGORY_COLORS = {
     "parameter": "#4c78a8", "buffer": "#9ecae9", "input": "#bab0ac", "feature_map": "#f58518",
     "weight_cast": "#b279a2", "gradient_map": "#e45756", "parameter_gradient": "#72b7b2", "optimizer_state": "#54a24b",
-    "temporary": "#eeca3b",
+    "communication": "#ff9da6", "temporary": "#eeca3b",
 }
 PHASE_COLORS = {"forward": "#dbe9f6", "backward": "#fde2cf", "optimizer": "#e2f0d9"}
 _CDN_SCRIPT = re.compile(r"<script[^>]+src=[\"']?(https?:)?//", re.IGNORECASE)

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from udnn_lab.analysis._recorder import StepRecorder
 from udnn_lab.analysis._recording import graph_from_recording, record_step
+from udnn_lab.analysis._sharded import is_distributed
 from udnn_lab.analysis.step import (
     ensure_optimizer_state,
     grad_scaler,
@@ -259,7 +260,12 @@ def _steady(recorded_step: Callable[[], Any], scaler: torch.amp.GradScaler | Non
 
 
 def _traced(work: Workload) -> Graph | None:
-    """The step under fake tensors, for the estimate and the progress bar (a second or so, no real memory)."""
+    """The step under fake tensors, for the estimate and the progress bar (a second or so, no real memory).
+
+    None for a model already wrapped for several ranks: its trace is ``trace(..., parallel=spec)`` of the model
+    before wrapping, which only the caller has."""
+    if is_distributed(work.model):
+        return None
     try:
         return trace(work)
     except UdnnLabError:  # a step fake tensors cannot run can still run for real: measure it without an estimate

@@ -8,6 +8,8 @@ what keeps a 1,000-layer trace within seconds.
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from itertools import chain
 from typing import Any
 
@@ -74,6 +76,27 @@ def fake_state(model: torch.nn.Module, fake_mode: FakeTensorMode, device: torch.
             made[id(tensor)] = fake_like(tensor, fake_mode, device)
         state[name] = made[id(tensor)]
     return state
+
+
+def fake_replica(model: torch.nn.Module, fake_mode: FakeTensorMode, device: torch.device) -> torch.nn.Module:
+    """A deep copy of ``model`` whose parameters (``nn.Parameter`` still, tied ones still tied) and buffers are
+    fake tensors on ``device``: a copy to wrap for several ranks, the user's model untouched. Call outside fake
+    mode; costs no memory for the weights, whatever device they are on (meta included)."""
+    return _replica(model, lambda t: fake_like(t, fake_mode, device))
+
+
+def meta_replica(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model`` with its parameters (tied ones still tied) and buffers on the meta device."""
+    return _replica(model, lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"))
+
+
+def _replica(model: torch.nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.nn.Module:
+    made: dict[int, Any] = {}
+    for p in model.parameters():
+        made[id(p)] = torch.nn.Parameter(make(p), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        made[id(b)] = make(b)
+    return copy.deepcopy(model, made)
 
 
 def fake_optimizer(optimizer: torch.optim.Optimizer | None, model: torch.nn.Module, fakes: dict[str, torch.Tensor],

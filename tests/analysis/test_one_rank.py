@@ -1,0 +1,122 @@
+"""trace(..., parallel=...): one rank of DDP or FSDP2, traced from this process (real ranks: test_one_rank_gloo.py)."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+import udnn_lab as ul
+from udnn_lab import zoo
+from udnn_lab.analysis._fake_group import fake_process_group
+from udnn_lab.errors import ModelInputError
+
+ALL_GATHER, REDUCE_SCATTER = "c10d._allgather_base_.default", "c10d._reduce_scatter_base_.default"
+
+
+@pytest.fixture
+def mlp():
+    return zoo.get("mlp3", batch=4, optimizer="adam")
+
+
+def _bytes(graph: ul.Graph, category: str, *, before_the_step: bool = True) -> int:
+    return sum(t.nbytes for t in graph.tensors if t.category == category and (t.alloc_step < 0) == before_the_step)
+
+
+def test_the_users_model_and_optimizer_are_left_as_they_were_and_no_process_group_is_left(mlp):
+    weights = {name: p.detach().clone() for name, p in mlp.model.named_parameters()}
+    for spec in (ul.DDP(2), ul.FSDP(2)):
+        ul.trace(mlp, parallel=spec)
+        assert not dist.is_initialized()
+        assert not any(isinstance(m, FSDPModule) for m in mlp.model.modules())
+        assert all(type(p) is torch.nn.Parameter and torch.equal(p, weights[name])
+                   for name, p in mlp.model.named_parameters())
+        assert not mlp.optimizer.state and mlp.optimizer.param_groups[0]["params"][0] is mlp.model.net[0].weight
+    mlp.model(mlp.example_input).sum().backward()  # still an ordinary model
+
+
+def test_the_process_group_is_torn_down_when_the_step_fails(mlp):
+    with pytest.raises(ModelInputError):
+        ul.trace(mlp.model, torch.zeros(4, 5), parallel=ul.FSDP(2))
+    assert not dist.is_initialized()
+
+
+def test_fsdp_shards_parameters_and_optimizer_state_the_first_ranks_holding_the_rounded_up_share(mlp):
+    graph = ul.trace(mlp, parallel=ul.FSDP(4))
+    shards = {name: math.ceil(p.shape[0] / 4) * p[0].numel() * 4 for name, p in mlp.model.named_parameters()}
+    sharded = {t.name: t.nbytes for t in graph.tensors if t.category == "parameter" and t.alloc_step < 0}
+    assert sharded == shards  # net.4.weight: 10 rows over 4 ranks, 3 on rank 0
+    moments = {t.name: t.nbytes for t in graph.tensors if t.name.endswith((".exp_avg", ".exp_avg_sq"))}
+    assert moments == {f"{name}.{m}": size for name, size in shards.items() for m in ("exp_avg", "exp_avg_sq")}
+    last = ul.trace(mlp, parallel=ul.FSDP(4, rank=3))  # 1 row of net.4.weight: less optimizer state
+    assert _bytes(last, "optimizer_state") == _bytes(graph, "optimizer_state") - 2 * 4 * (2 * 1024 + 2)
+    assert ul.trace(mlp, parallel=ul.FSDP(1024)).tensor("net.2.weight").nbytes == 1024 * 4  # one row each
+
+
+def test_unsharded_parameters_are_gathered_for_each_block_and_freed_after_it_or_kept_to_backward(mlp):
+    resharded = ul.trace(mlp, parallel=ul.FSDP(2))
+    kept = ul.trace(mlp, parallel=ul.FSDP(2, reshard_after_forward=False))
+    for graph, gathers in ((resharded, 2), (kept, 1)):  # forward and backward, or forward only
+        unsharded = [t for t in graph.tensors if t.name.endswith("(unsharded)")]
+        assert {t.category for t in unsharded} == {"parameter"}
+        assert len(unsharded) == gathers * len(list(mlp.model.parameters()))
+        assert all(t.producer is not None and t.free_step is not None for t in unsharded)
+    backward = [op.name for op in resharded.ops if op.phase == "backward"]
+    # before the first block's backward computes, FSDP2 has gathered it and prefetched the next one
+    assert backward[:backward.index("aten.mm.default")].count(ALL_GATHER) == 2
+    assert ALL_GATHER not in [op.name for op in kept.ops if op.phase == "backward"]
+    assert kept.peak_bytes > resharded.peak_bytes
+
+
+def test_fsdp_communication_buffers_live_within_the_step_and_feed_the_collectives(mlp):
+    graph = ul.trace(mlp, parallel=ul.FSDP(2))
+    buffers = [t for t in graph.tensors if t.category == "communication"]
+    assert buffers and all(0 <= t.alloc_step < t.free_step for t in buffers)
+    fed = {graph.ops[i].name for t in buffers for i in t.consumers} & {ALL_GATHER, REDUCE_SCATTER}
+    assert fed == {ALL_GATHER, REDUCE_SCATTER}
+    assert graph.breakdown().loc["communication", "max_bytes"] > 0
+
+
+def test_ddp_buckets_hold_a_second_copy_of_the_gradients_unless_the_gradients_are_their_views(mlp):
+    parameters = sum(p.numel() * 4 for p in mlp.model.parameters())
+    copies = ul.trace(mlp, parallel=ul.DDP(2))
+    views = ul.trace(mlp, parallel=ul.DDP(2, gradient_as_bucket_view=True))
+    assert _bytes(copies, "communication") == parameters and _bytes(copies, "parameter") == parameters
+    assert _bytes(views, "communication") == 0 and _bytes(views, "parameter_gradient") == parameters
+    assert copies.peak_bytes - views.peak_bytes == parameters
+    single = ul.trace(mlp)
+    assert copies.peak_bytes == single.peak_bytes + parameters  # a replica, plus its buckets
+
+
+def test_a_wrapping_function_of_ones_own_picks_the_blocks(mlp):
+    def middle_only(model, shard):
+        shard(model.net[2], reshard_after_forward=False)
+
+    graph = ul.trace(mlp, parallel=ul.FSDP(2, wrap=middle_only))
+    gathered = [t.name for t in graph.tensors if t.name.endswith("(unsharded)")]
+    assert sorted(gathered) == sorted(f"{name} (unsharded)" for name, _ in mlp.model.named_parameters())
+    assert graph.notes[0] == "rank 0 of FSDP2 over 2 ranks (reshard after forward)"
+
+
+def test_what_a_parallel_trace_cannot_do_is_refused_with_what_to_do_instead(mlp):
+    with pytest.raises(ValueError, match="leave fake=True"):
+        ul.trace(mlp, parallel=ul.DDP(2), fake=False)
+    with pytest.raises(ValueError, match="offload_params=True"):
+        ul.trace(mlp, parallel=ul.FSDP(2, offload_params=True))
+    with pytest.raises(TypeError, match="parallel is ul.DDP"):
+        ul.trace(mlp, parallel=2)
+    with fake_process_group(2):
+        with pytest.raises(RuntimeError, match="already has a process group"):
+            ul.trace(mlp, parallel=ul.FSDP(2))
+    assert not dist.is_initialized()
+
+
+def test_fully_shard_under_fake_tensors_reads_a_value_only_where_it_makes_its_own_mesh():
+    """NOTE [one rank of N] 2: FSDPMemTracker's recipe stops in DeviceMesh, which a mesh made first avoids."""
+    with fake_process_group(2) as mesh:
+        with FakeTensorMode(), pytest.raises(DataDependentOutputException, match="_local_scalar_dense"):
+            fully_shard(torch.nn.Linear(4, 4))
+        with FakeTensorMode():
+            fully_shard(torch.nn.Linear(4, 4), mesh=mesh)

@@ -1,0 +1,78 @@
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+import udnn_lab as ul
+from udnn_lab import zoo
+from udnn_lab.parallel import DDP, FSDP, blocks, check_spec, describe
+
+
+@pytest.mark.parametrize("world_size", [0, -2, 2.0, True, "8", None])
+def test_a_world_size_that_is_not_a_positive_int_is_refused_saying_what_it_counts(world_size):
+    for spec in (DDP, FSDP):
+        with pytest.raises(ValueError, match="world_size counts the ranks"):
+            spec(world_size)
+
+
+@pytest.mark.parametrize("rank", [-1, 4, 1.0, False])
+def test_a_rank_outside_the_world_is_refused(rank):
+    with pytest.raises(ValueError, match="0 to world_size - 1 = 3"):
+        FSDP(4, rank=rank)
+    assert FSDP(4, rank=3).rank == 3
+
+
+def test_bad_settings_are_refused_naming_the_setting():
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        DDP(2, bucket_cap_mb=0)
+    with pytest.raises(ValueError, match="gradient_as_bucket_view is True or False"):
+        DDP(2, gradient_as_bucket_view=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="reshard_after_forward"):
+        FSDP(2, reshard_after_forward=0)
+    with pytest.raises(ValueError, match="MixedPrecisionPolicy"):
+        FSDP(2, mp_policy=torch.bfloat16)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="offload_params"):
+        FSDP(2, offload_params="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"wrap\(model, shard\)"):
+        FSDP(2, wrap="layers")  # type: ignore[arg-type]
+
+
+def test_specs_are_frozen_and_public_and_say_what_they_are():
+    spec = ul.FSDP(8, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    with pytest.raises(AttributeError):
+        spec.world_size = 4  # type: ignore[misc]
+    assert ul.DDP is DDP and ul.FSDP is FSDP
+    assert describe(spec) == "rank 0 of FSDP2 over 8 ranks (reshard after forward, parameters gathered in bfloat16)"
+    assert describe(DDP(4, rank=2)) == "rank 2 of DDP over 4 ranks (25 MiB buckets)"
+    assert check_spec(spec) is spec
+    with pytest.raises(TypeError, match=r"ul.DDP\(world_size, ...\) or ul.FSDP"):
+        check_spec("fsdp")
+
+
+def _paths(model: nn.Module) -> list[str]:
+    names = {id(m): name for name, m in model.named_modules()}
+    return [names[id(m)] for m in blocks(model)]
+
+
+def test_fsdp_blocks_are_the_children_of_the_outermost_containers_that_hold_parameters():
+    assert _paths(zoo.get("mlp3").model) == ["net.0", "net.2", "net.4"]  # the ReLUs hold none
+    assert _paths(zoo.get("resnet20").model) == [f"layer{s}.{b}" for s in (1, 2, 3) for b in (0, 1)]
+    gpt2 = zoo.get("hf:gpt2", small=True, batch=1, seq_len=8).model
+    assert _paths(gpt2) == ["transformer.h.0", "transformer.h.1"]
+    assert _paths(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))) == ["0", "2"]
+
+
+def test_a_model_without_containers_has_its_top_level_children_as_blocks():
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.act, self.head = nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)
+
+    assert _paths(TwoHeads()) == ["body", "head"]
+
+
+def test_apply_needs_the_process_group_of_a_real_run_and_says_so():
+    with pytest.raises(RuntimeError, match="initialize the process group first"):
+        FSDP(2).apply(nn.Linear(2, 2))
+    with pytest.raises(RuntimeError, match=r"ul.trace\(..., parallel=spec\)"):
+        DDP(2).apply(nn.Linear(2, 2))

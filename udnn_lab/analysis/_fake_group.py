@@ -1,0 +1,90 @@
+"""One rank of N in this process: a fake process group, and the two things DDP and FSDP2 need of it.
+
+NOTE [one rank of N]
+  1. A parallel trace runs the real DDP or FSDP2 code of one rank (0 by default) under fake tensors, in
+     torch's fake process group (backend "fake", a FakeStore): each collective returns at once and moves
+     nothing, so world size 1024 costs what 2 costs. DDP's ranks are alike; FSDP2's are but for uneven
+     shards (a dimension that does not split evenly leaves the last ranks shorter ones), and rank 0
+     holds the most.
+  2. PyTorch's FSDPMemTracker recipe (fully_shard under FakeTensorMode) stops with
+     DataDependentOutputException: aten._local_scalar_dense. The value is read by DeviceMesh, not by
+     FSDP's step: fully_shard without a mesh makes the default one, and DeviceMesh.__init__ reads its
+     rank map with ``.tolist()``, a tensor made under fake mode (so without values). The mesh is made
+     here, before fake mode is entered, and handed to fully_shard.
+  3. The fake group's works complete without a value, but DDP's reducer takes the all-reduced bucket
+     from its work's future (its built-in all-reduce hook), and stops with "expected the hook result is
+     either a Tensor or a TensorList found None". ``CompletedCollectives`` gives each collective's work a
+     future holding the collective's tensors, as gloo's and NCCL's works have.
+  4. DDP rebuilds its buckets once, in the order gradients came in the first backward, before the
+     second forward; on the way rank 0 broadcasts the new bucket layout in two small int tensors it
+     writes and reads on the host. ``rebuild_buckets`` runs that rebuild after the trace's warm-up step,
+     the ops on those host tensors (no fake tensor among their arguments) running for real.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import FakeStore, _create_work_from_future
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.nn.parallel import DistributedDataParallel
+from torch.testing._internal.distributed import fake_pg  # registers the "fake" backend  # noqa: F401
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
+from torch.utils._pytree import tree_leaves
+
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+@contextmanager
+def fake_process_group(world_size: int, rank: int = 0) -> Iterator[DeviceMesh]:
+    """This process as ``rank`` of ``world_size`` in a fake process group; yields its 1-D CPU mesh
+    (NOTE [one rank of N] 2). The group is destroyed on exit, whatever happened."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "a parallel trace runs one rank of a fake process group of its own, and this process already has a "
+            "process group: trace before torch.distributed.init_process_group, or in a process without one")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+class CompletedCollectives(TorchDispatchMode):
+    """Each collective's work holds a future with the collective's tensors (NOTE [one rank of N] 3)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented  # a DTensor runs its own dispatch first (NOTE [wrapper tensors])
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "c10d" and isinstance(out, tuple) and len(out) == 2 \
+                and isinstance(out[1], torch.ScriptObject):
+            future = torch.futures.Future()
+            future.set_result(out[0])
+            return out[0], _create_work_from_future(future).boxed()
+        return out
+
+
+class _HostIndices(TorchDispatchMode):
+    """Ops on real tensors only, and int tensors made from nothing, run for real (NOTE [one rank of N] 4)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        made_on_host = not tensors and kwargs.get("dtype") in _INT_DTYPES
+        if made_on_host or (tensors and not any(isinstance(t, FakeTensor) for t in tensors)):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def rebuild_buckets(model: torch.nn.Module) -> None:
+    """DDP's one rebuild of its gradient buckets, as its second forward would start with it (NOTE [one rank of
+    N] 4); nothing for another model."""
+    if isinstance(model, DistributedDataParallel):
+        with _HostIndices():
+            model.reducer._rebuild_buckets()

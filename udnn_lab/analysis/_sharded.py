@@ -1,0 +1,56 @@
+"""The storages FSDP2 frees and refills in place, for the recorder to watch.
+
+NOTE [resized storages]
+  1. FSDP2 (``fully_shard``) keeps each parameter's unsharded tensor for the whole run and frees its bytes
+     by ``untyped_storage().resize_(0)`` after use (reshard), giving them back by ``resize_(n)`` before the
+     next all-gather copies into it (``FSDPParam.all_gather_outputs``, and the inner tensors of all-gather
+     extensions). A storage resize is not an op: no dispatch mode sees it, and the storage object, which
+     the recorder knows storages by (NOTE [storage lifetimes] 1), stays the same.
+  2. So the recorder polls these storages' sizes before each op and when the step ends. A storage found
+     emptied was released right after the op before (NOTE [storage lifetimes] 3); one found refilled is a
+     new storage of its parameter, allocated by the op about to run (the all-gather's copy-out), with the
+     category "parameter".
+  3. The tensors are FSDP's private state (as PyTorch's own FSDPMemTracker reads it). Their list exists
+     after the first step (FSDP's lazy init), which is why every measured or traced step comes after one.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+@dataclass(frozen=True)
+class ResizedStorage:
+    """A tensor whose storage FSDP resizes in place, and what to call it."""
+
+    tensor: torch.Tensor
+    name: str  # '<parameter> (unsharded)'
+
+
+def fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that ``fully_shard`` was applied to (none when FSDP was never imported)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing can have been sharded (saves 0.7 s)
+    if fsdp is None:
+        return []
+    return [m for m in model.modules() if isinstance(m, fsdp.FSDPModule)]
+
+
+def is_distributed(model: nn.Module) -> bool:
+    """Whether ``model`` is already wrapped for several ranks (DistributedDataParallel, or fully_shard applied)."""
+    return isinstance(model, DistributedDataParallel) or bool(fsdp_modules(model))
+
+
+def resized_storages(model: nn.Module) -> list[ResizedStorage]:
+    """Every unsharded-parameter tensor of the FSDP2 modules in ``model`` (NOTE [resized storages] 3)."""
+    found = []
+    for module in fsdp_modules(model):
+        for group in module._get_fsdp_state()._fsdp_param_groups:  # type: ignore[operator]
+            for param in group.fsdp_params:
+                name = f"{param._param_fqn} (unsharded)"
+                found += [ResizedStorage(t, name) for t in (*param.all_gather_outputs, *param._unsharded_inner_tensors)]
+    return found

@@ -1,0 +1,128 @@
+"""One rank of a step spread over many: DDP or FSDP2 run for real on a fake copy of the model, in a fake
+process group (NOTE [one rank of N] in _fake_group.py), recorded as any traced step is.
+
+The user's model and optimizer are never touched: a deep copy is wrapped as ``spec.apply`` wraps a model for
+a real run (DDP over fake parameters; FSDP2 on meta ones, then made fake, as its meta-device initialization
+goes), an optimizer of the same class and settings is made over the wrapped parameters, one warm-up step
+brings wrapper and optimizer to their steady state (FSDP's lazy init, DDP's bucket rebuild, optimizer state),
+and the next step is recorded. The fake process group is destroyed on the way out, whatever happened; the
+copy goes with it.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import replace
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
+
+from udnn_lab.analysis._fake.attention import CudaAttentionKernels
+from udnn_lab.analysis._fake.tensors import fake_inputs, fake_replica, meta_replica
+from udnn_lab.analysis._fake_group import CompletedCollectives, fake_process_group, rebuild_buckets
+from udnn_lab.analysis._holders import forward_releases
+from udnn_lab.analysis._recorder import StepRecorder
+from udnn_lab.analysis._recording import explained_error, graph_from_recording, record_step
+from udnn_lab.analysis.step import grad_scaler, run_step, same_optimizer, split_input
+from udnn_lab.analysis.tracing import substitution_notes
+from udnn_lab.graph.step_graph import Graph
+from udnn_lab.parallel import DDP, FSDP, Parallel, check_spec, describe
+from udnn_lab.workload import Workload
+
+STREAMS_NOTE = ("one rank's memory as its tensors hold it (memory_allocated): on CUDA, FSDP2 and DDP copy and "
+                "communicate on streams of their own and keep each buffer referenced until the stream that uses it "
+                "is done, as they do here; the collectives' backend (NCCL's watchdog) may let go of one a little later")
+
+
+def trace_one_rank(work: Workload, parallel: Parallel, counted_as: str, fast_paths: bool) -> Graph:
+    """The Graph of rank ``parallel.rank`` of ``parallel.world_size`` running ``work``'s step (the module's doc)."""
+    spec = check_spec(parallel)
+    if isinstance(spec, FSDP) and spec.offload_params:
+        raise ValueError("FSDP(offload_params=True) is not traced yet: its shards live in pinned host memory, "
+                         "which a trace on CPU kernels cannot tell from the device's. Trace without it: the device "
+                         "then holds what it holds with offload, plus the sharded parameters, gradients and "
+                         "optimizer state (the breakdown's rows of those)")
+    device = torch.device("cpu")  # the fake group's mesh is a CPU one; counted as ``counted_as``
+    substituted = counted_as != device.type
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_process_group(spec.world_size, spec.rank) as mesh, CompletedCollectives():
+        model = _wrapped(work.model, spec, mesh, fake_mode, device)
+        recorder = StepRecorder(fake_mode=fake_mode, fast_paths=fast_paths)
+        optimizer = _optimizer_over(work, model, counted_as)
+        args, kwargs = split_input(fake_inputs(work.example_input, fake_mode, device))
+        target = fake_inputs(work.target, fake_mode, device)
+        options = work.step_options
+        attention = CudaAttentionKernels(fake_mode) if substituted else nullcontext()
+        with fake_mode, attention:
+            scaler = grad_scaler(options, device)
+            _warm_up(recorder, model, args, kwargs, target, work, optimizer, scaler)
+            record_step(recorder, model, args, kwargs, target, work.loss_fn, optimizer, track_saved=True,
+                        options=options, scaler=scaler)
+            holders = forward_releases(model, args, kwargs, target, work.loss_fn, recorder.run_op,  # [forward holders]
+                                       options, scaler)
+            notes = [describe(spec), STREAMS_NOTE, *substitution_notes(substituted, options, attention)]
+            return graph_from_recording(recorder, work.name, counted_as, fake=True, notes=notes,
+                                        cpu_stands_for_device=substituted, holders=holders)
+
+
+def _wrapped(model: torch.nn.Module, spec: Parallel, mesh: DeviceMesh, fake_mode: FakeTensorMode,
+             device: torch.device) -> torch.nn.Module:
+    """A copy of ``model`` wrapped as ``spec`` says, its parameters and buffers fake tensors on ``device``."""
+    if isinstance(spec, DDP):
+        replica = fake_replica(model, fake_mode, device)
+        with fake_mode:  # its buckets are made as it is built, after the parameters' kind
+            # no broadcast of rank 0's weights: in a fake group it moves nothing, and its check reads values
+            return spec.apply(replica, process_group=mesh.get_group(), init_sync=False)
+    # FSDP2's meta-device initialization: sharded on meta, where its world_size views of each parameter cost
+    # nothing (fake ones take a fake dispatch each), then made fake; the mesh comes from outside fake mode
+    # (NOTE [one rank of N] 2)
+    sharded = spec.apply(meta_replica(model), mesh=mesh)
+    with fake_mode:
+        return sharded.to_empty(device=device)
+
+
+def _optimizer_over(work: Workload, model: torch.nn.Module, counted_as: str) -> torch.optim.Optimizer | None:
+    """The workload's optimizer class and settings over the wrapped model's parameters, group by group."""
+    optimizer = work.optimizer
+    if optimizer is None:
+        return None
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    wrapped = dict(inner.named_parameters(remove_duplicate=False))
+    names = {id(p): name for name, p in work.model.named_parameters(remove_duplicate=False)}
+    groups = []
+    for group in optimizer.param_groups:
+        unknown = [p for p in group["params"] if id(p) not in names]
+        if unknown:
+            raise ValueError(f"the optimizer holds {len(unknown)} tensor(s) that are not parameters of the model: "
+                             "a parallel trace can only map the model's own parameters onto their shards")
+        settings = {k: v for k, v in group.items() if k != "params"}
+        # on CUDA PyTorch steps DTensor and plain parameters with foreach kernels; CPU stand-ins would loop
+        if counted_as == "cuda" and settings.get("foreach", False) is None and not settings.get("fused") \
+                and not settings.get("differentiable"):
+            settings["foreach"] = True
+        groups.append({**settings, "params": [wrapped[names[id(p)]] for p in group["params"]]})
+    return same_optimizer(optimizer, groups)
+
+
+def _warm_up(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwargs: dict, target, work: Workload,
+             optimizer: torch.optim.Optimizer | None, scaler: torch.amp.GradScaler | None) -> None:
+    """One step of one micro-batch, run as the recorded one runs (the recorder's fast paths, not recording), then
+    DDP's rebuild, which a second micro-batch's forward would otherwise start with (NOTE [one rank of N] 4)."""
+
+    def mark(phase: str, scope: str | None) -> None:
+        recorder.phase, recorder.scope = phase, scope
+
+    try:
+        with recorder.watching(model), recorder:
+            run_step(model, args, kwargs, loss_fn=work.loss_fn, target=target, optimizer=optimizer,
+                     options=replace(work.step_options, grad_accumulation=1), scaler=scaler, mark=mark)
+    except Exception as err:
+        explained = explained_error(err, recorder, args, kwargs)
+        if explained is err:
+            raise
+        raise explained from err
+    finally:
+        recorder.module_stack.clear()
+    rebuild_buckets(model)
