@@ -25,6 +25,7 @@ from udnn_lab.planning.vdnn import MARGINS, SIZE_FLOOR, pinned_pool_bytes
 from udnn_lab.simulation.simulator import simulate_with
 
 LOOKAHEAD = 2
+_NOT_CONTENDERS = ("auto", "vdnn-dyn", "optimal")  # vdnn-dyn picks among others; optimal is the exact reference
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ def auto(graph: Graph, cost: CostModel, budget: int | None) -> Plan:
     if budget is None:
         return Plan.keep_all(graph)  # nothing to save: every action only adds time
     contenders = [joint(graph, cost, budget)]
-    contenders += [POLICIES[name](graph, cost, budget) for name in POLICIES if name not in ("auto", "vdnn-dyn")]
+    contenders += [POLICIES[name](graph, cost, budget) for name in POLICIES if name not in _NOT_CONTENDERS]
     best = None
     for plan in contenders:
         sim = simulate_with(graph, plan, cost)
