@@ -23,6 +23,7 @@ from udnn_lab.planning._exact_options import Choice, Menu
 
 MIB = float(1 << 20)
 GAP = 1e-3  # solved: the plan is proven within 0.1% of the fastest of the menu
+STREAM_STARTS = 24
 
 
 @dataclass
@@ -228,13 +229,14 @@ class _Builder:
         A stream does one copy at a time: the copies out that start after op s and must be done
         before a release op r fit between s's end and r; the copies in issued at or after op s
         whose first readers come no later than op k fit between s and k. The sums run along a
-        chain of running totals, one per s, so that rows stay short.
+        chain of running totals, one per s, so that rows stay short; at most STREAM_STARTS values
+        of s, spread evenly, so that the rows grow with the ops and not with their square.
         """
         out: dict[tuple[int, int], list[tuple[int, float]]] = {}
         for i, o in enumerate(self.menu.offloads):
             for r, chosen in self.release[i].items():
                 out.setdefault((o.candidate.last_forward, r), []).append((chosen, o.d2h_s / self.unit))
-        for s in sorted({a for a, _ in out}):
+        for s in _spread(sorted({a for a, _ in out})):
             self._running([(r, terms) for (a, r), terms in out.items() if a >= s],
                           lambda r, total, s=s: ({self.P[r]: 1.0, self.Q[s]: -1.0, total: -1.0},
                                                  float(self.times[s])))
@@ -242,7 +244,7 @@ class _Builder:
         for i, o in enumerate(self.menu.offloads):
             for (q, chosen), reader in zip(self.prefetch[i].items(), o.readers):
                 into.setdefault((q, reader), []).append((chosen, o.h2d_s / self.unit))
-        for s in sorted({q for q, _ in into}):
+        for s in _spread(sorted({q for q, _ in into})):
             self._running([(k, terms) for (q, k), terms in into.items() if q >= s],
                           lambda k, total, s=s: ({self.Q[k]: 1.0, self.P[s]: -1.0, total: -1.0}, 0.0))
 
@@ -305,3 +307,10 @@ class _Builder:
             if release and prefetch:
                 offloads.append((i, release[0], prefetch[0]))
         return Choice(tuple(offloads), tuple(j for j, v in enumerate(self.recompute) if x[v] > 0.5))
+
+
+def _spread(values: list[int], most: int = STREAM_STARTS) -> list[int]:
+    """At most ``most`` of ``values``, evenly spread, the first and the last among them."""
+    if len(values) <= most:
+        return values
+    return [values[round(k * (len(values) - 1) / (most - 1))] for k in range(most)]

@@ -47,7 +47,7 @@ from udnn_lab.units import format_bytes
 
 NAME = "optimal"
 TIME_LIMIT_S = 60.0
-MAX_BINARIES = 20_000  # a larger program is not started: HiGHS does not finish one in minutes
+MAX_BINARIES = 100_000  # a larger program is not built; ResNet-1001 at batch 2 (42k) is built and solved in ~20 s
 _REPAIRS = 3
 _NOT_SEEDS = ("keep-all", "auto", "vdnn-dyn", NAME)  # auto and vdnn-dyn pick among the others
 
