@@ -2,27 +2,30 @@
 
 Per saved tensor it chooses keep, offload or recompute, minimizing the step time under the
 budget, as Checkmate does for recomputation (and PyTorch's ``torch/distributed/_tools/sac_ilp.py``
-per module), with offload added: the copy streams, the points where memory is let go and
-taken back, and the waits they cause are rows of the program. It is exact over a menu of
-choices (``_exact_options``): a few release and prefetch ops per tensor, recomputations that
-remake their inputs up to a few levels back, the segments of segment checkpointing, and the
-release and prefetch ops of every other policy's plan (so each of those plans is one of its
-choices). HiGHS solves it (SciPy's ``milp``: ``pip install 'udnn_lab[exact]'``) within a
-time limit; a graph whose program is too large, or a solve that does not finish, raises
-SolverLimit.
+per module), with offload added: the copy streams, the ops where memory is let go and taken
+back, and the waits they cause are rows of the program (``_milp``). It is exact over a menu
+of choices (``_exact_options``): a few release and prefetch ops per tensor, recomputations
+that remake their inputs up to three levels back, the segments of segment checkpointing, and
+the release and prefetch ops of every other policy's plan, so that each of those plans is one
+of its choices; the fastest of them that fits is where the solver starts. Choices that free
+nothing where the keep-all curve is over the budget are left out (they can only cost time).
+HiGHS solves it (``pip install 'udnn_lab[exact]'``, which brings highspy) to within 0.1% of
+the menu's best, within a time limit; a program too large to build, or a solve that does not
+finish, raises SolverLimit.
 
 How its time differs from the simulator's (NOTE [simulated streams]), which has the last word:
 the program follows the same recursions (ops in order, one FIFO stream each way, a release op
 waiting for its copy out, the first reader of a prefetched tensor waiting for its copy in,
 recomputations before their op) for the plans it can express, so for those it predicts the
-simulated step time up to the solver's tolerances. It does not model the simulator's waits for
-memory (a plan within the budget at every op has none with explicit release points), copies in
-pageable memory, or vDNN's per-layer waits (its plans never use them). Its memory is the
-keep-all curve less what is away, op by op, as the simulator counts it; a replay's scratch
-tensors are not counted, as in the simulator. The plan it returns is simulated: if its peak
-is over the budget (by the solver's tolerance), the program is solved again for a budget
-lowered by the excess; if it still does not fit, the plan is returned as it is and
-``ul.plan`` reports the budget infeasible.
+simulated step time up to float rounding (1.6e-15 of the step at most, over the solves of
+tests/planning/test_optimal.py's graphs). It does not model the simulator's waits for memory
+(a plan with explicit release points that fits at every op has none), copies through pageable
+memory, or vDNN's per-layer waits: its own plans use none of them. Its memory is the keep-all
+curve less what is away, op by op, as the simulator counts it (a replay's scratch tensors are
+not counted, as in the simulator). The plan it returns is simulated: if its peak is over the
+budget (by the solver's tolerance), the program is solved again for a budget lowered by the
+excess; if it still does not fit, the plan is returned as it is and ``ul.plan`` reports the
+budget infeasible.
 """
 
 from __future__ import annotations
