@@ -80,25 +80,30 @@ def _optimal(graph, cost, budget: int, time_limit_s: float) -> dict:
 
 
 def targets(models: list[dict]) -> dict:
-    """Each target, and every case that misses it."""
-    far, slower, rising = [], [], []
+    """Each target, and every case that misses it. A plan the solver found but did not prove is no slower than
+    the optimum, so auto more than 2% slower than it misses the target by at least that much."""
+    proven_far, found_far, slower, rising = [], [], [], []
     for m in models:
         label = f"{m['model']} b{m['batch']}"
         autos = []
         for row in m["rows"]:
             auto, best = row["policies"]["auto"]["step_time_s"], row["optimal"]
             autos.append(auto)
-            if auto is not None and best["proven"] and best["step_time_s"] is not None \
-                    and auto > best["step_time_s"] * (1 + WITHIN):
-                far.append(f"{label} at {format_bytes(row['budget_bytes'])}: {auto / best['step_time_s'] - 1:+.1%}")
+            where = f"{label} at {format_bytes(row['budget_bytes'])}"
+            if auto is not None and best["step_time_s"] is not None and auto > best["step_time_s"] * (1 + WITHIN):
+                (proven_far if best["proven"] else found_far).append(
+                    f"{where}: {auto / best['step_time_s'] - 1:+.1%}")
             for policy, other in row["policies"].items():
                 if other["fits"] and (auto is None or auto > other["step_time_s"] * (1 + TOLERANCE)):
-                    slower.append(f"{label} at {format_bytes(row['budget_bytes'])}: {policy}")
+                    slower.append(f"{where}: {policy}")
         for smaller, larger in zip(autos, autos[1:]):
             if smaller is not None and (larger is None or larger > smaller * (1 + TOLERANCE)):
                 rising.append(label)
     proven = sum(r["optimal"]["proven"] for m in models for r in m["rows"])
-    return {"auto_within_2pct_of_proven_optimum": {"met": not far, "proven_cases": proven, "misses": far},
+    return {"auto_within_2pct_of_proven_optimum": {"met": not proven_far, "proven_cases": proven,
+                                                    "cases": sum(len(m["rows"]) for m in models),
+                                                    "misses": proven_far},
+            "auto_within_2pct_of_unproven_plans": {"met": not found_far, "misses": found_far},
             "auto_never_slower_than_a_policy": {"met": not slower, "misses": slower},
             "auto_non_increasing_with_budget": {"met": not rising, "misses": sorted(set(rising))}}
 

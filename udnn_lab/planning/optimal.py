@@ -103,6 +103,8 @@ def exact_plan(graph: Graph, cost: CostModel, budget: int | None, time_limit_s: 
         start, upper = _start(graph, options, seeded, curve > target, target)
         began = time.perf_counter()
         outcome = solve(options, times, curve, target, time_limit_s, start, upper)
+        if outcome.status == "infeasible" and start is not None:  # the start's time, as a bound, cut too deep
+            outcome = solve(options, times, curve, target, time_limit_s)
         seconds += time.perf_counter() - began
         if outcome.choice is None:
             if outcome.status == "infeasible":
