@@ -17,7 +17,7 @@ TEST_WORKERS ?= 2
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet $(TORCH)
-	$(BIN)/python -m pip install --quiet -e '.[dev,timm,hf]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,timm,hf,exact]'
 	touch $(STAMP)
 
 lab: $(STAMP)

@@ -14,7 +14,7 @@ PACKAGE = Path(ul.__file__).resolve().parent
 # optional or heavy third-party packages that may be imported where they are used
 LATE_IMPORTS_ALLOWED = {"altair", "ipywidgets", "timm", "transformers", "peft", "vl_convert", "papermill",
                         "nbformat", "nbconvert", "jinja2", "pynvml", "torchvision", "IPython", "anywidget",
-                        "jupyter_client", "traitlets"}
+                        "jupyter_client", "traitlets", "highspy"}
 LATE_MODULES_ALLOWED = {"udnn_lab.widgets"}  # the app: it imports altair and ipywidgets
 # Modules that may import more inside functions (still with a comment): the shell command loads torch and the
 # stage a command needs when that command runs, so that 'udnn-lab --help' answers at once (startup time).

@@ -52,6 +52,10 @@ class PlanInfeasible(UdnnLabError, ValueError):
         self.fitting_policy = fitting_policy
 
 
+class SolverLimit(UdnnLabError, RuntimeError):
+    """The exact planner's problem is too large to start, or its solver did not finish within the time limit."""
+
+
 class BudgetTooSmall(UdnnLabError, ValueError):
     """A budget below what the model's weights alone take: no batch of it can fit."""
 

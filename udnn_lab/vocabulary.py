@@ -41,7 +41,7 @@ Action = Literal["keep", "offload", "recompute"]  # what a plan does with a save
 ACTIONS: tuple[Action, ...] = get_args(Action)
 
 Policy = Literal["keep-all", "vdnn-all", "vdnn-conv", "vdnn-dyn", "vdnn++", "pin-greedy", "pin-dp",
-                 "checkpoint-segments", "recompute", "auto"]
+                 "checkpoint-segments", "recompute", "auto", "optimal"]
 POLICY_NAMES: tuple[Policy, ...] = get_args(Policy)
 
 Stream = Literal["compute", "d2h", "h2d"]  # the simulated streams, and the lanes of the stream chart

@@ -1,14 +1,15 @@
 """Planning: for a Graph and a budget, what to keep on the device, offload to host memory, or recompute.
 
-Policies live one family per module (vdnn, pinning, segments, recompute, auto) and register
-themselves in ``registry.POLICIES``; ``plan()``, ``min_budget()`` and ``sweep()`` search
-budgets with the simulator. Under a budget the step already fits with every tensor kept,
-every policy keeps everything (the registry applies that rule to each). May import: the
-Graph and Plan IR, cost, hardware, simulation, units and errors.
+Policies live one family per module (vdnn, pinning, segments, recompute, auto; optimal, the
+exact reference, needs the [exact] extra) and register themselves in ``registry.POLICIES``;
+``plan()``, ``min_budget()`` and ``sweep()`` search budgets with the simulator. Under a budget
+the step already fits with every tensor kept, every policy keeps everything (the registry
+applies that rule to each). May import: the Graph and Plan IR, cost, hardware, simulation,
+units and errors.
 """
 
 # the policy modules register themselves on import, in this order
-from udnn_lab.planning import vdnn, pinning, segments, recompute, auto  # noqa: F401, I001
+from udnn_lab.planning import vdnn, pinning, segments, recompute, auto, optimal  # noqa: F401, I001
 from udnn_lab.graph.plan_ir import Offload, Plan, PlanError, Recompute
 from udnn_lab.planning.budget import PlanInfeasible, min_budget, plan, sweep
 from udnn_lab.planning.registry import POLICIES, policy
