@@ -11,6 +11,7 @@ import udnn_lab as ul
 from udnn_lab import zoo
 from udnn_lab.analysis.step import run_step, split_input
 from udnn_lab.planning import POLICIES, PlanInfeasible, plan
+from udnn_lab.planning.registry import SOLVER_POLICIES
 from udnn_lab.runtime import HostMemoryError, OffloadRuntime, PlanMismatch
 from udnn_lab.simulation.simulator import simulate
 from udnn_lab.units import cuda_block_bytes
@@ -42,6 +43,9 @@ def _step(model, work, runtime=None):
     return loss.detach(), [p.grad for p in model.parameters()], list(model.state_dict().values())
 
 
+SOLVER_OPS = 3000
+
+
 def _policy_plans(graph):
     """Every policy, at a budget halfway between the lowest any offload reaches and the keep-all peak, so
     that budgeted policies act (without a budget where that one keeps everything); policies that come to the
@@ -49,6 +53,8 @@ def _policy_plans(graph):
     budget = (ul.min_budget(graph, "vdnn-all", hardware=CPU) + graph.peak_bytes) // 2
     plans, seen = {}, set()
     for name in POLICIES:
+        if name in SOLVER_POLICIES and len(graph.ops) > SOLVER_OPS:
+            continue  # the solver's plans are run on the smaller models: ResNet-1001's alone takes half a minute
         try:
             chosen = plan(graph, budget, name, hardware=CPU)
         except PlanInfeasible:

@@ -12,7 +12,7 @@ units and errors.
 from udnn_lab.planning import vdnn, pinning, segments, recompute, auto, optimal  # noqa: F401, I001
 from udnn_lab.graph.plan_ir import Offload, Plan, PlanError, Recompute
 from udnn_lab.planning.budget import PlanInfeasible, min_budget, plan, sweep
-from udnn_lab.planning.registry import POLICIES, policy
+from udnn_lab.planning.registry import POLICIES, policy, quick_policies
 
 __all__ = ["Offload", "Plan", "PlanError", "PlanInfeasible", "Recompute", "POLICIES", "min_budget", "plan", "policy",
-           "sweep"]
+           "quick_policies", "sweep"]

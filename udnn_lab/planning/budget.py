@@ -15,7 +15,7 @@ from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware.profiles import Hardware
 from udnn_lab.planning._candidates import candidates
 from udnn_lab.planning._estimate import CurveEstimate
-from udnn_lab.planning.registry import POLICIES
+from udnn_lab.planning.registry import POLICIES, quick_policies
 from udnn_lab.simulation.simulator import cost_model, simulate_with
 from udnn_lab.units import Bytes, format_bytes, parse_bytes
 
@@ -79,10 +79,14 @@ def min_budget(graph: Graph, policy: str = "auto", hardware: Hardware | str | No
     return Bytes(high)
 
 
-def sweep(graph: Graph, budgets: Iterable[int | str], policies: Iterable[str] = tuple(POLICIES),
+def sweep(graph: Graph, budgets: Iterable[int | str], policies: Iterable[str] | None = None,
           hardware: Hardware | str | None = None, profile: Profile | None = None,
           rates: RateCurve | bool | None = None) -> pd.DataFrame:
-    """Budget x policy -> fits, predicted step time, peak, bytes moved, pinned bytes, stall time."""
+    """Budget x policy -> fits, predicted step time, peak, bytes moved, pinned bytes, stall time.
+
+    ``policies``: by default every policy that plans in seconds (not ``optimal``'s solver: name it to include it).
+    """
+    policies = quick_policies() if policies is None else policies
     cost = cost_model(graph, hardware, profile, rates)
     rows = []
     for budget in budgets:

@@ -67,7 +67,7 @@ class ExactPlan:
     binaries: int  # binary choices of the (last) program
 
 
-@policy(NAME)
+@policy(NAME, solver=True)
 def optimal(graph: Graph, cost: CostModel, budget: int | None) -> Plan:
     return exact_plan(graph, cost, budget).plan
 

@@ -23,11 +23,17 @@ from udnn_lab.simulation.simulator import simulate_with
 Policy = Callable[[Graph, CostModel, "int | None"], Plan]
 
 POLICIES: dict[str, Policy] = {}
+SOLVER_POLICIES: set[str] = set()  # policies that run a solver for up to a minute: left out where many plans are made
 
 
-def policy(name: str) -> Callable[[Policy], Policy]:
+def quick_policies() -> tuple[str, ...]:
+    """The policies that plan in seconds at most: what sweeps and MemoryLab offer by default."""
+    return tuple(name for name in POLICIES if name not in SOLVER_POLICIES)
+
+
+def policy(name: str, solver: bool = False) -> Callable[[Policy], Policy]:
     """Register the decorated function as the policy ``name`` (a name is taken once), keeping everything under a
-    budget the keep-all step fits."""
+    budget the keep-all step fits. ``solver``: it runs a solver that may take a minute (see quick_policies)."""
     def register(function: Policy) -> Policy:
         if name in POLICIES:
             raise ValueError(f"policy {name!r} is registered twice: by {POLICIES[name].__module__}."
@@ -40,6 +46,8 @@ def policy(name: str) -> Callable[[Policy], Policy]:
             return function(graph, cost, budget)
 
         POLICIES[name] = planned
+        if solver:
+            SOLVER_POLICIES.add(name)
         return planned
     return register
 

@@ -26,7 +26,7 @@ from udnn_lab.charts.base import enable_offline
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware.profiles import Hardware
 from udnn_lab.planning.budget import PlanInfeasible
-from udnn_lab.planning.registry import POLICIES
+from udnn_lab.planning.registry import quick_policies
 from udnn_lab.simulation.simulator import Simulation
 from udnn_lab.units import format_bytes, format_seconds
 from udnn_lab.vocabulary import PRECISIONS, AttentionImplementation, Precision
@@ -148,7 +148,8 @@ class MemoryLab(widgets.AppLayout):
                                           layout=wide)
         self.hardware = widgets.Dropdown(options=self.session.hardware_names(), value=hardware,
                                          description="hardware", layout=wide)
-        self.policy = widgets.Dropdown(options=list(POLICIES), value=policy, description="policy", layout=wide)
+        policies = list(quick_policies()) + ([policy] if policy not in quick_policies() else [])  # a solver if asked
+        self.policy = widgets.Dropdown(options=policies, value=policy, description="policy", layout=wide)
         self.device_note = widgets.HTML(layout=widgets.Layout(width="290px", height="auto"))
         self.budget_control = BudgetControl(lambda: self._request(_BUDGET), self._show_status, "290px")
         self.budget, self.budget_entry = self.budget_control.slider, self.budget_control.entry
