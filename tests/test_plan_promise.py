@@ -55,3 +55,14 @@ def test_the_trace_knows_what_holds_each_tensor_besides_autograd(model):
     assert not any("second forward pass" in note for note in graph.notes), graph.notes
     made = [t for t in graph.tensors if t.producer is not None and graph.ops[t.producer].phase == "forward"]
     assert all(t.forward_release is not None or t.held_past_forward for t in made)
+
+
+@pytest.mark.parametrize("model", ["regnet_y_400mf", "timm_resnet10t"])
+def test_auto_at_its_minimum_never_rebuilds_from_what_another_action_took_away(model):
+    """auto completes the fastest plans that do not fit; a replay it adds must not read a tensor the plan it
+    completes offloads or recomputes (the corpus once found such plans at auto's minimum)."""
+    if model.startswith("timm"):
+        pytest.importorskip("timm")
+    row = check(CORPUS[model], "auto", "min")
+    assert not row["error"], row["error"]
+    assert row["status"] == "ok", row["status"]

@@ -128,15 +128,17 @@ def _choose(graph: Graph, options: list[_Option], target: float, hideable: tuple
                       key=lambda o: (-o.candidate.nbytes, o.exposed_s, o.candidate.tensor))
     chosen: dict[int, _Option] = {}
     pinned: set[int] = set()  # sources of chosen recomputes: they must stay
+    away: set[int] = set()  # what base offloads or recomputes: no replay may read it
     d2h_left, h2d_left = hideable
     if base is not None:
         pinned |= _taken(graph, base, estimate)
+        away = {o.tensor for o in base.offloads} | {t for r in base.recomputes for t in r.tensors}
         d2h_left -= sum(cost_of for cost_of in _copy_times(base, options, "d2h"))
         h2d_left -= sum(cost_of for cost_of in _copy_times(base, options, "h2d"))
     peak, op = estimate.peak()
     while peak > target:
-        recompute = _first(recomputes, op, chosen, pinned)
-        offload = _first(offloads, op, chosen, pinned)
+        recompute = _first(recomputes, op, chosen, pinned, away)
+        offload = _first(offloads, op, chosen, pinned, away)
         if recompute is None and offload is None:
             break
         offload_cost = float("inf") if offload is None else \
@@ -158,13 +160,14 @@ def _choose(graph: Graph, options: list[_Option], target: float, hideable: tuple
     return list(chosen.values())
 
 
-def _first(ranked: list[_Option], op: int, chosen: dict[int, _Option], pinned: set[int]) -> _Option | None:
+def _first(ranked: list[_Option], op: int, chosen: dict[int, _Option], pinned: set[int],
+           away: set[int]) -> _Option | None:
     """The best option away at ``op``; options no longer allowed are dropped from ``ranked`` on the way
     (what is chosen or pinned stays so), so each is passed over at most once."""
     stale = []
     found = None
     for index, option in enumerate(ranked):
-        if not _allowed(option, chosen, pinned):
+        if not _allowed(option, chosen, pinned, away):
             stale.append(index)
         elif option.window[0] <= op < option.window[1]:
             found = option
@@ -174,12 +177,12 @@ def _first(ranked: list[_Option], op: int, chosen: dict[int, _Option], pinned: s
     return found
 
 
-def _allowed(option: _Option, chosen: dict[int, _Option], pinned: set[int]) -> bool:
+def _allowed(option: _Option, chosen: dict[int, _Option], pinned: set[int], away: set[int]) -> bool:
     tensor = option.candidate.tensor
     before = chosen.get(tensor)
     if before is not None:  # an offload may still be prefetched later, to cover a peak closer to its use
         return option.action == before.action == "offload" and option.window[1] > before.window[1]
-    return not option.late and tensor not in pinned and not any(s in chosen for s in option.sources)
+    return not option.late and tensor not in pinned and not any(s in chosen or s in away for s in option.sources)
 
 
 def _first_reader(graph: Graph, c: Candidate) -> int:
