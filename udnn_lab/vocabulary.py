@@ -23,6 +23,9 @@ Category = Literal[
     "temporary",  # everything else: forward scratch, the loss, optimizer scratch
 ]
 CATEGORIES: tuple[Category, ...] = get_args(Category)
+# what a plan may move or rebuild: feature maps, and autocast's low-precision copies of the weights (each saved by
+# its matmul until that matmul's backward, rebuilt by one cast of a weight that never leaves the device)
+PLANNED_CATEGORIES: tuple[Category, ...] = ("feature_map", "weight_cast")
 
 # pseudo-module scopes of ops that belong to no module of the model
 LOSS_SCOPE = "<loss>"

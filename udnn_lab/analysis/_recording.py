@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager, nullcontext
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import torch
 
@@ -62,10 +62,7 @@ def record_step(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwa
                     recorder.register(param.grad, "parameter_gradient", f"grad:{name}")
             _register_optimizer_state(recorder, optimizer, named, scaler)
         except Exception as err:
-            explained = explained_error(err, recorder, args, kwargs)
-            if explained is err:
-                raise
-            raise explained from err
+            raise_explained(err, recorder, args, kwargs)
         finally:
             recorder.recording = False
             recorder.module_stack.clear()
@@ -101,6 +98,14 @@ def _register_optimizer_state(recorder: StepRecorder, optimizer, named: Mapping[
 
 
 HALF_ONLY_KERNEL = "to be BFloat16 or supported Float16"  # the meta kernel of aten._grouped_mm, refusing float32
+
+
+def raise_explained(err: Exception, recorder: StepRecorder, args: tuple, kwargs: dict) -> NoReturn:
+    """Raise ``err`` as explained_error says it (chained to it), or as it is when there is nothing to add."""
+    explained = explained_error(err, recorder, args, kwargs)
+    if explained is err:
+        raise err
+    raise explained from err
 
 
 def explained_error(err: Exception, recorder: StepRecorder, args: tuple, kwargs: dict) -> Exception:

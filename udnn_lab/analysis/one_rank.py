@@ -24,7 +24,7 @@ from udnn_lab.analysis._fake.tensors import fake_inputs, fake_replica, meta_repl
 from udnn_lab.analysis._fake_group import CompletedCollectives, fake_process_group, rebuild_buckets
 from udnn_lab.analysis._holders import forward_releases
 from udnn_lab.analysis._recorder import StepRecorder
-from udnn_lab.analysis._recording import explained_error, graph_from_recording, record_step
+from udnn_lab.analysis._recording import graph_from_recording, raise_explained, record_step
 from udnn_lab.analysis.step import grad_scaler, run_step, same_optimizer, split_input
 from udnn_lab.analysis.tracing import substitution_notes
 from udnn_lab.graph.step_graph import Graph
@@ -119,10 +119,7 @@ def _warm_up(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwargs
             run_step(model, args, kwargs, loss_fn=work.loss_fn, target=target, optimizer=optimizer,
                      options=replace(work.step_options, grad_accumulation=1), scaler=scaler, mark=mark)
     except Exception as err:
-        explained = explained_error(err, recorder, args, kwargs)
-        if explained is err:
-            raise
-        raise explained from err
+        raise_explained(err, recorder, args, kwargs)
     finally:
         recorder.module_stack.clear()
     rebuild_buckets(model)

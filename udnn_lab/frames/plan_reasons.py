@@ -15,12 +15,12 @@ from udnn_lab.graph.plan_ir import Offload, Plan, Recompute
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.simulation.simulator import Simulation
 from udnn_lab.units import format_bytes, format_seconds
+from udnn_lab.vocabulary import PLANNED_CATEGORIES
 
 __all__ = ["PLAN_REASON_COLUMNS", "plan_reasons"]
 
 PLAN_REASON_COLUMNS = ["tensor", "id", "module", "category", "nbytes", "action", "reason", "copy_s", "waited_s",
                        "rebuild_s"]
-PLANNED = ("feature_map", "weight_cast")  # what a plan may act on (planning's candidates)
 MIB = 1 << 20
 
 
@@ -74,7 +74,7 @@ def _reason(t, action, plan: Plan, simulation: Simulation, copy_s: float, waited
         cheap = "cheap to rebuild" if per_mib <= median_per_mib else "rebuilt"
         return (f"{cheap}: {format_seconds(rebuild_s)} of recompute for {format_bytes(t.nbytes)} "
                 f"({format_seconds(per_mib)} per MiB)")
-    if t.category not in PLANNED:
+    if t.category not in PLANNED_CATEGORIES:
         return f"kept: {t.category.replace('_', ' ')} stays on the device whatever the plan, so moving it frees nothing"
     if t.held_past_forward:
         return "kept: the training loop holds it through backward (the output or the loss)"

@@ -14,10 +14,7 @@ from dataclasses import dataclass
 
 from udnn_lab.graph._memo import per_graph
 from udnn_lab.graph.step_graph import Graph
-
-# what a plan may move or rebuild: feature maps, and autocast's low-precision copies of the weights (each saved by
-# its matmul until that matmul's backward, rebuilt by one cast of a weight that never leaves the device)
-PLANNED_CATEGORIES = ("feature_map", "weight_cast")
+from udnn_lab.vocabulary import PLANNED_CATEGORIES
 
 
 @dataclass(frozen=True)
