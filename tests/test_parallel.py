@@ -35,6 +35,9 @@ def test_bad_settings_are_refused_naming_the_setting():
         FSDP(2, offload_params="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"wrap\(model, shard\)"):
         FSDP(2, wrap="layers")  # type: ignore[arg-type]
+    for replicate in (0, 3, 2.0, True):
+        with pytest.raises(ValueError, match="replicate is how many groups"):
+            FSDP(8, replicate=replicate)  # type: ignore[arg-type]
 
 
 def test_specs_are_frozen_and_public_and_say_what_they_are():
@@ -44,6 +47,9 @@ def test_specs_are_frozen_and_public_and_say_what_they_are():
     assert ul.DDP is DDP and ul.FSDP is FSDP
     assert describe(spec) == "rank 0 of FSDP2 over 8 ranks (reshard after forward, parameters gathered in bfloat16)"
     assert describe(DDP(4, rank=2)) == "rank 2 of DDP over 4 ranks (25 MiB buckets)"
+    hsdp = FSDP(64, replicate=8)
+    assert hsdp.mesh_shape == (8, 8) and hsdp.mesh_dim_names == ("replicate", "shard") and spec.mesh_shape == (8,)
+    assert describe(hsdp) == "rank 0 of HSDP over 64 ranks (8 replicas x 8 shards, reshard after forward)"
     assert check_spec(spec) is spec
     with pytest.raises(TypeError, match=r"ul.DDP\(world_size, ...\) or ul.FSDP"):
         check_spec("fsdp")

@@ -93,13 +93,18 @@ class FSDP:
     """FSDP2 (``torch.distributed.fsdp.fully_shard``): parameters, gradients and optimizer state are split
     over the ranks; each block's parameters are all-gathered before its forward and backward and freed after
     (``reshard_after_forward=False`` keeps them from forward to backward; an int reshards onto that many ranks),
-    its gradients reduce-scattered after its backward. The root keeps its own from forward to backward."""
+    its gradients reduce-scattered after its backward. The root keeps its own from forward to backward.
+
+    ``replicate`` > 1 is HSDP: the ranks form a ``replicate x (world_size / replicate)`` mesh; parameters are
+    sharded within each group of ``world_size / replicate`` ranks (a node, typically) and replicated across the
+    groups, so gradients are reduce-scattered within a group, then all-reduced across groups."""
 
     world_size: int
     reshard_after_forward: bool | int = True
     mp_policy: MixedPrecisionPolicy | None = None  # e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     offload_params: bool = False  # CPUOffloadPolicy: sharded parameters, gradients and optimizer state on the host
     wrap: Wrap | None = None  # wrap(model, shard): which modules are sharded (None: shard_blocks)
+    replicate: int = 1  # HSDP: groups of world_size / replicate ranks shard, the groups replicate
     # the rank a trace describes; rank 0 holds the most: a dimension that does not split evenly leaves the last
     # ranks shorter shards (of optimizer state and its scratch; FSDP pads parameters and gradients). A real
     # run's rank is its process's.
@@ -115,9 +120,22 @@ class FSDP:
             raise ValueError(f"mp_policy is a torch.distributed.fsdp.MixedPrecisionPolicy (or None), got "
                              f"{type(self.mp_policy).__name__}")
         _check_flags(self, ("offload_params",))
+        if isinstance(self.replicate, bool) or not isinstance(self.replicate, int) or self.replicate < 1 \
+                or self.world_size % self.replicate:
+            raise ValueError(f"replicate is how many groups of ranks hold a replica (HSDP): a positive int that "
+                             f"divides world_size={self.world_size}, got {self.replicate!r}")
         if self.wrap is not None and not callable(self.wrap):
             raise ValueError(f"wrap is a function wrap(model, shard) that calls shard(module) on the modules to "
                              f"shard, got {type(self.wrap).__name__}")
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The DeviceMesh's shape: (world_size,), or (replicate, shard) for HSDP."""
+        return (self.world_size,) if self.replicate == 1 else (self.replicate, self.world_size // self.replicate)
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...] | None:
+        return None if self.replicate == 1 else ("replicate", "shard")
 
     def settings(self, mesh: DeviceMesh) -> dict[str, Any]:
         """The keyword arguments of ``fully_shard`` this spec stands for."""
@@ -128,16 +146,17 @@ class FSDP:
     def apply(self, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn.Module:
         """Shard ``model`` in place, blocks first and the root last, and return it.
 
-        ``mesh``: a 1-D DeviceMesh of ``world_size`` ranks (by default one over the default process group, on
-        the device the model's parameters are on). Make the optimizer after this, over ``model.parameters()``.
+        ``mesh``: a DeviceMesh of ``mesh_shape`` (by default one over the default process group, on the device
+        the model's parameters are on; 2-D for HSDP). Make the optimizer after this, over ``model.parameters()``.
         """
         if mesh is None:
             _group_for(self.world_size)
             first = next(model.parameters(), None)
             device_type = first.device.type if first is not None and first.device.type != "meta" else "cpu"
-            mesh = init_device_mesh(device_type, (self.world_size,))
-        elif mesh.size() != self.world_size:
-            raise ValueError(f"the mesh has {mesh.size()} ranks but the spec is for world_size={self.world_size}")
+            mesh = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.mesh_dim_names)
+        elif tuple(mesh.shape) != self.mesh_shape:
+            raise ValueError(f"the mesh has shape {tuple(mesh.shape)} but the spec needs {self.mesh_shape} "
+                             f"(world_size={self.world_size}, replicate={self.replicate})")
         settings = self.settings(mesh)
 
         def shard(module: nn.Module, **overrides: Any) -> Any:
@@ -188,6 +207,10 @@ def describe(spec: Parallel) -> str:
         reshard = f"reshard onto {spec.reshard_after_forward} ranks after forward"
     dtype = spec.mp_policy.param_dtype if spec.mp_policy is not None else None
     gathered = f", parameters gathered in {str(dtype).removeprefix('torch.')}" if dtype is not None else ""
+    if spec.replicate > 1:
+        shard = spec.world_size // spec.replicate
+        return (f"rank {spec.rank} of HSDP over {spec.world_size} ranks ({spec.replicate} replicas x {shard} "
+                f"shards, {reshard}{gathered})")
     return f"rank {spec.rank} of FSDP2 over {spec.world_size} ranks ({reshard}{gathered})"
 
 

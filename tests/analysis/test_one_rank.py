@@ -120,3 +120,16 @@ def test_fully_shard_under_fake_tensors_reads_a_value_only_where_it_makes_its_ow
             fully_shard(torch.nn.Linear(4, 4))
         with FakeTensorMode():
             fully_shard(torch.nn.Linear(4, 4), mesh=mesh)
+
+
+def test_hsdp_shards_within_a_group_and_all_reduces_across_groups(mlp):
+    sharded, hsdp, replicated = (ul.trace(mlp, parallel=spec) for spec in
+                                 (ul.FSDP(2), ul.FSDP(8, replicate=4), ul.FSDP(8, replicate=8)))
+    assert _bytes(hsdp, "parameter") == _bytes(sharded, "parameter")  # shards of 2, as FSDP over 2
+    assert _bytes(replicated, "parameter") == sum(p.nbytes for p in mlp.model.parameters())  # one rank per group
+    collectives = {name: {op.name for op in g.ops if op.name.startswith("c10d.")}
+                   for name, g in (("fsdp", sharded), ("hsdp", hsdp), ("replicated", replicated))}
+    assert collectives["fsdp"] == {ALL_GATHER, REDUCE_SCATTER}
+    assert collectives["hsdp"] == {ALL_GATHER, REDUCE_SCATTER, "c10d.allreduce_.default"}
+    assert collectives["replicated"] == {"c10d.allreduce_.default"}
+    assert "HSDP over 8 ranks (4 replicas x 2 shards" in hsdp.notes[0]

@@ -47,9 +47,11 @@ CASES = {  # name: (zoo model, spec for a world size)
     "resnet20 DDP": ("resnet20", lambda world: DDP(world)),
     "resnet20 FSDP": ("resnet20", lambda world: FSDP(world)),
     "gpt2-small FSDP": ("hf:gpt2", lambda world: FSDP(world)),
+    "mlp3 HSDP": ("mlp3", lambda world: FSDP(world, replicate=2)),  # 2 replicas x 2 shards
 }
-RANKS = 4  # one spawn: every case on ranks 0 and 1, two on all four (uneven shards: 10 rows over 4 ranks)
-RUNS = [(2, case) for case in CASES] + [(RANKS, case) for case in ("mlp3 DDP", "mlp3 FSDP")]
+RANKS = 4  # one spawn: every case on ranks 0 and 1, three on all four (uneven shards: 10 rows over 4; HSDP 2 x 2)
+RUNS = [(2, case) for case in CASES if case != "mlp3 HSDP"] + [(RANKS, case) for case in
+                                                                 ("mlp3 DDP", "mlp3 FSDP", "mlp3 HSDP")]
 _COMMUNICATION = CATEGORIES.index("communication")
 _REDUCE_SCATTER, _SPLIT, _COPY = "c10d._reduce_scatter_base_.default", "aten.split.Tensor", "aten.copy_.default"
 
@@ -87,6 +89,9 @@ def _rank(rank: int, store: str, out: str) -> None:
 def _wrapped(spec: DDP | FSDP, model: torch.nn.Module, group: dist.ProcessGroup) -> torch.nn.Module:
     if isinstance(spec, DDP):
         return spec.apply(model, process_group=group)
+    if spec.replicate > 1:  # HSDP's 2-D mesh, over every rank: the default group
+        assert group is dist.group.WORLD
+        return spec.apply(model)
     return spec.apply(model, mesh=DeviceMesh.from_group(group, "cpu"))
 
 

@@ -40,16 +40,17 @@ _INT_DTYPES = (torch.int32, torch.int64)
 
 
 @contextmanager
-def fake_process_group(world_size: int, rank: int = 0) -> Iterator[DeviceMesh]:
-    """This process as ``rank`` of ``world_size`` in a fake process group; yields its 1-D CPU mesh
-    (NOTE [one rank of N] 2). The group is destroyed on exit, whatever happened."""
+def fake_process_group(world_size: int, rank: int = 0, mesh_shape: tuple[int, ...] | None = None,
+                       mesh_dim_names: tuple[str, ...] | None = None) -> Iterator[DeviceMesh]:
+    """This process as ``rank`` of ``world_size`` in a fake process group; yields its CPU mesh, 1-D unless
+    ``mesh_shape`` says otherwise (NOTE [one rank of N] 2). The group is destroyed on exit, whatever happened."""
     if dist.is_initialized():
         raise RuntimeError(
             "a parallel trace runs one rank of a fake process group of its own, and this process already has a "
             "process group: trace before torch.distributed.init_process_group, or in a process without one")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        yield init_device_mesh("cpu", (world_size,))
+        yield init_device_mesh("cpu", mesh_shape or (world_size,), mesh_dim_names=mesh_dim_names)
     finally:
         dist.destroy_process_group()
 

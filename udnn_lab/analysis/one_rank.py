@@ -47,7 +47,8 @@ def trace_one_rank(work: Workload, parallel: Parallel, counted_as: str, fast_pat
     device = torch.device("cpu")  # the fake group's mesh is a CPU one; counted as ``counted_as``
     substituted = counted_as != device.type
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_process_group(spec.world_size, spec.rank) as mesh, CompletedCollectives():
+    shape, names = (spec.mesh_shape, spec.mesh_dim_names) if isinstance(spec, FSDP) else (None, None)
+    with fake_process_group(spec.world_size, spec.rank, shape, names) as mesh, CompletedCollectives():
         model = _wrapped(work.model, spec, mesh, fake_mode, device)
         recorder = StepRecorder(fake_mode=fake_mode, fast_paths=fast_paths)
         optimizer = _optimizer_over(work, model, counted_as)
