@@ -36,12 +36,12 @@ if TYPE_CHECKING:
         UnknownHardwareError,
         UnknownModelError,
     )
-    from udnn_lab.fitting import FitSearch, max_batch, max_seq_len
+    from udnn_lab.fitting import FitSearch, WorldSizeSearch, max_batch, max_seq_len, min_world_size, sweep
     from udnn_lab.graph import Graph, NetworkWide, Offload, Plan, Recompute, network_wide
     from udnn_lab.hardware import Hardware
     from udnn_lab.measurement import Measurement, measure
     from udnn_lab.parallel import DDP, FSDP
-    from udnn_lab.planning import min_budget, plan, sweep
+    from udnn_lab.planning import min_budget, plan
     from udnn_lab.runtime import OffloadRuntime, Run, train
     from udnn_lab.simulation import Simulation, network_wide_saving, simulate
     from udnn_lab.units import Bytes, format_bytes, format_seconds, parse_bytes
@@ -57,12 +57,13 @@ _HOMES = {
                      "PlanError", "PlanInfeasible", "PlanMismatch", "TraceMismatch", "UdnnLabError",
                      "UnknownHardwareError", "UnknownModelError"], "udnn_lab.errors"),
     **dict.fromkeys(["Graph", "NetworkWide", "Offload", "Plan", "Recompute", "network_wide"], "udnn_lab.graph"),
-    **dict.fromkeys(["FitSearch", "max_batch", "max_seq_len"], "udnn_lab.fitting"),
+    **dict.fromkeys(["FitSearch", "WorldSizeSearch", "max_batch", "max_seq_len", "min_world_size", "sweep"],
+                    "udnn_lab.fitting"),
     "BudgetTooSmall": "udnn_lab.errors",
     "Hardware": "udnn_lab.hardware",
     **dict.fromkeys(["Measurement", "measure"], "udnn_lab.measurement"),
     **dict.fromkeys(["DDP", "FSDP"], "udnn_lab.parallel"),
-    **dict.fromkeys(["min_budget", "plan", "sweep"], "udnn_lab.planning"),
+    **dict.fromkeys(["min_budget", "plan"], "udnn_lab.planning"),
     **dict.fromkeys(["OffloadRuntime", "Run", "train"], "udnn_lab.runtime"),
     **dict.fromkeys(["Simulation", "network_wide_saving", "simulate"], "udnn_lab.simulation"),
     **dict.fromkeys(["Bytes", "format_bytes", "format_seconds", "parse_bytes"], "udnn_lab.units"),
@@ -78,7 +79,7 @@ __all__ = [
     "TraceMismatch", "UdnnLabError", "UnknownHardwareError", "UnknownModelError", "Workload", "format_bytes",
     "format_seconds", "measure", "min_budget", "network_wide", "network_wide_saving", "parse_bytes", "plan",
     "profile", "simulate", "sweep", "trace", "train", "zoo",
-    "BudgetTooSmall", "FitSearch", "max_batch", "max_seq_len", "DDP", "FSDP",
+    "BudgetTooSmall", "FitSearch", "max_batch", "max_seq_len", "DDP", "FSDP", "WorldSizeSearch", "min_world_size",
 ]
 assert sorted(__all__) == sorted(_HOMES), "every public name has a home, and only those"
 __version__ = "0.1.0"

@@ -1,0 +1,80 @@
+"""sweep_ranks / ul.sweep(world_sizes=...) and min_world_size: one rank's step at each world size, against a budget."""
+
+import pandas as pd
+import pytest
+
+import udnn_lab as ul
+from udnn_lab.fitting.ranks import COLUMNS
+
+MLP = dict(batch=4, optimizer="adam")
+
+
+@pytest.fixture(scope="module")
+def table() -> pd.DataFrame:
+    return ul.sweep("mlp3", ["16MiB", "40MiB"], world_sizes=[1, 2, 8], progress=False,
+                    setups=["DDP", "FSDP2", "FSDP2+offload", "HSDP"], ranks_per_node=2, **MLP)
+
+
+def _peaks(table: pd.DataFrame, setup: str, budget: str = "16MiB") -> dict[int, int]:
+    rows = table[(table.setup == setup) & (table.budget_bytes == ul.parse_bytes(budget))]
+    return dict(zip(rows.world_size, rows.peak_bytes, strict=True))
+
+
+def test_one_row_per_world_size_setup_and_budget(table):
+    assert list(table.columns) == COLUMNS and len(table) == 3 * 4 * 2
+    assert set(table.spec) >= {"DDP over 8 ranks (25 MiB buckets)",
+                               "HSDP over 8 ranks (4 replicas x 2 shards, reshard after forward)"}
+
+
+def test_ddp_ranks_hold_the_whole_model_at_every_world_size_and_fsdp_ranks_a_shrinking_share(table):
+    ddp, fsdp = _peaks(table, "DDP"), _peaks(table, "FSDP2")
+    assert len(set(ddp.values())) == 1
+    assert fsdp[1] > fsdp[2] > fsdp[8]
+    assert _peaks(table, "HSDP")[8] == fsdp[2]  # sharded within a node of 2, replicated over 4 nodes
+
+
+def test_a_setup_fits_when_its_peak_is_within_the_budget_and_offload_fits_below_the_traced_peak(table):
+    assert (table.fits == (table.peak_bytes <= table.budget_bytes)).all()
+    kept = table[table.policy == "keep-all"]
+    assert (kept.peak_bytes == kept.traced_peak_bytes).all()
+    assert table[~table.fits & (table.policy != "keep-all")].step_time_s.isna().all()
+
+
+def test_offload_and_recompute_make_a_rank_fit_below_its_traced_peak():
+    found = ul.sweep("resnet20", "32MiB", world_sizes=[8], setups=["FSDP2", "FSDP2+offload"], progress=False,
+                     batch=16, optimizer="adam").set_index("setup")
+    assert not found.fits["FSDP2"] and found.traced_peak_bytes["FSDP2"] > ul.parse_bytes("32MiB")
+    with_plan = found.loc["FSDP2+offload"]
+    assert with_plan.fits and with_plan.peak_bytes <= with_plan.budget_bytes and with_plan.offloads + \
+        with_plan.recomputes > 0 and with_plan.step_time_s > found.step_time_s["FSDP2"]
+
+
+def test_the_smallest_world_size_that_fits_is_found_and_the_one_below_it_does_not_fit():
+    found = ul.min_world_size("mlp3", "20MiB", setup="FSDP2", progress=False, **MLP)
+    assert found.world_size == 4 and list(found.probes.world_size) == [1, 2, 4]
+    assert list(found.probes.fits) == [False, False, True]
+    none = ul.min_world_size("mlp3", "1MiB", setup="DDP", candidates=[1, 2], progress=False, **MLP)
+    assert none.world_size is None and "not even 2 ranks fit" in none.notes[0]
+
+
+def test_a_ranks_peak_can_grow_again_once_fsdp_pads_every_dimension_to_the_world():
+    """Why min_world_size tries every candidate from the smallest up rather than bisecting."""
+    padded = ul.sweep("mlp3", "1GiB", world_sizes=[64, 1024], setups=["FSDP2"], progress=False, **MLP)
+    assert padded.peak_bytes.iloc[1] > padded.peak_bytes.iloc[0]
+
+
+def test_what_a_sweep_cannot_take_is_refused_naming_it():
+    graph = ul.trace(ul.zoo.get("mlp3", **MLP))
+    assert len(ul.sweep(graph, ["40MiB"], ["keep-all"])) == 1  # over budgets, as planning.sweep
+    with pytest.raises(TypeError, match="give world_sizes"):
+        ul.sweep("mlp3", ["1GiB"])
+    with pytest.raises(TypeError, match="rather than a traced Graph"):
+        ul.sweep(graph, ["1GiB"], world_sizes=[2])
+    with pytest.raises(ValueError, match="the setups are DDP, FSDP2"):
+        ul.sweep("mlp3", "1GiB", world_sizes=[2], setups=["ZeRO-3"], **MLP)
+    with pytest.raises(ValueError, match="world sizes are positive ints"):
+        ul.sweep("mlp3", "1GiB", world_sizes=[0], **MLP)
+    with pytest.raises(ValueError, match="not keep-all"):
+        ul.sweep("mlp3", "1GiB", ["keep-all"], world_sizes=[2], **MLP)
+    with pytest.raises(ValueError, match="whole nodes"):
+        ul.sweep("mlp3", "1GiB", world_sizes=[12], setups=["HSDP"], ranks_per_node=8, **MLP)

@@ -1,0 +1,251 @@
+"""How many GPUs, and which sharding, make a step fit: per-rank peak and step time against world size.
+
+``sweep_ranks`` traces one rank of the workload's step under DDP, FSDP2 and HSDP at each world size asked for
+(``ul.trace(..., parallel=...)``: from this process, a fake process group, no GPU), simulates it on the hardware
+profile, and for the "+offload" setups plans the rank's step under the budget. ``min_world_size`` finds the
+smallest world size at which one setup fits. The workload's batch is each rank's batch (data parallel: the
+global batch grows with the world).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pandas as pd
+from tqdm.auto import tqdm
+
+from udnn_lab import zoo
+from udnn_lab.analysis import trace
+from udnn_lab.errors import PlanInfeasible
+from udnn_lab.graph import Graph
+from udnn_lab.hardware import Hardware
+from udnn_lab.parallel import DDP, FSDP, Parallel, describe
+from udnn_lab.planning import plan
+from udnn_lab.planning import sweep as planning_sweep
+from udnn_lab.simulation import simulate
+from udnn_lab.units import format_bytes, parse_bytes
+from udnn_lab.workload import Workload
+
+PROGRESS_SECONDS = 3.0  # the progress bar shows once a sweep has run this long
+SETUPS = ("DDP", "FSDP2", "FSDP2+offload", "HSDP", "HSDP+offload")
+DEFAULT_SETUPS = ("DDP", "FSDP2", "FSDP2+offload")
+DEFAULT_WORLD_SIZES = tuple(2 ** k for k in range(11))  # 1 to 1024
+COLUMNS = ["world_size", "setup", "spec", "budget_bytes", "fits", "peak_bytes", "traced_peak_bytes",
+           "step_time_s", "communication_at_peak_bytes", "policy", "offloads", "recomputes", "host_bytes_per_node",
+           "trace_s", "why"]
+_SWEEP_SETTINGS = ("policies", "ranks_per_node", "host_budget", "fsdp_options", "progress")
+DEFAULT_RANKS_PER_NODE = 8  # an HGX/DGX node; a profile's own figure wins where it has one
+
+
+@dataclass(frozen=True, repr=False)
+class WorldSizeSearch:
+    """The smallest world size, of those tried, at which a setup's step fits a per-rank budget."""
+
+    model_name: str
+    setup: str
+    world_size: int | None  # None: none of the candidates fits
+    budget_bytes: int
+    hardware: str
+    probes: pd.DataFrame = field(compare=False)  # sweep_ranks' rows of the world sizes tried, in order
+    notes: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:
+        found = f"fits from {self.world_size} ranks" if self.world_size else "fits at none of the sizes tried"
+        return (f"WorldSizeSearch({self.model_name!r}, {self.setup}, {found} in {format_bytes(self.budget_bytes)} "
+                f"per rank on {self.hardware}; {len(self.probes)} probes)")
+
+
+def sweep_ranks(work: Workload | str, world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
+                budgets: Iterable[int | str] | int | str | None = None, *, setups: Sequence[str] = DEFAULT_SETUPS,
+                policies: Sequence[str] | str = ("auto",), hardware: Hardware | str = "h100-sxm",
+                ranks_per_node: int | None = None, host_budget: int | str | None = None,
+                fsdp_options: dict[str, Any] | None = None, progress: bool | None = None,
+                **options: Any) -> pd.DataFrame:
+    """Per-rank peak and predicted step time of ``work`` for each world size x setup x budget (``COLUMNS``).
+
+    ``work``: a Workload (build it on the meta device: only shapes are used) or a zoo name with ``options``
+    for ``ul.zoo.get`` (built on meta). Setups: 'DDP' (whole replicas), 'FSDP2' (sharded over every rank),
+    'HSDP' (sharded within a node of ``ranks_per_node``, replicated across nodes; FSDP2 up to one node), each
+    with every tensor kept, and '+offload': the same rank's step under each of ``policies``' plans for the
+    budget (what udnn_lab's offload and recompute add). ``budgets``: per rank (default: the device's memory).
+    ``host_budget``: host memory of one node that the ranks' pinned pools share (``ranks_per_node`` x each
+    rank's pool), or None not to check. ``fsdp_options``: more FSDP settings (``mp_policy``,
+    ``reshard_after_forward``). A step time is that of the rank's step as the simulator predicts it.
+    """
+    profile = hardware if isinstance(hardware, Hardware) else Hardware.load(hardware)
+    work = _workload(work, options)
+    sizes = _world_sizes(world_sizes)
+    chosen = _setups(setups)
+    budget_list = _budgets(budgets, profile)
+    per_node = _ranks_per_node(ranks_per_node, profile)
+    host_bytes = None if host_budget is None else parse_bytes(host_budget)
+    planners = [policies] if isinstance(policies, str) else list(policies)
+    if not planners or any(p == "keep-all" for p in planners):
+        raise ValueError(f"policies are the planning policies of the '+offload' setups (not keep-all: the setups "
+                         f"without '+offload' keep everything), got {policies!r}")
+    traces: dict[tuple[str, int], tuple[Graph, float]] = {}
+    rows = []
+    wanted = sorted({(setup.removesuffix("+offload"), size) for setup in chosen for size in sizes},
+                    key=lambda key: (key[1], chosen.index(key[0]) if key[0] in chosen else 0))
+    bar = tqdm(total=len(wanted), desc=f"tracing one rank of {work.name}", unit="trace", leave=False,
+               disable=progress is False, delay=0 if progress else PROGRESS_SECONDS)
+    with bar:
+        for size in sizes:
+            for setup in chosen:
+                base = setup.removesuffix("+offload")
+                spec = _spec(base, size, per_node, fsdp_options or {})
+                if (base, size) not in traces:
+                    bar.set_postfix_str(f"{base} x {size}")
+                    start = time.perf_counter()
+                    traces[base, size] = (trace(work, device=profile.device_type, parallel=spec),
+                                          time.perf_counter() - start)
+                    bar.update(1)
+                graph, seconds = traces[base, size]
+                for budget in budget_list:
+                    for policy in planners if setup.endswith("+offload") else ["keep-all"]:
+                        row = _row(graph, spec, budget, policy, profile, per_node, host_bytes)
+                        rows.append({"world_size": size, "setup": setup, "trace_s": seconds, **row})
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def min_world_size(work: Workload | str, budget: int | str | None = None, *, setup: str = "FSDP2",
+                   candidates: Iterable[int] = DEFAULT_WORLD_SIZES, **settings: Any) -> WorldSizeSearch:
+    """The smallest of ``candidates`` at which ``setup``'s rank fits ``budget`` (default: the device's memory).
+
+    The candidates are tried from the smallest up, and the search stops at the first that fits. Not a
+    bisection: a rank's peak does fall as sharded parameters, gradients and optimizer state shrink, but FSDP pads
+    every parameter to a multiple of the world size, so past the point where a dimension splits into one row
+    per rank, the padded all-gather buffers grow again (a 10-row layer over 1024 ranks gathers 1024 rows).
+    ``settings`` are ``sweep_ranks``'s (``policies``: one, ``hardware``, ``ranks_per_node``, ``host_budget``,
+    zoo options, ...).
+    """
+    sizes = _world_sizes(candidates)
+    _setups([setup])
+    profile = settings.pop("hardware", "h100-sxm")
+    profile = profile if isinstance(profile, Hardware) else Hardware.load(profile)
+    budget_bytes = _budgets(budget, profile)[0]
+    work = _workload(work, {key: settings.pop(key) for key in list(settings) if key not in _SWEEP_SETTINGS})
+    rows, found = [], None
+    for size in sizes:
+        row = sweep_ranks(work, [size], [budget_bytes], setups=[setup], hardware=profile, **settings).iloc[0]
+        rows.append(row.to_dict())
+        if row["fits"]:
+            found = size
+            break
+    table = pd.DataFrame(rows, columns=COLUMNS)
+    notes = () if found is not None else (f"not even {sizes[-1]} ranks fit: {table.iloc[-1]['why']}",)
+    return WorldSizeSearch(model_name=work.name, setup=setup, world_size=found, budget_bytes=budget_bytes,
+                           hardware=profile.name, probes=table, notes=notes)
+
+
+def _row(graph: Graph, spec: Parallel, budget_bytes: int, policy: str, profile: Hardware,
+         per_node: int, host_budget: int | None) -> dict[str, Any]:
+    traced = int(graph.cuda_peak_bytes if profile.device_type == "cuda" else graph.peak_bytes)
+    at_peak = graph.breakdown()["bytes_at_peak"]
+    row: dict[str, Any] = {"spec": _describe(spec), "budget_bytes": budget_bytes, "traced_peak_bytes": traced,
+                           "communication_at_peak_bytes": int(at_peak.get("communication", 0)), "policy": policy,
+                           "offloads": 0, "recomputes": 0, "host_bytes_per_node": 0, "why": ""}
+    if policy == "keep-all":
+        simulation = simulate(graph, None, profile)
+        fits = traced <= budget_bytes
+        return {**row, "fits": fits, "peak_bytes": traced, "step_time_s": simulation.step_time_s,
+                "why": "" if fits else f"needs {format_bytes(traced)}"}
+    try:
+        chosen = plan(graph, budget_bytes, policy, profile)
+    except PlanInfeasible as error:
+        return {**row, "fits": False, "peak_bytes": int(error.minimum_bytes), "step_time_s": float("nan"),
+                "why": f"{policy}'s plans need {format_bytes(error.minimum_bytes)}"}
+    simulation = simulate(graph, chosen, profile)
+    host = chosen.host_pool_bytes * per_node
+    fits = simulation.fits and (host_budget is None or host <= host_budget)
+    why = "" if fits else (f"the node's {per_node} pinned pools need {format_bytes(host)} of host memory"
+                           if simulation.fits else f"its plan peaks at {format_bytes(simulation.peak_bytes)}")
+    return {**row, "fits": fits, "peak_bytes": int(simulation.peak_bytes), "step_time_s": simulation.step_time_s,
+            "offloads": len(chosen.offloads), "recomputes": len(chosen.recomputes), "host_bytes_per_node": host,
+            "why": why}
+
+
+def _spec(base: str, world_size: int, per_node: int, fsdp_options: dict[str, Any]) -> Parallel:
+    if base == "DDP":
+        return DDP(world_size)
+    if base == "HSDP" and world_size > per_node:
+        if world_size % per_node:
+            raise ValueError(f"HSDP shards within a node of {per_node} ranks: {world_size} ranks are not whole nodes")
+        return FSDP(world_size, replicate=world_size // per_node, **fsdp_options)
+    return FSDP(world_size, **fsdp_options)
+
+
+def _describe(spec: Parallel) -> str:
+    return describe(replace(spec, rank=0)).removeprefix("rank 0 of ")
+
+
+def _workload(work: Workload | str, options: dict[str, Any]) -> Workload:
+    if isinstance(work, str):
+        return zoo.get(work, **{"device": "meta", **options})
+    if options:
+        raise TypeError(f"{', '.join(sorted(options))}: options are for a zoo name; a Workload is built already")
+    if not isinstance(work, Workload):
+        raise TypeError(f"work is a ul.Workload or a zoo name, got {type(work).__name__}")
+    return work
+
+
+def _world_sizes(world_sizes: Iterable[int]) -> list[int]:
+    sizes = sorted(set(world_sizes))
+    bad = [size for size in sizes if isinstance(size, bool) or not isinstance(size, int) or size < 1]
+    if not sizes or bad:
+        raise ValueError(f"world sizes are positive ints (ranks, one per GPU), got {list(world_sizes) or 'none'}")
+    return sizes
+
+
+def _setups(setups: Sequence[str]) -> list[str]:
+    unknown = [setup for setup in setups if setup not in SETUPS]
+    if unknown or not setups:
+        raise ValueError(f"unknown setup(s) {unknown or 'none'}: the setups are {', '.join(SETUPS)}")
+    return list(dict.fromkeys(setups))
+
+
+def _budgets(budgets: Iterable[int | str] | int | str | None, profile: Hardware) -> list[int]:
+    if budgets is None:
+        return [int(profile.memory_bytes)]
+    found = [parse_bytes(b) for b in ([budgets] if isinstance(budgets, (int, str)) else budgets)]
+    if not found or any(b <= 0 for b in found):
+        raise ValueError(f"budgets are sizes per rank above 0 bytes ('80GiB', bytes), got {budgets!r}")
+    return found
+
+
+def _ranks_per_node(ranks_per_node: int | None, profile: Hardware) -> int:
+    if ranks_per_node is None:
+        return int(getattr(profile, "gpus_per_node", None) or DEFAULT_RANKS_PER_NODE)
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node is a positive int (GPUs of one node), got {ranks_per_node!r}")
+    return ranks_per_node
+
+
+
+def sweep(subject: Graph | Workload | str, budgets: Iterable[int | str] | int | str | None = None,
+          policies: Iterable[str] | None = None, hardware: Hardware | str | None = None, profile: Any = None,
+          rates: Any = None, *, world_sizes: Iterable[int] | None = None, **ranks_options: Any) -> pd.DataFrame:
+    """What-if tables. Without ``world_sizes``: budget x policy for one traced Graph (``planning.sweep``).
+    With ``world_sizes``: world size x setup x budget for a Workload or zoo name (``sweep_ranks``; its
+    ``setups``, ``ranks_per_node``, ``host_budget``, ... go in ``ranks_options``)."""
+    if world_sizes is None:
+        if ranks_options:
+            raise TypeError(f"{', '.join(sorted(ranks_options))}: these are for a sweep over world_sizes")
+        if not isinstance(subject, Graph):
+            raise TypeError(f"sweep over budgets takes a traced Graph (ul.trace), got {type(subject).__name__}; "
+                            "for a Workload or zoo name give world_sizes=[1, 2, 4, ...] to sweep over ranks")
+        if budgets is None:
+            raise TypeError("sweep(graph, budgets): give the budgets to try, e.g. ['4GiB', '6GiB']")
+        return planning_sweep(subject, [budgets] if isinstance(budgets, (int, str)) else budgets, policies,
+                              hardware, profile, rates)
+    if profile is not None or rates is not None:
+        raise TypeError("a sweep over world sizes times each rank from the hardware profile: leave profile and "
+                        "rates out (a measured profile is of one traced step)")
+    if isinstance(subject, Graph):
+        raise TypeError("a sweep over world sizes traces the step at each one: give the Workload (or zoo name) "
+                        "rather than a traced Graph")
+    return sweep_ranks(subject, world_sizes, budgets, policies=tuple(policies or ("auto",)),
+                       hardware=hardware or "h100-sxm", **ranks_options)
