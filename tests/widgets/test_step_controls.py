@@ -120,3 +120,35 @@ def test_measure_runs_a_small_hf_step_on_this_machine(llama):
 def test_bad_step_options_are_refused_with_what_to_give(options, message):
     with pytest.raises(ValueError, match=message):
         MemoryLab("mlp5", batch=8, debounce_s=0, **options)
+
+
+def test_ranks_and_world_size_chart_one_rank_and_keep_the_budget():
+    lab = MemoryLab("mlp5", batch=8, optimizer="adam", policy="keep-all", hardware="h100-sxm", debounce_s=0)
+    assert lab.ranks.value == "one GPU" and lab.world_size.disabled
+    one_gpu = peak_of(lab)
+    lab.budget_entry.value = "2 MiB"  # below every rank's peak: in range whatever the world size
+    chosen = lab.budget_bytes
+    traced = len(lab.session._graphs)
+    lab.world_size.value = 4  # disabled: no part of the step
+    assert lab.setting.parallel is None and len(lab.session._graphs) == traced
+    lab.ranks.value = "FSDP2"
+    assert not lab.world_size.disabled and "Error" not in lab.status.value  # keep-all does not fit 2 MiB: said
+    expected = ul.trace(ul.zoo.get("mlp5", batch=8, optimizer="adam", device="meta"), device="cuda",
+                        parallel=ul.FSDP(4))
+    assert peak_of(lab) == expected.cuda_peak_bytes < one_gpu
+    assert "communication" in categories(lab) and ", one rank of FSDP2 x 4:" in title(lab)
+    assert lab.budget_bytes == chosen
+    lab.world_size.value = 16
+    assert peak_of(lab) < expected.cuda_peak_bytes
+    lab.measure()  # a rank of 16 is not a step this one process can run
+    assert "set ranks to &#x27;one GPU&#x27;" in lab.status.value
+    lab.ranks.value = "one GPU"
+    assert peak_of(lab) == one_gpu
+
+
+def test_an_hsdp_world_that_is_not_whole_nodes_is_an_error_in_the_app():
+    lab = MemoryLab("mlp5", batch=8, policy="keep-all", hardware="h100-sxm", debounce_s=0, parallel="HSDP",
+                    world_size=12)
+    assert "not whole nodes" in lab.status.value
+    with pytest.raises(ValueError, match="unknown parallel setup"):
+        MemoryLab("mlp5", parallel="ZeRO")

@@ -13,8 +13,8 @@ and the workload, vocabulary, units and errors.
 """
 
 from udnn_lab.fitting.maximum import max_batch, max_seq_len
-from udnn_lab.fitting.ranks import WorldSizeSearch, min_world_size, sweep, sweep_ranks
+from udnn_lab.fitting.ranks import SETUPS, WorldSizeSearch, min_world_size, parallel_spec, sweep, sweep_ranks
 from udnn_lab.fitting.result import FitSearch, Probe
 
-__all__ = ["FitSearch", "Probe", "WorldSizeSearch", "max_batch", "max_seq_len", "min_world_size", "sweep",
-           "sweep_ranks"]
+__all__ = ["SETUPS", "FitSearch", "Probe", "WorldSizeSearch", "max_batch", "max_seq_len", "min_world_size",
+           "parallel_spec", "sweep", "sweep_ranks"]

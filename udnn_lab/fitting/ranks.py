@@ -96,7 +96,7 @@ def sweep_ranks(work: Workload | str, world_sizes: Iterable[int] = DEFAULT_WORLD
         for size in sizes:
             for setup in chosen:
                 base = setup.removesuffix("+offload")
-                spec = _spec(base, size, per_node, fsdp_options or {})
+                spec = parallel_spec(base, size, per_node, fsdp_options)
                 if (base, size) not in traces:
                     bar.set_postfix_str(f"{base} x {size}")
                     start = time.perf_counter()
@@ -168,7 +168,11 @@ def _row(graph: Graph, spec: Parallel, budget_bytes: int, policy: str, profile: 
             "why": why}
 
 
-def _spec(base: str, world_size: int, per_node: int, fsdp_options: dict[str, Any]) -> Parallel:
+def parallel_spec(setup: str, world_size: int, ranks_per_node: int = DEFAULT_RANKS_PER_NODE,
+                  fsdp_options: dict[str, Any] | None = None) -> Parallel:
+    """The DDP or FSDP spec a setup name ('DDP', 'FSDP2', 'HSDP', with or without '+offload') stands for."""
+    _setups([setup])
+    base, per_node, fsdp_options = setup.removesuffix("+offload"), ranks_per_node, fsdp_options or {}
     if base == "DDP":
         return DDP(world_size)
     if base == "HSDP" and world_size > per_node:

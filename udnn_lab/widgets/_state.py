@@ -27,6 +27,7 @@ from udnn_lab.simulation.simulator import Simulation, resolve_hardware, simulate
 from udnn_lab.units import format_bytes
 from udnn_lab.vocabulary import AttentionImplementation, Precision
 from udnn_lab.widgets._networks import zoo_request
+from udnn_lab.widgets._parallel_controls import spec_of
 from udnn_lab.workload import Workload
 
 
@@ -42,6 +43,8 @@ class Setting:
     seq_len: int | None = None  # tokens per example of an hf: network; None for the others
     lora_rank: int | None = None  # LoRA adapters of this rank on the frozen hf: network; None: a full fine-tune
     attn_implementation: AttentionImplementation | None = None  # of an hf: network
+    parallel: str | None = None  # 'DDP', 'FSDP2' or 'HSDP': the step is one rank of world_size; None: one GPU
+    world_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,9 @@ class LabSession:
                        lora_rank=setting.lora_rank, attn_implementation=setting.attn_implementation)
 
     def graph(self, setting: Setting) -> Graph:
-        return self._graphs.get_or_make(setting, lambda: trace(self.workload(setting, "meta"), device=setting.device))
+        parallel = spec_of(setting.parallel, setting.world_size)
+        return self._graphs.get_or_make(
+            setting, lambda: trace(self.workload(setting, "meta"), device=setting.device, parallel=parallel))
 
     def min_budget(self, setting: Setting, policy: str, hardware: str) -> int:
         key = (setting, policy, hardware)
@@ -136,6 +141,7 @@ class LabSession:
     def trainable(self, setting: Setting) -> Workload:
         """The model the app trains for this setting, on this machine (kept, so Train carries on from where it
         stopped); your own module itself when you passed one."""
+        _one_process(setting, "Train")
         device = "cuda" if setting.device == "cuda" and torch.cuda.is_available() else "cpu"
         return self._trainable.get_or_make((setting, device), lambda: self.workload(setting, device))
 
@@ -159,6 +165,7 @@ class LabSession:
         """A real step on this machine (on its CPU when it lacks the profile's device; where your module lives
         when you passed one), under the plan of ``policy`` and the budget made again for that device's step,
         beside that plan's prediction. When the plan cannot fit there, the step runs with every tensor kept."""
+        _one_process(setting, "Measure")
         work = self.workload(setting, self.local_device(setting))  # your own module stays where it lives
         graph = trace(work)
         local = self.local_hardware(graph.device, hardware)
@@ -173,6 +180,13 @@ class LabSession:
         measured = measure(work, plan=chosen if chosen.offloads or chosen.recomputes else None, repeats=repeats)
         return MeasuredStep((setting, policy, budget_bytes, hardware), measured, graph,
                             simulate(graph, chosen, hardware=local), note)
+
+
+def _one_process(setting: Setting, action: str) -> None:
+    if setting.parallel is not None:
+        raise ValueError(f"{action} runs the step in this one process, and the setting is one rank of "
+                         f"{setting.parallel} over {setting.world_size}: set ranks to 'one GPU' to {action.lower()} "
+                         f"it here, or run the ranks with ul.train(..., parallel=...)")
 
 
 def _budget(budget_bytes: int | None) -> str:

@@ -34,6 +34,7 @@ from udnn_lab.widgets._budget import BudgetControl
 from udnn_lab.widgets._drill import DrillPanel
 from udnn_lab.widgets._hf_controls import HFControls
 from udnn_lab.widgets._networks import offered
+from udnn_lab.widgets._parallel_controls import ParallelControls
 from udnn_lab.widgets._state import LabSession, MeasuredStep, Setting
 from udnn_lab.widgets._training import TrainingPanel
 from udnn_lab.workload import precision_of
@@ -84,7 +85,8 @@ class MemoryLab(widgets.AppLayout):
     hf: model) or your own ``nn.Module`` (then give ``input_shape``, one example's shape).
     ``precision``: PyTorch Lightning's names, '32-true' by default (your module's own dtype for
     your module). ``seq_len``, ``lora_rank`` (0: a full fine-tune) and ``attn_implementation``
-    apply to hf: networks. ``hardware``: a profile name or a Hardware (e.g. from
+    apply to hf: networks. ``parallel`` ('DDP', 'FSDP2', 'HSDP'; None: one GPU) and ``world_size``: the
+    charts are of one rank of that many. ``hardware``: a profile name or a Hardware (e.g. from
     ``ul.Hardware.measure()``). The step is traced with fake tensors for the profile's device;
     "Measure" runs it for real on this machine, under the same policy and budget planned again
     for the device it runs on, and charts it beside that device's prediction.
@@ -94,7 +96,8 @@ class MemoryLab(widgets.AppLayout):
                  batch: int = 32, precision: Precision | None = None, optimizer: str = "sgd",
                  hardware: str | Hardware = "h100-sxm", policy: str = "auto", image_size: int | None = None,
                  seq_len: int = 512, lora_rank: int = 0, attn_implementation: AttentionImplementation = "sdpa",
-                 debounce_s: float = 0.3, points: int = frames.DEFAULT_POINTS) -> None:
+                 parallel: str | None = None, world_size: int = 8, debounce_s: float = 0.3,
+                 points: int = frames.DEFAULT_POINTS) -> None:
         extra = {hardware.name: hardware} if isinstance(hardware, Hardware) else {}
         custom = model if isinstance(model, nn.Module) else None
         if precision is None:
@@ -102,6 +105,8 @@ class MemoryLab(widgets.AppLayout):
         self.session = LabSession(custom, input_shape, image_size, extra)
         self.hf = HFControls(seq_len, lora_rank, attn_implementation, "290px")
         self.seq_len, self.lora_rank, self.attention = self.hf.controls
+        self.ranks_controls = ParallelControls(parallel, world_size, "290px")
+        self.ranks, self.world_size = self.ranks_controls.controls
         self.points = points
         self._dirty = -1
         self._measured: MeasuredStep | None = None
@@ -123,7 +128,8 @@ class MemoryLab(widgets.AppLayout):
         super().__init__(
             header=widgets.HTML("<b>udnn_lab · MemoryLab</b>: predicted memory of one training step"),
             left_sidebar=widgets.VBox([self.network, self.batch, self.precision, self.optimizer, *self.hf.controls,
-                                       self.hardware, self.device_note, self.policy, self.budget_entry, self.budget,
+                                       *self.ranks_controls.controls, self.hardware, self.device_note, self.policy,
+                                       self.budget_entry, self.budget,
                                        self.minimum_text, self.actions]),
             center=widgets.VBox([self.memory_and_streams, self.drill.box, self.training.chart]),
             footer=widgets.VBox([self.summary, self.status], layout=widgets.Layout(height="auto")),
@@ -163,7 +169,8 @@ class MemoryLab(widgets.AppLayout):
                                      self.training.steps, self.training.progress])
         self.hf.follow(network)
         self.network.observe(lambda change: self.hf.follow(str(change.new).strip()), names="value")
-        for control in (self.network, self.batch, self.precision, self.optimizer, *self.hf.controls, self.hardware):
+        for control in (self.network, self.batch, self.precision, self.optimizer, *self.hf.controls,
+                        *self.ranks_controls.controls, self.hardware):
             control.observe(lambda _: self._request(_GRAPH), names="value")
         self.policy.observe(lambda _: self._request(_POLICY), names="value")
         self.measure_button.on_click(lambda _: self.measure())
@@ -176,8 +183,9 @@ class MemoryLab(widgets.AppLayout):
     def setting(self) -> Setting:
         device = self.session.hardware(self.hardware.value).device_type
         network = str(self.network.value).strip()
+        parallel, world_size = self.ranks_controls.setup()
         return Setting(network, int(self.batch.value), self.precision.value, self.optimizer.value, device,
-                       **self.hf.options(network))
+                       **self.hf.options(network), parallel=parallel, world_size=world_size)
 
     @property
     def budget_bytes(self) -> int:
@@ -320,7 +328,8 @@ def _step_named(graph: Graph, setting: Setting) -> str:
     """The network (with its attention and LoRA rank), the batch, and the sequence and precision when they apply."""
     tokens = f", {setting.seq_len} tokens" if setting.seq_len is not None else ""
     precision = f", {setting.precision}" if setting.precision != "32-true" else ""
-    return f"{graph.model_name}, batch {setting.batch}{tokens}{precision}"
+    ranks = f", one rank of {setting.parallel} x {setting.world_size}" if setting.parallel is not None else ""
+    return f"{graph.model_name}, batch {setting.batch}{tokens}{precision}{ranks}"
 
 
 def _named(policy: str, plan, infeasible: bool, budget_bytes: int) -> str:
