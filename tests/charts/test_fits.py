@@ -43,3 +43,20 @@ def test_fit_charts_name_the_missing_columns():
         charts.breakdown_bars(pd.DataFrame({"configuration": ["a"], "category": ["parameter"]}))
     with pytest.raises(ValueError, match="missing \\['peak_bytes'\\]"):
         charts.peak_by_size(pd.DataFrame({"configuration": ["a"], "size": [1]}))
+
+
+def test_by_world_size_draws_each_setups_peak_and_step_time_on_a_log_world_axis():
+    frame = pd.DataFrame({"world_size": [1, 8, 1, 8], "setup": ["DDP", "DDP", "FSDP2", "FSDP2"],
+                          "peak_bytes": [90 * GIB, 90 * GIB, 90 * GIB, 30 * GIB],
+                          "step_time_s": [1.0, 1.1, 1.0, float("nan")], "fits": [False, False, False, True]})
+    spec = charts.by_world_size(frame, memories={"80 GB": 80 * GIB}, title="t").to_dict()
+    left, right = spec["hconcat"]
+    line = next(u for u in layers_of(left) if mark_type(u) == "line")
+    assert line["encoding"]["x"]["scale"] == {"type": "log", "base": 2}
+    assert line["encoding"]["color"]["field"] == "setup" and line["encoding"]["y"]["title"] == "peak per rank (GiB)"
+    assert sorted(r["value"] for r in rows(spec) if "value" in r and "setup" in r)[:2] == [30, 90]
+    assert right["encoding"]["y"]["title"] == "predicted step (ms)"
+    shown = {(r["setup"], r["world_size"], r["fitting"]) for r in rows(spec) if "fitting" in r}
+    assert ("FSDP2", 8, "fits") in shown and ("DDP", 8, "does not fit") in shown
+    with pytest.raises(ValueError, match="missing \\['fits'\\]"):
+        charts.by_world_size(frame.drop(columns="fits"))

@@ -51,3 +51,38 @@ def peak_by_size(frame: pd.DataFrame, x: str = "size", memories: dict[str, float
         layers.append(marks)
     chart = alt.layer(*layers).resolve_scale(color="independent").properties(width=width, height=height)
     return chart.properties(title=title) if title else chart
+
+
+def by_world_size(frame: pd.DataFrame, memories: dict[str, float | None] | None = None, width: int = 340,
+                  height: int = 260, title: str | None = None) -> alt.HConcatChart:
+    """Two panels against world size (log scale), one line per setup: each rank's peak, with ``memories`` as
+    rules, and the predicted step time (columns world_size, setup, peak_bytes, step_time_s, fits: the rows of
+    ``ul.sweep(..., world_sizes=...)`` for one budget). A hollow point does not fit."""
+    check_columns(frame, ["world_size", "setup", "peak_bytes", "step_time_s", "fits"],
+                  "ul.sweep(..., world_sizes=...)'s rows for one budget")
+    largest = max([frame["peak_bytes"].max() if len(frame) else 0] + [v or 0 for v in (memories or {}).values()])
+    unit, scale = byte_unit(largest)
+    data = frame.assign(value=frame["peak_bytes"] / scale, step_ms=frame["step_time_s"] * 1e3,
+                        fitting=frame["fits"].map({True: "fits", False: "does not fit"}))
+    x = alt.X("world_size:Q", scale=alt.Scale(type="log", base=2), title="world size (ranks)",
+              axis=alt.Axis(values=sorted(set(frame["world_size"])), format="d"))
+    setup = alt.Color("setup:N", title="setup")
+    filled = alt.Fill("setup:N", legend=None)
+    shape = alt.Shape("fitting:N", scale=alt.Scale(domain=["fits", "does not fit"], range=["circle", "square"]),
+                      title=None)
+    tooltip = ["setup:N", "world_size:Q", alt.Tooltip("value:Q", format=",.2f", title=f"peak ({unit})"),
+               alt.Tooltip("step_ms:Q", format=",.1f", title="step (ms)"), "fitting:N"]
+    peak = alt.Chart(data).mark_line(point=True).encode(x=x, y=alt.Y("value:Q", title=f"peak per rank ({unit})"),
+                                                        color=setup, tooltip=tooltip)
+    points = alt.Chart(data).mark_point(size=60).encode(x=x, y="value:Q", color=setup, shape=shape, tooltip=tooltip)
+    layers: list[alt.Chart | alt.LayerChart | alt.FacetChart] = [peak, points]
+    marks = rules(memories or {}, scale, unit)
+    if marks is not None:
+        layers.append(marks)
+    left = alt.layer(*layers).properties(width=width, height=height, title="memory of one rank")
+    timed = data[data["step_ms"].notna()]
+    right = alt.Chart(timed).mark_line(point=True).encode(
+        x=x, y=alt.Y("step_ms:Q", title="predicted step (ms)"), color=setup, fill=filled, tooltip=tooltip,
+    ).properties(width=width, height=height, title="step time of one rank")
+    chart = alt.hconcat(left, right).resolve_scale(color="shared", shape="independent")
+    return chart.properties(title=title) if title else chart

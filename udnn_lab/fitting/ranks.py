@@ -86,28 +86,23 @@ def sweep_ranks(work: Workload | str, world_sizes: Iterable[int] = DEFAULT_WORLD
     if not planners or any(p == "keep-all" for p in planners):
         raise ValueError(f"policies are the planning policies of the '+offload' setups (not keep-all: the setups "
                          f"without '+offload' keep everything), got {policies!r}")
-    traces: dict[tuple[str, int], tuple[Graph, float]] = {}
+    traces: dict[Parallel, tuple[Graph, float]] = {}  # HSDP within one node is FSDP2: traced once
+    specs = {(setup, size): parallel_spec(setup, size, per_node, fsdp_options) for size in sizes for setup in chosen}
     rows = []
-    wanted = sorted({(setup.removesuffix("+offload"), size) for setup in chosen for size in sizes},
-                    key=lambda key: (key[1], chosen.index(key[0]) if key[0] in chosen else 0))
-    bar = tqdm(total=len(wanted), desc=f"tracing one rank of {work.name}", unit="trace", leave=False,
+    bar = tqdm(total=len(set(specs.values())), desc=f"tracing one rank of {work.name}", unit="trace", leave=False,
                disable=progress is False, delay=0 if progress else PROGRESS_SECONDS)
     with bar:
-        for size in sizes:
-            for setup in chosen:
-                base = setup.removesuffix("+offload")
-                spec = parallel_spec(base, size, per_node, fsdp_options)
-                if (base, size) not in traces:
-                    bar.set_postfix_str(f"{base} x {size}")
-                    start = time.perf_counter()
-                    traces[base, size] = (trace(work, device=profile.device_type, parallel=spec),
-                                          time.perf_counter() - start)
-                    bar.update(1)
-                graph, seconds = traces[base, size]
-                for budget in budget_list:
-                    for policy in planners if setup.endswith("+offload") else ["keep-all"]:
-                        row = _row(graph, spec, budget, policy, profile, per_node, host_bytes)
-                        rows.append({"world_size": size, "setup": setup, "trace_s": seconds, **row})
+        for (setup, size), spec in specs.items():
+            if spec not in traces:
+                bar.set_postfix_str(f"{setup.removesuffix('+offload')} x {size}")
+                start = time.perf_counter()
+                traces[spec] = (trace(work, device=profile.device_type, parallel=spec), time.perf_counter() - start)
+                bar.update(1)
+            graph, seconds = traces[spec]
+            for budget in budget_list:
+                for policy in planners if setup.endswith("+offload") else ["keep-all"]:
+                    row = _row(graph, spec, budget, policy, profile, per_node, host_bytes)
+                    rows.append({"world_size": size, "setup": setup, "trace_s": seconds, **row})
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
