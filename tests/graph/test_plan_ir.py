@@ -2,6 +2,7 @@ import pytest
 
 import udnn_lab as ul
 from udnn_lab import zoo
+from udnn_lab.graph.plan_ir import replay_reads
 from udnn_lab.planning import Offload, Plan, PlanError, Recompute
 
 
@@ -92,3 +93,19 @@ def test_a_plan_reads_as_a_summary(graph):
                 offloads=(Offload(t.id, t.last_forward_use, t.first_backward_use - 1),)).located(graph)
     assert repr(plan) == (f"Plan('p', budget 3.00 MiB: 1 tensor offloaded ({ul.format_bytes(t.nbytes)}), "
                           "0 recomputed by re-running 0 ops, pinned pool 0 B)")
+
+
+def test_a_replays_sources_include_what_it_reads_before_a_later_op_returns_it_as_a_view():
+    """A replayed op that returns its input's storage (a view) does not make that storage: the replay reads it
+    (a Llama-3-8B segment plan completed by auto once offloaded such a source, and the validator refused it)."""
+    graph = ul.trace(zoo.get("hf:gpt2", small=True, batch=2, seq_len=16, device="meta"), device="cuda")
+    forward = [op for op in graph.ops if op.phase == "forward"]
+    pairs = [(a.index, b.index, t) for a in forward for t in a.inputs for b in forward[a.index + 1:a.index + 4]
+             if t in b.outputs and t not in b.allocated and graph.tensors[t].producer is not None
+             and graph.tensors[t].producer < a.index]
+    assert pairs, "no op of the step reads a tensor that a later op returns as a view"
+    for first, then, tensor in pairs:
+        ops = tuple(range(first, then + 1))
+        assert tensor in replay_reads(graph, ops)
+        made_before = {t for i in range(first, then + 1) for t in graph.ops[i].outputs}
+        assert tensor in made_before  # counting every output as made, as the planners once did, loses it

@@ -228,6 +228,17 @@ def check_recompute(graph: Graph, recompute: Recompute, dropped: set[int]) -> No
         made.update(op.outputs)
 
 
+def replay_reads(graph: Graph, ops: tuple[int, ...] | list[int] | set[int]) -> set[int]:
+    """What a replay of ``ops`` (in forward order) reads that it has not made itself by then: its sources. A tensor
+    an earlier op reads and a later one writes in place is one of them, though the replay also outputs it."""
+    made: set[int] = set()
+    reads: set[int] = set()
+    for index in sorted(ops):
+        reads.update(t for t in graph.ops[index].inputs if t not in made)
+        made.update(graph.ops[index].outputs)
+    return reads
+
+
 def written_after(graph: Graph, tensor_id: int, op: int) -> int | None:
     """The first forward op after ``op`` that writes into the tensor in place (None if none does)."""
     tensor = graph.tensors[tensor_id]

@@ -25,7 +25,7 @@ import numpy as np
 
 from udnn_lab.cost.model import CostModel
 from udnn_lab.errors import PlanError
-from udnn_lab.graph.plan_ir import Plan, Recompute, check_recompute, written_after
+from udnn_lab.graph.plan_ir import Plan, Recompute, check_recompute, replay_reads, written_after
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.planning._candidates import Candidate, candidates, first_backward_op, prefetch_point, writers
 from udnn_lab.units import cuda_block_bytes
@@ -193,9 +193,7 @@ def _chain_ops(graph: Graph, c: Candidate, pool: dict[int, Candidate], depth: in
 
 
 def _inputs(graph: Graph, ops: set[int]) -> set[int]:
-    made = {t for i in ops for t in graph.ops[i].outputs}
-    return {t for i in ops for t in graph.ops[i].inputs
-            if t not in made and graph.tensors[t].category not in _ALWAYS_THERE}
+    return {t for t in replay_reads(graph, ops) if graph.tensors[t].category not in _ALWAYS_THERE}
 
 
 def _there(graph: Graph, tensor: int, ops: set[int], at_op: int) -> bool:
@@ -221,8 +219,7 @@ def _option(graph: Graph, action: Recompute, pool: dict[int, Candidate], times: 
     windows = tuple((pool[t].freed_after + 1, action.at_op - 1) for t in action.tensors)
     if all(last <= first for first, last in windows):
         return None
-    made = {t for i in action.ops for t in graph.ops[i].outputs}
-    keeps = tuple(sorted({t for i in action.ops for t in graph.ops[i].inputs if t in pool and t not in made}))
+    keeps = tuple(sorted(t for t in replay_reads(graph, action.ops) if t in pool))
     return RecomputeOption(action, tuple(size(graph, t) for t in action.tensors), windows,
                            float(sum(times[i] for i in action.ops)), keeps)
 

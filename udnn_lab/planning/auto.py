@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from udnn_lab.cost.model import CostModel
-from udnn_lab.graph.plan_ir import Offload, Plan, Recompute
+from udnn_lab.graph.plan_ir import Offload, Plan, Recompute, replay_reads
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.planning._candidates import Candidate, candidates, first_backward_op, prefetch_point
 from udnn_lab.planning._estimate import CurveEstimate
@@ -199,8 +199,7 @@ def _taken(graph: Graph, base: Plan, estimate: CurveEstimate) -> set[int]:
             estimate.drop(where[offload.tensor], (where[offload.tensor].freed_after + 1, offload.prefetch_at))
         taken.add(offload.tensor)
     for recompute in base.recomputes:
-        made = {t for i in recompute.ops for t in graph.ops[i].outputs}
-        taken |= {t for i in recompute.ops for t in graph.ops[i].inputs if t not in made} | set(recompute.tensors)
+        taken |= replay_reads(graph, recompute.ops) | set(recompute.tensors)
         for t in recompute.tensors:
             if t in where:
                 estimate.drop(where[t], (where[t].freed_after + 1, recompute.at_op - 1))
