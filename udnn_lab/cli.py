@@ -345,7 +345,7 @@ def _train_plans(args: argparse.Namespace, spec) -> list:
 
 def _print_step(world: int):
     def show(row: dict) -> None:
-        peaks = ", ".join(format_bytes(row[f"peak_bytes_rank{r}"]) for r in range(world)) if world > 1 \
+        peaks = ", ".join(f"{format_bytes(row[f'peak_bytes_rank{r}'])} (rank {r})" for r in range(world)) if world > 1 \
             else format_bytes(row["peak_bytes"])
         print(f"step {row['step']}: loss {row['loss']:.4g}, {format_seconds(row['time_s'])}, peak {peaks}",
               file=sys.stderr)

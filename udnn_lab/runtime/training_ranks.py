@@ -23,6 +23,9 @@ NOTE [rank protocol]
   (an error, a rank that died silently, KeyboardInterrupt), before it returns or raises. Ranks ignore SIGINT:
   Ctrl-C in a terminal reaches the whole process group, and the parent alone decides.
 
+Plans: one per rank (each rank's step as ``ul.trace(..., parallel=replace(spec, rank=r))`` sees it), or one
+Plan for every rank; rank r runs its steps under an OffloadRuntime of its own plan.
+
 Rows: rank 0's row, with ``loss`` the mean of the ranks' losses (the global batch's loss for a loss that averages
 over examples) and ``peak_bytes_rank<r>`` each rank's peak (``peak_bytes`` is rank 0's). The trained weights come
 back into the user's model; the optimizer state stays in the ranks (the user's optimizer is not stepped).
@@ -128,7 +131,15 @@ def train_ranks(model: torch.nn.Module, batches: Iterable, optimizer: torch.opti
                stopped=stopped, pinned_bytes=pinned_bytes, options=options,
                notes=(f"{describe(spec).split(' of ', 1)[1]}, {backend}: every rank trained on 1/{world} of each "
                       f"batch; rows are rank 0's, loss the mean over ranks, peak_bytes_rank<r> each rank's peak",
-                      "the weights came back from rank 0; the optimizer state stayed in the ranks"))
+                      "the weights came back from rank 0; the optimizer state stayed in the ranks",
+                      *_peak_caveat(spec, device)))
+
+
+def _peak_caveat(spec: Parallel, device: torch.device) -> tuple[str, ...]:
+    if isinstance(spec, DDP) or device.type != "cpu":
+        return ()
+    return ("CPU peaks count live storages, and FSDP2 frees and regathers its parameters by resizing storages in "
+            "place (NOTE [resized storages]), which such a count does not follow: they may read above the trace's",)
 
 
 def _backend(device: torch.device, world: int) -> str:
