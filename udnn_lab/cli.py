@@ -16,7 +16,8 @@ import sys
 import time
 import traceback
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -295,9 +296,7 @@ def _report(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     # startup time: each command loads its stage when it runs (see the module docstring)
-    from itertools import repeat
-
-    import udnn_lab as ul  # (as above)
+    import udnn_lab as ul
 
     spec = None
     if args.parallel is not None:
@@ -331,9 +330,7 @@ def _train_plans(args: argparse.Namespace, spec) -> list:
     if args.policy is None and args.budget is None:
         return []
     # startup time: each command loads its stage when it runs (see the module docstring)
-    from dataclasses import replace
-
-    import udnn_lab as ul  # (as above)
+    import udnn_lab as ul
 
     world = spec.world_size if spec is not None else 1
     rank_args = argparse.Namespace(**{**vars(args), "batch": args.batch // world})
