@@ -89,26 +89,29 @@ class CountsExamples(nn.Module):
         return self.model(x)
 
 
-@pytest.mark.parametrize("spec", [ul.DDP(2), ul.FSDP(2)], ids=["DDP", "FSDP"])
-def test_ranks_train_what_one_process_trains_on_the_whole_batches(spec):
+@pytest.mark.parametrize(("spec", "ends"), [(ul.DDP(2), "batches"), (ul.FSDP(2), "stop requested")],
+                         ids=["DDP, to the last batch", "FSDP, stopped from outside"])
+def test_ranks_train_what_one_process_trains_on_the_whole_batches(spec, ends):
     work = zoo.get("mlp3", batch=8, seed=0)
     batches = _batches(3, 8, (784,))
     start = CountsExamples(work.model)
     model = copy.deepcopy(start)
-    seen, pids = [], set()
+    seen, pids, stop = [], set(), threading.Event()
 
     def record(row):
         seen.append(dict(row))
         pids.update(_rank_pids())
+        if ends == "stop requested" and row["step"] == 2:
+            stop.set()  # as another thread would: the ranks end before step 3
 
     with _watchdog():
-        run = ul.train(model, batches, _sgd(model), loss_fn=work.loss_fn, parallel=spec, callbacks=[record],
-                       progress=False)
+        run = ul.train(model, batches if ends == "batches" else batches * 5, _sgd(model), loss_fn=work.loss_fn,
+                       parallel=spec, callbacks=[record], stop=stop, progress=False)
     reference = _one_process(start, batches, work.loss_fn)
     _assert_same_parameters(model, reference, start)
     assert reference.examples == 3 * 8 and model.examples == 3 * 4  # rank 0 saw its half of each batch
     assert [row["step"] for row in seen] == [0, 1, 2] and list(run.steps["step"]) == [0, 1, 2]
-    assert run.stopped == "batches" and len(pids) == 2 and _gone(pids)
+    assert run.stopped == ends and len(pids) == 2 and _gone(pids)
     for rank in (0, 1):
         assert (run.steps[f"peak_bytes_rank{rank}"] > 0).all() and all(f"peak_bytes_rank{rank}" in r for r in seen)
     assert (run.steps["peak_bytes"] == run.steps["peak_bytes_rank0"]).all()

@@ -117,6 +117,7 @@ def train_ranks(model: torch.nn.Module, batches: Iterable, optimizer: torch.opti
         bar = progress_bar(steps, progress, name or type(model).__name__)
         finished = False
         try:
+            ranks.start()
             rows, stopped, pinned_bytes = _drive(ranks, feed, first, callbacks, stop, bar)
             finished = True
         finally:
@@ -205,6 +206,8 @@ class _Ranks:
         self.processes = [context.Process(target=_rank, args=(rank, job, self.inboxes[rank], self.outbox),
                                           name=f"udnn-lab rank {rank}", daemon=True)
                           for rank in range(job.spec.world_size)]
+
+    def start(self) -> None:
         for process in self.processes:
             process.start()
 
@@ -230,7 +233,7 @@ class _Ranks:
     def end(self, wait: bool) -> None:
         """Every rank gone: after a clean end given ``LEAVE_S`` to leave on their own, otherwise killed at once."""
         for process in self.processes:
-            if wait:
+            if wait and process.pid is not None:
                 process.join(LEAVE_S)
             if process.is_alive():
                 process.kill()
