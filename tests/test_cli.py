@@ -203,3 +203,21 @@ def test_the_hf_options_list_their_choices_and_refuse_other_models(capsys):
     assert "invalid choice: 'flash'" in capsys.readouterr().err
     assert main(["analyze", "resnet18", "--lora-rank", "8"]) == 1
     assert "lora_rank is for Hugging Face models" in capsys.readouterr().err
+
+
+def test_train_runs_over_ranks_under_a_plan_and_prints_every_rank_s_peak(capsys):
+    assert main(["train", "mlp3", "--batch", "8", "--steps", "2", "--parallel", "ddp", "--world-size", "2",
+                 "--policy", "vdnn-all", "--hardware", "cpu-amd-epyc-2cpu"]) == 0
+    captured = capsys.readouterr()
+    assert "ddp over 2 ranks, plan vdnn-all" in captured.err
+    assert [line.split(":")[0] for line in captured.err.splitlines() if line.startswith("step ")] == ["step 0",
+                                                                                                     "step 1"]
+    table = captured.out.splitlines()
+    assert table[0].split() == ["step", "loss", "time", "offloaded", "peak", "rank", "0", "peak", "rank", "1"]
+    assert [line.split()[0] for line in table[1:3]] == ["0", "1"] and table[3] == ""
+    assert "2 steps, policy=vdnn-all" in captured.out and "DDP over 2 ranks" in captured.out
+
+
+def test_train_refuses_a_batch_that_does_not_split_over_the_ranks(capsys):
+    assert main(["train", "mlp3", "--batch", "7", "--parallel", "fsdp", "--world-size", "2"]) == 1
+    assert "--batch 7 does not split over --world-size 2" in capsys.readouterr().err

@@ -16,12 +16,13 @@ import sys
 import time
 import traceback
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
 from udnn_lab.errors import ModelFactoryError, UdnnLabError
-from udnn_lab.units import format_bytes
+from udnn_lab.units import format_bytes, format_seconds
 from udnn_lab.vocabulary import ATTENTION_IMPLEMENTATIONS, PHASES, PRECISIONS
 
 COMMANDS = {
@@ -30,6 +31,7 @@ COMMANDS = {
     "zoo": "list the models the zoo can build",
     "max-batch": "the largest batch size whose training step fits a budget",
     "max-seq-len": "the longest sequence (hf: models) whose training step fits a budget",
+    "train": "train a few steps for real, in one process or over DDP/FSDP ranks, and print each step",
 }
 MODEL_HELP = "a zoo name (see 'udnn-lab zoo') or package.module:factory, a callable returning your nn.Module"
 
@@ -175,6 +177,26 @@ def _parser(names: Names | None = None) -> argparse.ArgumentParser:
                         help="HTML file to write (default report.html)")
     report.set_defaults(run=_report)
 
+    train = commands.add_parser("train", parents=[step, common], help=COMMANDS["train"],
+                                description="Train MODEL for real on the zoo's random example batch (the same "
+                                            "batch every step), printing each step as it ends; with --parallel, "
+                                            "over --world-size rank processes started here, each training on its "
+                                            "share of the batch. Ctrl-C ends every rank.")
+    train.add_argument("--steps", type=_positive_int, default=5, help="optimizer steps to run (default 5)")
+    train.add_argument("--parallel", choices=("ddp", "fsdp"),
+                       help="spread the run over ranks: ddp (DistributedDataParallel) or fsdp (FSDP2); gloo on "
+                            "cpu, NCCL with one GPU per rank on cuda (default: one process)")
+    train.add_argument("--world-size", type=_positive_int, default=2,
+                       help="ranks of --parallel (default 2); --batch must be a multiple of it")
+    train.add_argument("--device", default="cpu", help="where the model trains: cpu or cuda (default cpu)")
+    train.add_argument("--policy", choices=names.policies if names else None,
+                       help="run every step under this planning policy's plan (for --parallel, each rank's own)")
+    train.add_argument("--budget", help="device memory the plan fits into, e.g. 6GiB (with --policy; alone it "
+                                        "plans with auto)")
+    train.add_argument("--hardware", default="h100-sxm",
+                       help=f"the hardware profile the plan is made for{hardware} (default h100-sxm)")
+    train.set_defaults(run=_train)
+
     listing = commands.add_parser("zoo", parents=[common], help=COMMANDS["zoo"])
     listing.set_defaults(run=_zoo)
     _add_fit_commands(commands, common, names)
@@ -270,6 +292,74 @@ def _report(args: argparse.Namespace) -> int:
                             grad_accumulation=args.grad_accumulation, clip_grad_norm=args.clip_grad_norm)
     write_report(request, args.out, progress=lambda line: print(line, file=sys.stderr), kernel=args.kernel)
     return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    # startup time: each command loads its stage when it runs (see the module docstring)
+    import udnn_lab as ul
+
+    spec = None
+    if args.parallel is not None:
+        if args.batch % args.world_size:
+            raise ValueError(f"--batch {args.batch} does not split over --world-size {args.world_size}: give a "
+                             f"batch that is a multiple of {args.world_size}")
+        spec = (ul.DDP if args.parallel == "ddp" else ul.FSDP)(args.world_size)
+    work = _workload(args, device=args.device)
+    plans = _train_plans(args, spec)
+    world = spec.world_size if spec is not None else 1
+    print(f"training {work.name} for {args.steps} steps (batch {args.batch}, precision {work.precision}"
+          + (f", {args.parallel} over {world} ranks" if spec is not None else "")
+          + (f", plan {plans[0].policy}" if plans else "") + ") ...", file=sys.stderr)
+    try:
+        run = ul.train(work.model, repeat((work.example_input, work.target), args.steps * args.grad_accumulation),
+                       work.optimizer, loss_fn=work.loss_fn, steps=args.steps, parallel=spec,
+                       plan=(plans if spec is not None else plans[0]) if plans else None,
+                       precision=work.precision, grad_accumulation=args.grad_accumulation,
+                       clip_grad_norm=args.clip_grad_norm, callbacks=[_print_step(world)], progress=False,
+                       name=work.name)
+    except KeyboardInterrupt:
+        print("udnn-lab: interrupted; every rank was ended" if spec is not None else "udnn-lab: interrupted",
+              file=sys.stderr)
+        return 130
+    _print_run(run, world)
+    return 0
+
+
+def _train_plans(args: argparse.Namespace, spec) -> list:
+    """One plan per rank (a rank's step traced at its share of the batch), or none without --policy/--budget."""
+    if args.policy is None and args.budget is None:
+        return []
+    # startup time: each command loads its stage when it runs (see the module docstring)
+    import udnn_lab as ul
+
+    world = spec.world_size if spec is not None else 1
+    rank_args = argparse.Namespace(**{**vars(args), "batch": args.batch // world})
+    work = _workload(rank_args, device="meta")
+    device = "cuda" if args.device.startswith("cuda") else "cpu"
+    return [ul.plan(ul.trace(work, device=device, parallel=replace(spec, rank=rank) if spec is not None else None),
+                    args.budget, args.policy or "auto", hardware=args.hardware) for rank in range(world)]
+
+
+def _print_step(world: int):
+    def show(row: dict) -> None:
+        peaks = ", ".join(f"{format_bytes(row[f'peak_bytes_rank{r}'])} (rank {r})" for r in range(world)) if world > 1 \
+            else format_bytes(row["peak_bytes"])
+        print(f"step {row['step']}: loss {row['loss']:.4g}, {format_seconds(row['time_s'])}, peak {peaks}",
+              file=sys.stderr)
+    return show
+
+
+def _print_run(run, world: int) -> None:
+    peaks = [f"peak_bytes_rank{r}" for r in range(world)] if world > 1 else ["peak_bytes"]
+    names = [f"peak rank {r}" for r in range(world)] if world > 1 else ["peak"]
+    print(f"{'step':>4s} {'loss':>10s} {'time':>10s} {'offloaded':>10s} " + " ".join(f"{name:>12s}" for name in names))
+    for row in run.steps.to_dict("records"):
+        print(f"{row['step']:4d} {row['loss']:10.4g} {format_seconds(row['time_s']):>10s} "
+              f"{format_bytes(row['d2h_bytes']):>10s} "
+              + " ".join(f"{format_bytes(row[column]):>12s}" for column in peaks))
+    print(f"\n{run!r}")
+    for note in run.notes:
+        print(f"note: {note}")
 
 
 def _max_size(args: argparse.Namespace) -> int:

@@ -109,6 +109,15 @@ class JobFailed(UdnnLabError, RuntimeError):
         self.message = message
 
 
+class RankFailed(UdnnLabError, RuntimeError):
+    """A rank of a run over ranks raised, or its process died; every other rank was ended."""
+
+    def __init__(self, rank: int, detail: str) -> None:
+        super().__init__(f"rank {rank} failed, so every rank was ended:\n{detail}")
+        self.rank = rank
+        self.detail = detail
+
+
 class CapBelowMinimum(UdnnLabError, ValueError):
     """A memory cap under the least a job can run with."""
 
