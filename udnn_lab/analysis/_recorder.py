@@ -45,7 +45,9 @@ from dataclasses import dataclass, field
 from functools import cache, partial
 
 import torch
+import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
@@ -106,6 +108,7 @@ class OpRecord:
     bytes_read: int = 0
     bytes_written: int = 0
     released: list[int] = field(default_factory=list)
+    ranks: int = 1  # a collective's process group size
 
 
 @dataclass
@@ -295,6 +298,7 @@ class StepRecorder(TorchDispatchMode):
         self.ops.append(OpRecord(index, self.phase, module, self._names[func], tuple(inputs), tuple(outputs),
                                  tuple(allocated), forward_op, tuple(shapes), flops, read, written))
         if self._kinds[func] is _COLLECTIVE:
+            self.ops[-1].ranks = group_size(func, args, kwargs)
             for sid in (*inputs, *outputs):
                 storages[sid].communicated = True
         if self.after_op is not None:
@@ -411,6 +415,21 @@ class StepRecorder(TorchDispatchMode):
             call.last_op = len(self.ops) - 1
             call.outputs = tuple(sid for t in _tensors((output,), None) if (sid := self.sid_of(t)) is not None)
             self.calls.append(call)
+
+
+def group_size(func, args: tuple, kwargs: dict) -> int:
+    """Ranks in a collective's process group: c10d ops take the group (a boxed ProcessGroup), functional
+    collectives its registered name; 1 for ops without one (wait_tensor)."""
+    named = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+    group = named.get("process_group")
+    if isinstance(group, torch.ScriptObject):
+        return dist.ProcessGroup.unbox(group).size()
+    if isinstance(group, dist.ProcessGroup):
+        return group.size()
+    name = named.get("group_name")
+    if isinstance(name, str):
+        return _resolve_process_group(name).size()
+    return 1
 
 
 def _innermost(tensor: torch.Tensor) -> torch.Tensor:
