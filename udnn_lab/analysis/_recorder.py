@@ -47,7 +47,7 @@ from functools import cache, partial
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
@@ -428,7 +428,7 @@ def group_size(func, args: tuple, kwargs: dict) -> int:
         return group.size()
     name = named.get("group_name")
     if isinstance(name, str):
-        return _resolve_process_group(name).size()
+        return _resolve_process_group(GroupName(name)).size()
     return 1
 
 

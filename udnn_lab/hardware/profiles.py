@@ -75,7 +75,7 @@ class Hardware:
     gpus_per_node: int | None = _figure("count?", default=None)  # GPUs in one node of the usual system (DGX: 8)
     intra_node_bytes_per_s: float | None = _figure("rate?", default=None)  # GPU to GPU in a node, per direction
     intra_node_latency_s: float | None = _figure("seconds?", default=None)  # per step of a ring inside a node
-    inter_node_bytes_per_s: float | None = _figure("rate?", default=None)  # per GPU across nodes (its NIC), per direction
+    inter_node_bytes_per_s: float | None = _figure("rate?", default=None)  # per GPU across nodes (its NIC), each way
     inter_node_latency_s: float | None = _figure("seconds?", default=None)  # per step of a ring across nodes
     host_memory_bytes_per_s: float | None = _figure("rate?", default=None)  # one node's host memory, read + write
     sources: Mapping[str, str] = _figure("sources", hash=False)  # figure field name -> where it comes from
