@@ -201,3 +201,23 @@ def test_the_group_size_is_read_from_the_process_group_or_its_registered_name():
             functional.wait_tensor(functional.all_reduce(torch.ones(4), "sum", half))
     assert seen[:3] == [("allreduce_.default", 8), ("allreduce_.default", 4), ("all_reduce.default", 4)]
     assert {size for _, size in seen[3:]} == {1}  # wait_tensor and the like take no group
+
+
+@pytest.fixture(scope="module", params=["resnet20 DDP", "gpt2 FSDP2"])
+def larger(request):
+    if request.param == "resnet20 DDP":
+        return ul.trace(zoo.get("resnet20", batch=4), parallel=ul.DDP(8, bucket_cap_mb=0.25))
+    return ul.trace(zoo.get("hf:gpt2", batch=2, small=True, seq_len=32), parallel=ul.FSDP(8))
+
+
+def test_bounds_of_the_step_hold_on_a_resnet_and_a_transformer(larger):
+    assert len(_collectives(larger)) > 2
+    rated = ul.simulate(larger, hardware=H100)
+    rows = rated.timeline[rated.timeline.stream == "comm"].sort_values("start_s")
+    assert (rows.start_s.to_numpy()[1:] >= rows.end_s.to_numpy()[:-1]).all()
+    assert rated.step_time_s >= max(rated.compute_time_s, rated.communication_time_s)
+    free = ul.simulate(larger, hardware=_links(intra_node_bytes_per_s=1e18, intra_node_latency_s=0.0))
+    assert free.step_time_s == pytest.approx(free.compute_time_s, rel=1e-6)
+    slow = ul.simulate(larger, hardware=_links(intra_node_bytes_per_s=1e6, intra_node_latency_s=0.0))
+    assert slow.communication_time_s <= slow.step_time_s < 1.01 * slow.communication_time_s
+    assert free.step_time_s <= rated.step_time_s <= slow.step_time_s
