@@ -5,9 +5,10 @@ NOTE [collectives]
      runs on the communication stream, in the graph's order, one at a time. Its time is the ring
      algorithm's (NCCL's performance notes, nccl-tests doc/PERFORMANCE.md, "bus bandwidth"):
      all-gather, reduce-scatter and all-to-all move (p-1)/p of the full buffer over each rank's link,
-     all-reduce 2(p-1)/p, broadcast and reduce the buffer once; plus one latency per ring step (p-1 steps,
-     2(p-1) for all-reduce). The full buffer is the largest storage the op touches (the gathered output,
-     the reduce-scatter input, the bucket).
+     all-reduce 2(p-1)/p, broadcast and reduce the buffer once (a send or receive too, in one step); plus
+     one latency per ring step (p-1 steps, 2(p-1) for all-reduce). The full buffer is the largest storage
+     the op touches (the gathered output, the reduce-scatter input, the bucket). The ring's latency grows
+     with p; NCCL switches to trees or LL protocols for small buffers at large p, which this does not.
   2. The link is the slowest the group crosses: the node's GPU-to-GPU fabric when the group fits in one
      node (ranks <= ranks_per_node, the profile's gpus_per_node unless given), each GPU's NIC otherwise.
      A group is taken to be ranks packed into as few nodes as possible (FSDP's shard group inside a node,
@@ -60,7 +61,8 @@ _RINGS = (
     (("allgather", "all_gather"), "all_gather", lambda p: (p - 1) / p, lambda p: p - 1),
     (("reduce_scatter",), "reduce_scatter", lambda p: (p - 1) / p, lambda p: p - 1),
     (("alltoall", "all_to_all"), "all_to_all", lambda p: (p - 1) / p, lambda p: p - 1),
-    (("broadcast", "reduce", "send", "recv", "scatter", "gather"), "other", lambda p: 1.0, lambda p: p - 1),
+    (("send", "recv"), "point_to_point", lambda p: 1.0, lambda p: 1),
+    (("broadcast", "reduce", "scatter", "gather"), "collective", lambda p: 1.0, lambda p: p - 1),
 )
 
 
@@ -77,7 +79,7 @@ def ring(name: str, ranks: int) -> tuple[str, float, int]:
     for fragments, kind, share, steps in _RINGS:
         if any(fragment in name for fragment in fragments):
             return kind, share(ranks), steps(ranks)
-    return "other", 0.0, ranks - 1  # a barrier: latency only
+    return "collective", 0.0, ranks - 1  # a barrier: latency only
 
 
 @dataclass(frozen=True)
