@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import udnn_lab as ul
 from udnn_lab import zoo
 from udnn_lab.analysis._fake_group import fake_process_group
-from udnn_lab.analysis._recorder import group_size
+from udnn_lab.analysis._recorder import group_layout
 from udnn_lab.graph.plan_ir import Offload, Plan
 from udnn_lab.hardware.profiles import Hardware
 from udnn_lab.simulation._communication import ring
@@ -149,6 +149,18 @@ def test_a_group_across_nodes_is_slower_than_one_inside_a_node(graphs):
         ul.simulate(graphs["ddp64"], hardware=H100, ranks_per_node=64).communication_time_s
 
 
+def test_a_group_of_ranks_a_node_apart_crosses_nodes_however_few_they_are(graphs):
+    """HSDP's replicate group: 2 ranks, 8 apart, one on each node."""
+    graph = graphs["ddp8"]
+    pair = dataclasses.replace(graph, ops=tuple(dataclasses.replace(op, ranks=2, rank_stride=8) if op.ranks > 1
+                                                else op for op in graph.ops))
+    neighbours = dataclasses.replace(pair, ops=tuple(dataclasses.replace(op, rank_stride=1) for op in pair.ops))
+    no_latency = _links(intra_node_latency_s=0.0, inter_node_latency_s=0.0)
+    ratio = ul.simulate(pair, hardware=no_latency).communication_time_s \
+        / ul.simulate(neighbours, hardware=no_latency).communication_time_s
+    assert ratio == pytest.approx(450 / 50)
+
+
 @pytest.mark.parametrize("name", ["rtx-4090", "cpu-amd-epyc-2cpu", "nvidia-h100-80gb-hbm3-measured"])
 def test_a_profile_without_multi_gpu_figures_refuses_collectives_and_says_what_to_do(graphs, name):
     with pytest.raises(ValueError, match=r"multi-GPU figures.*intra_node_bytes_per_s.*h100-sxm"):
@@ -183,24 +195,24 @@ def test_offload_copies_share_the_hosts_memory_among_the_ranks_of_a_node(graphs)
     assert _offload_seconds(graphs["plain"], slow_host) == pytest.approx(H100.d2h_pinned_latency_s + nbytes / link)
 
 
-def test_the_group_size_is_read_from_the_process_group_or_its_registered_name():
-    """An HSDP-like subgroup: c10d ops carry the group, functional collectives its name."""
+def test_the_group_and_its_spacing_are_read_from_the_process_group_or_its_registered_name():
+    """HSDP-like subgroups: c10d ops carry the group, functional collectives its name."""
     seen = []
 
     class Sizes(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.namespace in ("c10d", "_c10d_functional"):
-                seen.append((func.__name__, group_size(func, args, kwargs or {})))
+                seen.append((func.__name__, group_layout(func, args, kwargs or {})))
             return func(*args, **(kwargs or {}))
 
     with fake_process_group(8):
-        half = dist.new_group([0, 1, 2, 3])
+        shard, replicate = dist.new_group([0, 1, 2, 3]), dist.new_group([0, 4])
         with Sizes():
             dist.all_reduce(torch.ones(4))
-            dist.all_reduce(torch.ones(4), group=half)
-            functional.wait_tensor(functional.all_reduce(torch.ones(4), "sum", half))
-    assert seen[:3] == [("allreduce_.default", 8), ("allreduce_.default", 4), ("all_reduce.default", 4)]
-    assert {size for _, size in seen[3:]} == {1}  # wait_tensor and the like take no group
+            dist.all_reduce(torch.ones(4), group=shard)
+            functional.wait_tensor(functional.all_reduce(torch.ones(4), "sum", replicate))
+    assert seen[:3] == [("allreduce_.default", (8, 1)), ("allreduce_.default", (4, 1)), ("all_reduce.default", (2, 4))]
+    assert {layout for _, layout in seen[3:]} == {(1, 1)}  # wait_tensor and the like take no group
 
 
 @pytest.fixture(scope="module", params=["resnet20 DDP", "gpt2 FSDP2"])

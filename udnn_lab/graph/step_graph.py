@@ -117,6 +117,7 @@ class OpInfo:
     # ranks taking part in this collective (the size of its process group: the world, or an HSDP replicate or
     # shard group); 1 for every other op, and for collectives of graphs traced before it was recorded
     ranks: int = 1
+    rank_stride: int = 1  # distance between the group's consecutive global ranks (HSDP's replicate group: > 1)
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,12 @@ NOTE [collectives]
      the op touches (the gathered output, the reduce-scatter input, the bucket). The ring's latency grows
      with p; NCCL switches to trees or LL protocols for small buffers at large p, which this does not.
   2. The link is the slowest the group crosses: the node's GPU-to-GPU fabric when the group fits in one
-     node (ranks <= ranks_per_node, the profile's gpus_per_node unless given), each GPU's NIC otherwise.
-     A group is taken to be ranks packed into as few nodes as possible (FSDP's shard group inside a node,
-     HSDP's replicate group across them). FSDP2 runs all-gathers and reduce-scatters on two streams
-     (and HSDP's all-reduces on a third); they share the same links, so here they take turns.
+     node, each GPU's NIC otherwise. Ranks fill nodes in order, ranks_per_node to a node (the profile's
+     gpus_per_node unless given), and a group is taken to start at a node's first rank: it fits when the
+     global ranks it spans, (ranks - 1) x OpInfo.rank_stride + 1, fit in a node (FSDP's and DDP's world of
+     8 on DGX, HSDP's shard group; HSDP's replicate group, ranks a node apart, crosses nodes). FSDP2 runs
+     all-gathers and reduce-scatters on two streams (and HSDP's all-reduces on a third); they share the
+     same links, so here they take turns.
   3. A collective starts when the stream is free and what it sends is ready: for FSDP2's all-gather, its
      copy-in (fsdp.all_gather_copy_in); for every other, what compute issued before it (DDP's bucket
      all-reduce, FSDP2's reduce-scatter: ``reduce_scatter_stream.wait_stream(current_stream)`` in
@@ -36,7 +38,7 @@ NOTE [collectives]
      compute ends.
   6. Offload under many ranks: the copies of every rank on a node go through the node's host memory, so a
      rank's copies get min(its host link, host memory bandwidth / ranks on the node), the ranks on the node
-     being min(the largest group, ranks_per_node), when the graph is one rank of several and the profile
+     being min(the widest group's span, ranks_per_node), when the graph is one rank of several and the profile
      has the host's figure. Not modelled: the PCIe switches two GPUs may share, NUMA, the host memory the
      collectives' own staging uses, and the links' contention between collectives and offload copies.
   7. Memory is counted by op as for any op (NOTE [simulated streams] 4): buffers live from the op the trace
@@ -68,6 +70,11 @@ _RINGS = (
 
 def is_collective(op: OpInfo) -> bool:
     return op.ranks > 1 and op.name.startswith(_COLLECTIVE_PREFIXES)
+
+
+def span(op: OpInfo) -> int:
+    """Global ranks from a collective's first rank to its last (NOTE [collectives] 2)."""
+    return (op.ranks - 1) * op.rank_stride + 1
 
 
 def has_collectives(graph: Graph) -> bool:
@@ -111,9 +118,9 @@ class Links:
                    hardware.inter_node_bytes_per_s or 0.0, hardware.inter_node_latency_s or 0.0,
                    hardware.host_memory_bytes_per_s)
 
-    def time_s(self, name: str, ranks: int, nbytes: int) -> float:
-        share, steps = ring(name, ranks)[1:]
-        inside = ranks <= self.ranks_per_node
+    def time_s(self, op: OpInfo, nbytes: int) -> float:
+        share, steps = ring(op.name, op.ranks)[1:]
+        inside = span(op) <= self.ranks_per_node
         bandwidth = self.intra_bytes_per_s if inside else self.inter_bytes_per_s
         latency = self.intra_latency_s if inside else self.inter_latency_s
         return steps * latency + share * nbytes / bandwidth
@@ -128,7 +135,7 @@ class Communication:
         self.collectives = {op.index for op in graph.ops if is_collective(op)}
         self.copy_ins = {op.index for op in graph.ops if op.name == _COPY_IN}
         self.off_compute = self.collectives | self.copy_ins
-        ranks = max(graph.ops[i].ranks for i in self.collectives) if self.collectives else 1
+        ranks = max(span(graph.ops[i]) for i in self.collectives) if self.collectives else 1
         self.ranks_on_node = min(ranks, self.links.ranks_per_node)
         self.comm_free = self.copy_in_free = self.gate = 0.0
         self.forward_copy_out: float | None = None  # the copy-out the all-gather state still holds (NOTE 4)
@@ -166,7 +173,7 @@ class Communication:
         nbytes = max((self.graph.tensors[t].nbytes for t in (*op.inputs, *op.outputs)), default=0)
         kind = ring(op.name, op.ranks)[0]
         start = max(self.comm_free, issued)
-        end = self.comm_free = start + self.links.time_s(op.name, op.ranks, nbytes)
+        end = self.comm_free = start + self.links.time_s(op, nbytes)
         self.busy_s += end - start
         self.bytes += nbytes
         for tensor in op.outputs:
