@@ -45,7 +45,9 @@ from dataclasses import dataclass, field
 from functools import cache, partial
 
 import torch
+import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
@@ -106,6 +108,8 @@ class OpRecord:
     bytes_read: int = 0
     bytes_written: int = 0
     released: list[int] = field(default_factory=list)
+    ranks: int = 1  # a collective's process group size
+    rank_stride: int = 1  # distance between its consecutive global ranks
 
 
 @dataclass
@@ -295,6 +299,7 @@ class StepRecorder(TorchDispatchMode):
         self.ops.append(OpRecord(index, self.phase, module, self._names[func], tuple(inputs), tuple(outputs),
                                  tuple(allocated), forward_op, tuple(shapes), flops, read, written))
         if self._kinds[func] is _COLLECTIVE:
+            self.ops[-1].ranks, self.ops[-1].rank_stride = group_layout(func, args, kwargs)
             for sid in (*inputs, *outputs):
                 storages[sid].communicated = True
         if self.after_op is not None:
@@ -411,6 +416,31 @@ class StepRecorder(TorchDispatchMode):
             call.last_op = len(self.ops) - 1
             call.outputs = tuple(sid for t in _tensors((output,), None) if (sid := self.sid_of(t)) is not None)
             self.calls.append(call)
+
+
+def process_group(func, args: tuple, kwargs: dict) -> dist.ProcessGroup | None:
+    """A collective's process group: c10d ops take the group (boxed), functional collectives its registered name;
+    None for ops without one (wait_tensor)."""
+    named = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+    group = named.get("process_group")
+    if isinstance(group, torch.ScriptObject):
+        return dist.ProcessGroup.unbox(group)
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    name = named.get("group_name")
+    return _resolve_process_group(GroupName(name)) if isinstance(name, str) else None
+
+
+def group_layout(func, args: tuple, kwargs: dict) -> tuple[int, int]:
+    """(ranks in a collective's group, distance between its consecutive global ranks); (1, 1) without a group.
+
+    The distance is 1 for a group of neighbouring ranks (FSDP's, DDP's world, HSDP's shard group) and the shard
+    group's size for HSDP's replicate group; an unevenly spaced group gets its widest gap."""
+    group = process_group(func, args, kwargs)
+    if group is None:
+        return 1, 1
+    ranks = sorted(dist.get_process_group_ranks(group))
+    return len(ranks), max((b - a for a, b in zip(ranks, ranks[1:])), default=1)
 
 
 def _innermost(tensor: torch.Tensor) -> torch.Tensor:

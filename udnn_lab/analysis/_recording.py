@@ -209,7 +209,8 @@ def _freeze(recorder: StepRecorder, model_name: str, device: str, fake: bool, no
     # cast: mark('end') comes after the step's last op, so every op has a Phase
     frozen_ops = tuple(OpInfo(op.index, cast(Phase, op.phase), op.module, op.name, op.inputs, op.outputs,
                               op.allocated, tuple(op.released), op.forward_op, op.output_shapes, op.flops,
-                              op.bytes_read, op.bytes_written) for op in ops)
+                              op.bytes_read, op.bytes_written, op.ranks, op.rank_stride)
+                      for op in ops)
     calls = tuple(ModuleCall(c.path, c.type, c.first_op, c.last_op, c.outputs) for c in recorder.calls)
     # CPU kernels standing in for CUDA ones save other tensors than the device's (cuDNN's batch norm saves more)
     saved = () if cpu_stands_for_device else tuple(HookEvent(*event) for event in recorder.hook_events)

@@ -146,6 +146,7 @@ class CostModel:
     hardware: Hardware
     profile: Profile | None = None
     rates: RateCurve | None = None
+    ranks_per_node: int | None = None  # for collectives: ranks sharing a node (None: the profile's gpus_per_node)
     memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     def op_times_s(self, graph: Graph) -> np.ndarray:

@@ -114,6 +114,10 @@ class OpInfo:
     flops: int = 0  # by torch.utils.flop_counter's formulas; 0 for ops it does not count
     bytes_read: int = 0  # bytes of the input tensors as the op sees them; 0 for views
     bytes_written: int = 0  # bytes of its outputs; 0 for views
+    # ranks taking part in this collective (the size of its process group: the world, or an HSDP replicate or
+    # shard group); 1 for every other op, and for collectives of graphs traced before it was recorded
+    ranks: int = 1
+    rank_stride: int = 1  # distance between the group's consecutive global ranks (HSDP's replicate group: > 1)
 
 
 @dataclass(frozen=True)

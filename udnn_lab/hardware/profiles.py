@@ -71,6 +71,13 @@ class Hardware:
     d2h_pinned_latency_s: float = _figure("seconds")
     d2h_pageable_bytes_per_s: float = _figure("rate")
     d2h_pageable_latency_s: float = _figure("seconds")
+    # collectives between GPUs (NOTE [collectives] in simulation/_communication.py); None: no multi-GPU figure
+    gpus_per_node: int | None = _figure("count?", default=None)  # GPUs in one node of the usual system (DGX: 8)
+    intra_node_bytes_per_s: float | None = _figure("rate?", default=None)  # GPU to GPU in a node, per direction
+    intra_node_latency_s: float | None = _figure("seconds?", default=None)  # per step of a ring inside a node
+    inter_node_bytes_per_s: float | None = _figure("rate?", default=None)  # per GPU across nodes (its NIC), each way
+    inter_node_latency_s: float | None = _figure("seconds?", default=None)  # per step of a ring across nodes
+    host_memory_bytes_per_s: float | None = _figure("rate?", default=None)  # one node's host memory, read + write
     sources: Mapping[str, str] = _figure("sources", hash=False)  # figure field name -> where it comes from
     notes: str = _figure("notes", default="")
 
@@ -226,6 +233,10 @@ _KINDS: Mapping[str, tuple[Callable[[Any], bool], str, Callable[[Any], Any]]] = 
     "rate?": (lambda v: v is None or (_is_number(v) and v > 0), "a positive number (per second) or null",
               lambda v: None if v is None else float(v)),
     "seconds": (lambda v: _is_number(v) and v >= 0, "a number of seconds, zero or more", float),
+    "seconds?": (lambda v: v is None or (_is_number(v) and v >= 0), "a number of seconds, zero or more, or null",
+                 lambda v: None if v is None else float(v)),
+    "count?": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0),
+               "a positive whole number or null", lambda v: v),
     "sources": (lambda v: isinstance(v, Mapping) and all(isinstance(k, str) and _is_text(t) for k, t in v.items()),
                 "an object mapping each figure's field name to a non-empty source string",
                 lambda v: MappingProxyType(dict(v))),
@@ -240,8 +251,11 @@ def _checked(name: str, kind: str, value: Any) -> Any:
     return inside(value)
 
 
+_FIGURE_KINDS = ("bytes", "rate", "rate?", "seconds", "seconds?", "count?")
+
+
 def _check_sources(hardware: Hardware) -> None:
-    figures = [spec.name for spec in fields(hardware) if spec.metadata["kind"] in ("bytes", "rate", "rate?", "seconds")]
+    figures = [spec.name for spec in fields(hardware) if spec.metadata["kind"] in _FIGURE_KINDS]
     stray = sorted(set(hardware.sources) - set(figures))
     if stray:
         raise HardwareProfileError(f"field 'sources' names {stray}, which are not figures; figures are {figures}")

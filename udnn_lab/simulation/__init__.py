@@ -1,4 +1,5 @@
-"""Simulation: Graph + Plan + costs -> Simulation, one step on three streams (NOTE [simulated streams]).
+"""Simulation: Graph + Plan + costs -> Simulation, one step on three streams (NOTE [simulated streams]),
+and the collectives of one rank of several on a fourth (NOTE [collectives]).
 
 May import: the Graph and Plan IR, hardware, cost, the vocabulary and units.
 """

@@ -1,4 +1,4 @@
-"""Graph + Plan + costs -> Simulation: one training step on three streams, under a memory budget.
+"""Graph + Plan + costs -> Simulation: one training step on three streams (four with collectives), under a budget.
 
 NOTE [simulated streams]
   1. Compute runs the graph's ops in order. Before op i it waits, if its allocations would
@@ -21,16 +21,15 @@ NOTE [simulated streams]
      device memory was never released: the prefetch is cancelled and the tensor stays.
   4. A tensor is counted at op i if its device memory is held at any moment of op i, so
      with no actions the curve is the analyzer's, exactly.
+  5. A graph of one rank of several also has collectives: they run on a communication stream, FSDP2's
+     all-gather copy-ins on a copy-in stream, and compute waits for them where it reads what they wrote
+     (NOTE [collectives] in _communication.py). A graph without collectives never builds that state.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from functools import cached_property
 
-import pandas as pd
 import torch
 
 from udnn_lab.cost.model import CostModel, RateCurve
@@ -40,81 +39,37 @@ from udnn_lab.graph.liveness import op_table
 from udnn_lab.graph.plan_ir import Offload, Plan, Recompute
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware.profiles import Hardware
-from udnn_lab.simulation._tables import StepRecord, compute_time_s, counted_peak_bytes, curve_frame, timeline_frame
-from udnn_lab.units import Bytes, format_bytes, format_seconds
+from udnn_lab.simulation._communication import Communication, has_collectives
+from udnn_lab.simulation._result import Simulation
+from udnn_lab.simulation._tables import StepRecord, compute_time_s, counted_peak_bytes
+from udnn_lab.units import Bytes
 
 _KEPT_SIMULATIONS = 48  # per cost model: enough for one plan() or one budget of a sweep
 
 
-@dataclass(frozen=True, repr=False)
-class Simulation:
-    """The predicted step: timeline, memory curve, time, stalls and traffic.
-
-    The totals are computed as the step is simulated; the two tables (``timeline``, ``curve``) are
-    built the first time they are read, since planners simulate many plans and read only the totals.
-    """
-
-    model_name: str
-    policy: str
-    device: str
-    budget_bytes: int | None
-    step_time_s: float
-    compute_time_s: float  # ops and recomputations
-    stall_time_s: float  # compute waiting for memory or for prefetches
-    d2h_bytes: int
-    h2d_bytes: int
-    lower_bound_s: float  # max(compute time, D2H bytes / bandwidth, H2D bytes / bandwidth)
-    peak_bytes: int  # as the budget counts them: 512-byte blocks on CUDA, exact on CPU
-    record: StepRecord = field(compare=False)  # what happened, as rows (with the graph): the tables come from it
-    released_before: Mapping[int, int] = field(default_factory=dict)  # offloaded tensor -> op it was freed before
-    # what the plan changes of the analyzer's liveness: (first op it holds for, +1 back on / -1 off the device,
-    # tensor id), in the order they happened; a tensor is on the device at op i when the graph has it live there
-    # plus the signs of its changes from ops <= i is 1 (how frames.live_tensors lists the tensors at an op)
-    device_changes: tuple[tuple[int, int, int], ...] = ()
-
-    def __repr__(self) -> str:
-        budget = format_bytes(self.budget_bytes) if self.budget_bytes is not None else "none"
-        return (f"Simulation({self.model_name!r}, {self.policy}, step={format_seconds(self.step_time_s)}, "
-                f"stall={format_seconds(self.stall_time_s)}, peak={format_bytes(self.peak_bytes)}, budget={budget})")
-
-    @property
-    def fits(self) -> bool:
-        return self.budget_bytes is None or self.peak_bytes <= self.budget_bytes
-
-    @cached_property
-    def timeline(self) -> pd.DataFrame:
-        """One row per op, copy and stall (simulation._tables.TIMELINE_COLUMNS), by start time."""
-        return timeline_frame(self.record)
-
-    @cached_property
-    def curve(self) -> pd.DataFrame:
-        """Graph.memory_curve()'s columns under the plan, plus each op's start_s and end_s."""
-        return curve_frame(self.record)
-
-    def memory_curve(self) -> pd.DataFrame:
-        return self.curve.copy()
-
-
 def simulate(graph: Graph, plan: Plan | None = None, hardware: Hardware | str | None = None,
-             profile: Profile | None = None, rates: RateCurve | bool | None = None) -> Simulation:
+             profile: Profile | None = None, rates: RateCurve | bool | None = None,
+             ranks_per_node: int | None = None) -> Simulation:
     """Simulate one step of ``graph`` under ``plan`` (default: keep everything) on ``hardware``.
 
     Op times come from ``profile`` when given (it must be of this graph's step), else from
     a roofline with ``rates``: by default the curve kept for the hardware (if one was
-    fitted); ``rates=False`` uses the hardware profile's figures alone.
+    fitted); ``rates=False`` uses the hardware profile's figures alone. A graph of one rank of
+    several times its collectives on the profile's links (NOTE [collectives]), ``ranks_per_node``
+    ranks to a node (default: the profile's ``gpus_per_node``).
     """
     plan = plan if plan is not None else Plan.keep_all(graph)
     plan.validate(graph)
-    return simulate_with(graph, plan, cost_model(graph, hardware, profile, rates))
+    return simulate_with(graph, plan, cost_model(graph, hardware, profile, rates, ranks_per_node))
 
 
 def cost_model(graph: Graph, hardware: Hardware | str | None = None, profile: Profile | None = None,
-               rates: RateCurve | bool | None = None) -> CostModel:
+               rates: RateCurve | bool | None = None, ranks_per_node: int | None = None) -> CostModel:
     """The CostModel ``simulate`` would use for these arguments."""
     hw = resolve_hardware(hardware, graph.device)
     if rates is None and profile is None:
         rates = RateCurve.for_hardware(hw)
-    return CostModel(hw, profile, rates if isinstance(rates, RateCurve) else None)
+    return CostModel(hw, profile, rates if isinstance(rates, RateCurve) else None, ranks_per_node)
 
 
 def simulate_with(graph: Graph, plan: Plan, cost: CostModel) -> Simulation:
@@ -186,6 +141,7 @@ class _Run:
         self.released: dict[int, int] = {}  # offloaded tensor -> the op its device memory was freed before
         self.not_before: dict[int, int] = {}  # offloaded tensor -> the first op before which forward lets it go
         self.held: set[int] = set()  # copies done, tensors forward still holds
+        self.comm = Communication(graph, cost, self.times) if has_collectives(graph) else None
         self._index_actions()
 
     def _index_actions(self) -> None:
@@ -298,6 +254,8 @@ class _Run:
     def _step(self, op, clock: float) -> tuple[float, float]:
         i = op.index
         if i not in self.action_ops:
+            if self.comm is not None and i in self.comm.off_compute:  # NOTE [collectives] 7
+                return clock, self._run_op(op, clock)
             start = self._wait_for_memory(clock, self.own[i]) if self.pending or self.held or self.budget is not None \
                 else clock
             self._stall(clock, start, i, "stall_memory")
@@ -331,9 +289,21 @@ class _Run:
 
     def _run_op(self, op, start: float) -> float:
         i = op.index
+        if self.comm is not None and i in self.comm.off_compute:  # on its own stream: compute goes on
+            self.timeline.append(self.comm.run_off_compute(op, start))
+            self.counted += self.own[i] - self.gone[i]
+            return start
+        if self.comm is not None:
+            ready = self.comm.ready_for(op, start)
+            if ready > start:
+                self.timeline.append(("compute", "stall_communication", start, ready, i, "communication", op.module,
+                                      "", 0))
+            start = ready
         end = start + self.times[i]
         self.timeline.append(("compute", "op", start, end, i, op.name, op.module, "", 0))
         self.counted += self.own[i] - self.gone[i]
+        if self.comm is not None:
+            self.comm.ran(op, end)
         return end
 
     def _restored(self, recompute: Recompute) -> list[int]:
@@ -348,7 +318,7 @@ class _Run:
     def _offload(self, offload: Offload, after: float, op: int) -> None:
         t = self.graph.tensors[offload.tensor]
         start = max(self.d2h_free, after)
-        end = start + self.cost.transfer_time_s(t.nbytes, "d2h", offload.pinned)
+        end = start + self._transfer_time_s(t.nbytes, "d2h", offload.pinned)
         self.d2h_free = self.d2h_end[t.id] = end
         self.d2h_bytes += t.nbytes
         if t.id not in self.release_op:  # else freed at its release point
@@ -365,10 +335,15 @@ class _Run:
             return
         self._change(t.id, +1, op)
         start = max(self.h2d_free, issued)
-        end = start + self.cost.transfer_time_s(t.nbytes, "h2d", offload.pinned)
+        end = start + self._transfer_time_s(t.nbytes, "h2d", offload.pinned)
         self.h2d_free = self.h2d_end[t.id] = end
         self.h2d_bytes += t.nbytes
         self.timeline.append(("h2d", "prefetch", start, end, op, t.name, t.module, t.name, t.nbytes))
+
+    def _transfer_time_s(self, nbytes: int, direction: str, pinned: bool) -> float:
+        if self.comm is None:
+            return self.cost.transfer_time_s(nbytes, direction, pinned)
+        return self.comm.transfer_time_s(self.cost, nbytes, direction, pinned)  # NOTE [collectives] 6
 
     def _recompute(self, recompute: Recompute, start: float, op: int) -> float:
         restored = self._restored(recompute)
@@ -384,15 +359,21 @@ class _Run:
     def _result(self, spans: list[tuple[float, float]], clock: float) -> Simulation:
         graph, d2h, h2d = self.graph, self.d2h_bytes, self.h2d_bytes
         compute = compute_time_s(self.timeline)
-        hw = self.cost.hardware
-        bound = max(compute, d2h / hw.bandwidth_bytes_per_s("d2h", True) if d2h else 0.0,
-                    h2d / hw.bandwidth_bytes_per_s("h2d", True) if h2d else 0.0)
+        hw, comm = self.cost.hardware, self.comm
+        rate = hw.bandwidth_bytes_per_s if comm is None else \
+            (lambda direction, pinned: comm.shared(hw.bandwidth_bytes_per_s(direction, pinned)))
+        bound = max(compute, d2h / rate("d2h", True) if d2h else 0.0, h2d / rate("h2d", True) if h2d else 0.0,
+                    comm.busy_s if comm is not None else 0.0)
+        step = max(clock, self.d2h_free, self.h2d_free, comm.end_s() if comm is not None else 0.0)
         changes = tuple(self.changes)
         return Simulation(
             model_name=graph.model_name, policy=self.plan.policy, device=graph.device,
-            budget_bytes=self.budget, step_time_s=max(clock, self.d2h_free, self.h2d_free), compute_time_s=compute,
+            budget_bytes=self.budget, step_time_s=step, compute_time_s=compute,
             stall_time_s=self.stall, d2h_bytes=d2h, h2d_bytes=h2d, lower_bound_s=bound,
             peak_bytes=Bytes(counted_peak_bytes(graph, changes)),
             record=StepRecord(graph, tuple(self.timeline), tuple(spans), changes),
             released_before=dict(self.released), device_changes=changes,
+            communication_time_s=comm.busy_s if comm is not None else 0.0,
+            exposed_communication_s=comm.waited_s + max(0.0, comm.end_s() - clock) if comm is not None else 0.0,
+            communication_bytes=comm.bytes if comm is not None else 0,
         )
