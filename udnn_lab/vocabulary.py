@@ -47,13 +47,19 @@ Policy = Literal["keep-all", "vdnn-all", "vdnn-conv", "vdnn-dyn", "vdnn++", "pin
                  "checkpoint-segments", "recompute", "auto", "optimal"]
 POLICY_NAMES: tuple[Policy, ...] = get_args(Policy)
 
-Stream = Literal["compute", "d2h", "h2d"]  # the simulated streams, and the lanes of the stream chart
+# the simulated streams, and the lanes of the stream chart; one rank of several adds the collectives' stream and
+# FSDP2's all-gather copy-in stream (NOTE [collectives] in simulation/_communication.py)
+Stream = Literal["compute", "d2h", "h2d", "comm", "comm_copy_in"]
 STREAMS: tuple[Stream, ...] = get_args(Stream)
 
-Stall = Literal["stall_memory", "stall_prefetch", "stall_sync"]  # compute waiting: for memory, a prefetch, a copy
+# compute waiting: for memory, a prefetch, a copy, a collective's result
+Stall = Literal["stall_memory", "stall_prefetch", "stall_sync", "stall_communication"]
 STALLS: tuple[Stall, ...] = get_args(Stall)
+Collective = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "point_to_point", "collective"]
+COLLECTIVES: tuple[Collective, ...] = get_args(Collective)
 TimelineKind = Literal["op", "recompute", "offload", "prefetch", "prefetch_cancelled", "stall_memory",
-                       "stall_prefetch", "stall_sync"]
+                       "stall_prefetch", "stall_sync", "stall_communication", "all_gather", "reduce_scatter",
+                       "all_reduce", "all_to_all", "point_to_point", "collective"]
 TIMELINE_KINDS: tuple[TimelineKind, ...] = get_args(TimelineKind)
 
 Direction = Literal["h2d", "d2h"]  # host-to-device and device-to-host copies

@@ -78,3 +78,11 @@ def test_what_a_sweep_cannot_take_is_refused_naming_it():
         ul.sweep("mlp3", "1GiB", ["keep-all"], world_sizes=[2], **MLP)
     with pytest.raises(ValueError, match="whole nodes"):
         ul.sweep("mlp3", "1GiB", world_sizes=[12], setups=["HSDP"], ranks_per_node=8, **MLP)
+
+
+def test_collectives_take_time_on_their_own_stream_beyond_one_rank(table):
+    kept = table[table.policy == "keep-all"].set_index(["setup", "world_size"]).groupby(level=[0, 1]).first()
+    assert kept.communication_s[("DDP", 1)] == 0 and kept.communication_s[("FSDP2", 1)] == 0
+    assert kept.communication_s[("DDP", 8)] > 0 and kept.communication_s[("FSDP2", 8)] > 0
+    assert (kept.exposed_communication_s <= kept.communication_s).all()
+    assert (kept.exposed_communication_s <= kept.step_time_s).all()

@@ -25,7 +25,7 @@ from udnn_lab.hardware import Hardware
 from udnn_lab.parallel import DDP, FSDP, Parallel, describe
 from udnn_lab.planning import plan
 from udnn_lab.planning import sweep as planning_sweep
-from udnn_lab.simulation import simulate
+from udnn_lab.simulation import Simulation, simulate
 from udnn_lab.units import format_bytes, parse_bytes
 from udnn_lab.workload import Workload
 
@@ -34,8 +34,8 @@ SETUPS = ("DDP", "FSDP2", "FSDP2+offload", "HSDP", "HSDP+offload")
 DEFAULT_SETUPS = ("DDP", "FSDP2", "FSDP2+offload")
 DEFAULT_WORLD_SIZES = tuple(2 ** k for k in range(11))  # 1 to 1024
 COLUMNS = ["world_size", "setup", "spec", "budget_bytes", "fits", "peak_bytes", "traced_peak_bytes",
-           "step_time_s", "communication_at_peak_bytes", "policy", "offloads", "recomputes", "host_bytes_per_node",
-           "trace_s", "why"]
+           "step_time_s", "communication_s", "exposed_communication_s", "communication_at_peak_bytes", "policy",
+           "offloads", "recomputes", "host_bytes_per_node", "trace_s", "why"]
 _SWEEP_SETTINGS = ("policies", "ranks_per_node", "host_budget", "fsdp_options", "progress")
 DEFAULT_RANKS_PER_NODE = 8  # an HGX/DGX node; a profile's own figure wins where it has one
 
@@ -144,23 +144,29 @@ def _row(graph: Graph, spec: Parallel, budget_bytes: int, policy: str, profile: 
                            "communication_at_peak_bytes": int(at_peak.get("communication", 0)), "policy": policy,
                            "offloads": 0, "recomputes": 0, "host_bytes_per_node": 0, "why": ""}
     if policy == "keep-all":
-        simulation = simulate(graph, None, profile)
+        simulation = simulate(graph, None, profile, ranks_per_node=per_node)
         fits = traced <= budget_bytes
-        return {**row, "fits": fits, "peak_bytes": traced, "step_time_s": simulation.step_time_s,
+        return {**row, **_timing(simulation), "fits": fits, "peak_bytes": traced,
                 "why": "" if fits else f"needs {format_bytes(traced)}"}
     try:
         chosen = plan(graph, budget_bytes, policy, profile)
     except PlanInfeasible as error:
         return {**row, "fits": False, "peak_bytes": int(error.minimum_bytes), "step_time_s": float("nan"),
+                "communication_s": float("nan"), "exposed_communication_s": float("nan"),
                 "why": f"{policy}'s plans need {format_bytes(error.minimum_bytes)}"}
-    simulation = simulate(graph, chosen, profile)
+    simulation = simulate(graph, chosen, profile, ranks_per_node=per_node)
     host = chosen.host_pool_bytes * per_node
     fits = simulation.fits and (host_budget is None or host <= host_budget)
     why = "" if fits else (f"the node's {per_node} pinned pools need {format_bytes(host)} of host memory"
                            if simulation.fits else f"its plan peaks at {format_bytes(simulation.peak_bytes)}")
-    return {**row, "fits": fits, "peak_bytes": int(simulation.peak_bytes), "step_time_s": simulation.step_time_s,
+    return {**row, **_timing(simulation), "fits": fits, "peak_bytes": int(simulation.peak_bytes),
             "offloads": len(chosen.offloads), "recomputes": len(chosen.recomputes), "host_bytes_per_node": host,
             "why": why}
+
+
+def _timing(simulation: Simulation) -> dict[str, float]:
+    return {"step_time_s": simulation.step_time_s, "communication_s": simulation.communication_time_s,
+            "exposed_communication_s": simulation.exposed_communication_s}
 
 
 def parallel_spec(setup: str, world_size: int, ranks_per_node: int = DEFAULT_RANKS_PER_NODE,
