@@ -116,6 +116,17 @@ def test_ranks_train_what_one_process_trains_on_the_whole_batches(spec, ends):
         assert (run.steps[f"peak_bytes_rank{rank}"] > 0).all() and all(f"peak_bytes_rank{rank}" in r for r in seen)
     assert (run.steps["peak_bytes"] == run.steps["peak_bytes_rank0"]).all()
     assert "over 2 ranks" in run.notes[0] and "gloo" in run.notes[0]
+    half = zoo.get("mlp3", batch=4, seed=0)  # each rank's step, as predicted
+    counted = CountsExamples(half.model)
+    half = replace(half, model=counted, optimizer=_sgd(counted))
+    for rank in (0, 1):
+        traced = ul.trace(half, parallel=replace(spec, rank=rank))
+        measured = run.steps[f"peak_bytes_rank{rank}"].iloc[1:]  # the first step lazily builds FSDP and DDP state
+        if isinstance(spec, ul.DDP):
+            assert (measured == traced.peak_bytes).all()
+        else:  # plus, at most, gloo's own copy of a reduce-scatter's input (NCCL makes none)
+            largest = max(t.nbytes for t in traced.tensors if t.category == "communication")
+            assert (measured >= traced.peak_bytes).all() and (measured <= traced.peak_bytes + largest).all()
 
 
 def _rank_0_plan(name: str, spec: ul.FSDP, **options) -> ul.Plan:

@@ -14,6 +14,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from udnn_lab.analysis._sharded import resized_storages
 from udnn_lab.analysis.step import MicroBatch, map_tensors, run_step, scaler_state, split_input
 from udnn_lab.runtime.live_bytes import LiveBytes
 from udnn_lab.runtime.offload import OffloadRuntime
@@ -66,7 +67,8 @@ def one_step(index: int, model, micro_batches: list[MicroBatch], device, step: d
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    counter = LiveBytes(resident(model, optimizer, step["scaler"], micro_batches)) if track else None
+    counter = LiveBytes(resident(model, optimizer, step["scaler"], micro_batches),
+                        [r.tensor for r in resized_storages(model)]) if track else None
     runtime.observer = counter
     start = time.perf_counter()
     with counter if counter is not None else nullcontext(), runtime:

@@ -1,7 +1,9 @@
 """Live bytes of a step on a CPU, where there is no allocator to ask: storages counted as they come and go.
 
 A lighter cousin of the recorder (NOTE [storage lifetimes] in recorder.py): it keeps no
-op records, only the bytes alive now and the most seen at once.
+op records, only the bytes alive now and the most seen at once. As the recorder does (NOTE [wrapper tensors]),
+it lets a DTensor run its own dispatch and counts the plain tensors inside, and it reads the size of the
+storages FSDP2 empties and refills in place (NOTE [resized storages]) again before each op.
 """
 
 from __future__ import annotations
@@ -11,21 +13,27 @@ from collections.abc import Iterable
 from functools import partial
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
 from udnn_lab.analysis._fake.memo import flat_tensors
 
 
 class LiveBytes(TorchDispatchMode):
-    def __init__(self, existing: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(self, existing: Iterable[torch.Tensor] = (), watched: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
         self._refs: dict[int, weakref.ref] = {}
+        self._counted: dict[int, int] = {}  # storage -> the bytes counted for it now
+        self._watched = [weakref.ref(t) for t in watched]  # FSDP2's; never kept alive by the count
         for tensor in existing:
-            self._see(tensor)
+            self._see(getattr(tensor, "_local_tensor", tensor))  # a DTensor: its shard on this rank
+        self._poll()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented  # a DTensor runs its own dispatch first: its inner tensors come here
+        self._poll()
         out = func(*args, **(kwargs or {}))
         for tensor in flat_tensors(args) if self._unseen_inputs(args) else ():
             self._see(tensor)
@@ -48,11 +56,31 @@ class LiveBytes(TorchDispatchMode):
         key = id(storage)
         if key in self._refs:
             return
-        nbytes = storage.nbytes()
-        self._refs[key] = weakref.ref(storage, partial(self._gone, key, nbytes))
-        self.live += nbytes
+        self._refs[key] = weakref.ref(storage, partial(self._gone, key))
+        self._counted[key] = 0
+        self._count(key, storage.nbytes())
+
+    def _count(self, key: int, nbytes: int) -> None:
+        self.live += nbytes - self._counted[key]
+        self._counted[key] = nbytes
         self.peak = max(self.peak, self.live)
 
-    def _gone(self, key: int, nbytes: int, _ref) -> None:
+    def _poll(self) -> None:
+        """Follow the watched storages' resizes: a resize is not an op, so no mode sees it."""
+        for ref in self._watched:
+            tensor = ref()
+            if tensor is None:
+                continue
+            storage = tensor.untyped_storage()
+            if id(storage) in self._refs:
+                self._count(id(storage), storage.nbytes())
+            elif storage.nbytes():
+                self._see(tensor)
+
+    def __exit__(self, *exc) -> None:
+        self._poll()
+        return super().__exit__(*exc)
+
+    def _gone(self, key: int, _ref) -> None:
         if self._refs.pop(key, None) is not None:
-            self.live -= nbytes
+            self.live -= self._counted.pop(key)

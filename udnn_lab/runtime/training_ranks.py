@@ -139,8 +139,9 @@ def train_ranks(model: torch.nn.Module, batches: Iterable, optimizer: torch.opti
 def _peak_caveat(spec: Parallel, device: torch.device) -> tuple[str, ...]:
     if isinstance(spec, DDP) or device.type != "cpu":
         return ()
-    return ("CPU peaks count live storages, and FSDP2 frees and regathers its parameters by resizing storages in "
-            "place (NOTE [resized storages]), which such a count does not follow: they may read above the trace's",)
+    return ("gloo's reduce-scatter copies its input into a buffer of its own (NCCL does not), and its worker thread "
+            "lets go of finished buffers on its own schedule: an FSDP2 rank's CPU peak may read above its prediction "
+            "by about one such buffer",)
 
 
 def _backend(device: torch.device, world: int) -> str:
