@@ -2,7 +2,8 @@
 
 Steps (each a child process with its own time limit, so one hang or crash does not lose the rest):
 
-    tests      pytest -m gpu, one record per test (outcome, seconds, failure text)
+    tests      pytest -m gpu, one record per test (outcome, seconds, failure text); among them NCCL ranks
+               trained with ul.train(..., parallel=...) against their traces (one rank per GPU)
     hardware   Hardware.measure("cuda"): copy sweeps both ways, pinned and pageable, FLOP rates
     peaks      benchmarks/cuda_peaks_probe.py: measured against simulated peaks per policy
     peers      benchmarks/offload_vs_peers.py --device cuda --models resnet50 transformer
@@ -35,7 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout, installed or not
 STEPS = ("tests", "hardware", "peaks", "peers", "sharing")
-LIMIT_S = {"tests": 120, "hardware": 120, "peaks": 150, "peers": 420, "sharing": 240}
+LIMIT_S = {"tests": 300, "hardware": 120, "peaks": 150, "peers": 420, "sharing": 240}
 
 
 def _machine() -> dict:
