@@ -152,3 +152,17 @@ def test_an_hsdp_world_that_is_not_whole_nodes_is_an_error_in_the_app():
     assert "not whole nodes" in lab.status.value
     with pytest.raises(ValueError, match="unknown parallel setup"):
         MemoryLab("mlp5", parallel="ZeRO")
+
+
+def test_train_with_ranks_starts_them_here_and_charts_rank_0s_steps():
+    lab = MemoryLab("mlp3", batch=4, optimizer="adam", policy="keep-all", hardware="h100-sxm", debounce_s=0,
+                    parallel="DDP", world_size=2)
+    lab.budget.value = lab.budget.max  # this machine's CPU step is a little larger than the CUDA one on screen
+    lab.train(steps=2, wait=True)
+    run = lab.training.run
+    assert run is not None and len(run.steps) == 2, lab.status.value
+    assert "on 2 ranks" in lab.status.value and (run.steps["peak_bytes_rank1"] > 0).all()
+    assert lab.training.chart.chart is not None and "gloo" in run.notes[0]
+    lab.world_size.value = 64
+    lab.train(steps=1, wait=True)
+    assert "lower the world size to train here" in lab.status.value

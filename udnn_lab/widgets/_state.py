@@ -140,8 +140,7 @@ class LabSession:
 
     def trainable(self, setting: Setting) -> Workload:
         """The model the app trains for this setting, on this machine (kept, so Train carries on from where it
-        stopped); your own module itself when you passed one."""
-        _one_process(setting, "Train")
+        stopped); your own module itself when you passed one. With ranks set, the model each rank copies."""
         device = "cuda" if setting.device == "cuda" and torch.cuda.is_available() else "cpu"
         return self._trainable.get_or_make((setting, device), lambda: self.workload(setting, device))
 
@@ -186,7 +185,7 @@ def _one_process(setting: Setting, action: str) -> None:
     if setting.parallel is not None:
         raise ValueError(f"{action} runs the step in this one process, and the setting is one rank of "
                          f"{setting.parallel} over {setting.world_size}: set ranks to 'one GPU' to {action.lower()} "
-                         f"it here, or run the ranks with ul.train(..., parallel=...)")
+                         f"it here (Train runs the ranks, each its own process)")
 
 
 def _budget(budget_bytes: int | None) -> str:

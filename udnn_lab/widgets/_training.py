@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 
 import altair as alt
 import ipywidgets as widgets
@@ -21,6 +22,7 @@ import torch
 from udnn_lab import charts, frames
 from udnn_lab.analysis.tracing import trace
 from udnn_lab.devices import model_device
+from udnn_lab.parallel import Parallel
 from udnn_lab.planning.budget import plan
 from udnn_lab.runtime.training import Run, train
 from udnn_lab.simulation.simulator import resolve_hardware, simulate
@@ -52,23 +54,37 @@ class TrainingPanel:
     def running(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
 
-    def start(self, work, policy: str, budget_bytes: int | None, steps: int, fallback_hardware) -> threading.Thread:
-        """Plan ``work``'s step on this machine and train it ``steps`` steps in a background thread."""
+    def start(self, work, policy: str, budget_bytes: int | None, steps: int, fallback_hardware,
+              parallel: Parallel | None = None) -> threading.Thread:
+        """Plan ``work``'s step on this machine and train it ``steps`` steps in a background thread.
+
+        ``parallel``: train ``parallel.world_size`` ranks (processes) on this machine instead, each on ``work``'s
+        batch (the run's batch is that many times larger), each rank under the plan of its own step."""
         if self.running:
             raise RuntimeError("a training run is already going: press Stop first")
         device = model_device(work.model)
-        graph = trace(work)
         hardware = _local_hardware(device, fallback_hardware)
-        chosen = plan(graph, budget_bytes, policy, hardware=hardware)
-        predicted = simulate(graph, chosen, hardware=hardware).peak_bytes
+        if parallel is not None and hardware.gpus_per_node is None:
+            hardware = fallback_hardware  # no collective figures for this machine: time the plan on the profile's
+        if parallel is None:
+            graphs = [trace(work)]
+        else:
+            _check_ranks_here(parallel, device)
+            graphs = [trace(work, parallel=replace(parallel, rank=rank)) for rank in range(parallel.world_size)]
+        plans = [plan(graph, budget_bytes, policy, hardware=hardware) for graph in graphs]
+        chosen = plans[0] if parallel is None else plans
+        predicted = max(simulate(g, p, hardware=hardware).peak_bytes for g, p in zip(graphs, plans, strict=True))
         self.rows, self.run = [], None
         self._stop.clear()
         self.progress.max, self.progress.value, self.progress.description = steps, 0, f"0/{steps}"
         self.train_button.disabled, self.stop_button.disabled = True, False
-        batches = ((work.example_input, work.target) for _ in range(steps))
+        copies = 1 if parallel is None else parallel.world_size  # every rank takes its share of the batch
+        batch = (_repeated(work.example_input, copies), _repeated(work.target, copies))
+        batches = (batch for _ in range(steps))
         self.report(f"step 1/{steps} running")
         self.thread = threading.Thread(target=self._train, daemon=True, name="udnn_lab MemoryLab training",
-                                       args=(work, batches, chosen, steps, budget_bytes, predicted, self._view))
+                                       args=(work, batches, chosen, steps, budget_bytes, predicted, self._view,
+                                             parallel))
         self.thread.start()
         return self.thread
 
@@ -89,7 +105,8 @@ class TrainingPanel:
         self.chart.chart = None
         self.progress.value, self.progress.description = 0, ""
 
-    def _train(self, work, batches, chosen, steps: int, budget_bytes, predicted: int, view: int) -> None:
+    def _train(self, work, batches, chosen, steps: int, budget_bytes, predicted: int, view: int,
+               parallel: Parallel | None) -> None:
         def step_done(row: dict) -> bool:
             if view != self._view:
                 return False  # the view was cleared: this run is over
@@ -103,16 +120,38 @@ class TrainingPanel:
             return True
         try:
             run = train(work.model, batches, work.optimizer, loss_fn=work.loss_fn, plan=chosen, steps=steps,
-                        callbacks=[step_done], stop=self._stop, progress=False, name=work.name)
+                        callbacks=[step_done], stop=self._stop, progress=False, name=work.name, parallel=parallel)
             if view == self._view:
                 self.run = run
                 ended = f"stopped after step {len(run.steps)} as asked" if run.stopped == "stop requested" \
                     else f"stopped: {run.stopped}"
-                self.report(f"trained {len(run.steps)} steps under {chosen.policy} ({ended})")
+                ranks = f" on {parallel.world_size} ranks" if parallel is not None else ""
+                self.report(f"trained {len(run.steps)} steps{ranks} under {policy_of(chosen)} ({ended})")
         except Exception as error:  # shown in the app; the model stays as the last finished step left it
             self.report(error)
         finally:
             self.train_button.disabled, self.stop_button.disabled = False, True
+
+
+MAX_CPU_RANKS = 8  # rank processes a CPU run starts at most: each imports torch and holds a copy of the model
+
+
+def policy_of(chosen) -> str:
+    return chosen.policy if not isinstance(chosen, list) else chosen[0].policy
+
+
+def _check_ranks_here(parallel: Parallel, device: torch.device) -> None:
+    if device.type == "cpu" and parallel.world_size > MAX_CPU_RANKS:
+        raise ValueError(f"Train starts {parallel.world_size} rank processes on this machine's CPU, more than "
+                         f"{MAX_CPU_RANKS}: lower the world size to train here (the prediction stays of the world "
+                         f"size you set)")
+
+
+def _repeated(value, copies: int):
+    """A batch ``copies`` times along its first dimension: each rank gets one copy."""
+    if copies == 1 or not isinstance(value, torch.Tensor):
+        return value
+    return torch.cat([value] * copies)
 
 
 def _local_hardware(device: torch.device, fallback):
