@@ -10,6 +10,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import udnn_lab as ul
 from udnn_lab import zoo
+from udnn_lab.analysis import one_rank
 from udnn_lab.analysis._fake_group import fake_process_group
 from udnn_lab.errors import ModelInputError
 
@@ -133,3 +134,17 @@ def test_hsdp_shards_within_a_group_and_all_reduces_across_groups(mlp):
     assert collectives["hsdp"] == {ALL_GATHER, REDUCE_SCATTER, "c10d.allreduce_.default"}
     assert collectives["replicated"] == {"c10d.allreduce_.default"}
     assert "HSDP over 8 ranks (4 replicas x 2 shards" in hsdp.notes[0]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])  # CUDA: the foreach kernels
+def test_an_fsdp_rank_steps_its_shards_as_the_dtensor_optimizer_does(monkeypatch, optimizer, device):
+    """NOTE [local shard steps]: the same ops and the same bytes as DTensor's own dispatch of the step."""
+    work = zoo.get("mlp3", batch=4, optimizer=optimizer)
+    spec = ul.FSDP(4, rank=3)  # uneven shards: 10 rows over 4 ranks, padded
+    on_shards = ul.trace(work, device=device, parallel=spec)
+    monkeypatch.setattr(one_rank, "steps_on_shards", lambda optimizer, *_: optimizer)
+    on_dtensors = ul.trace(work, device=device, parallel=spec)
+    assert [op.name for op in on_shards.ops] == [op.name for op in on_dtensors.ops]
+    assert [(t.name, t.nbytes) for t in on_shards.tensors] == [(t.name, t.nbytes) for t in on_dtensors.tensors]
+    assert (on_shards.memory_curve()["live_bytes"] == on_dtensors.memory_curve()["live_bytes"]).all()

@@ -23,6 +23,7 @@ from udnn_lab.analysis._fake.attention import CudaAttentionKernels
 from udnn_lab.analysis._fake.tensors import fake_inputs, fake_replica, meta_replica
 from udnn_lab.analysis._fake_group import CompletedCollectives, fake_process_group, rebuild_buckets
 from udnn_lab.analysis._holders import forward_releases
+from udnn_lab.analysis._local_shards import steps_on_shards
 from udnn_lab.analysis._recorder import StepRecorder
 from udnn_lab.analysis._recording import graph_from_recording, raise_explained, record_step
 from udnn_lab.analysis.step import grad_scaler, run_step, same_optimizer, split_input
@@ -52,6 +53,9 @@ def trace_one_rank(work: Workload, parallel: Parallel, counted_as: str, fast_pat
         model = _wrapped(work.model, spec, mesh, fake_mode, device)
         recorder = StepRecorder(fake_mode=fake_mode, fast_paths=fast_paths)
         optimizer = _optimizer_over(work, model, counted_as)
+        if isinstance(spec, FSDP):  # NOTE [local shard steps]
+            options = work.step_options
+            optimizer = steps_on_shards(optimizer, options.scales_loss, options.clip_grad_norm is not None)
         args, kwargs = split_input(fake_inputs(work.example_input, fake_mode, device))
         target = fake_inputs(work.target, fake_mode, device)
         options = work.step_options

@@ -1,0 +1,86 @@
+"""An FSDP2 rank's optimizer step taken on its local shards, for the trace (NOTE [local shard steps]).
+
+NOTE [local shard steps]
+  1. FSDP2's parameters, their gradients and the optimizer state made for them are DTensors sharded along
+     their first dimension. An elementwise optimizer step (SGD, Adam, AdamW: the foreach kernels included)
+     runs, through DTensor's dispatch, the same aten op on each rank's local tensors: nothing is
+     communicated, and the local tensors are the storages the trace records (NOTE [wrapper tensors]).
+  2. Working that out is DTensor's sharding propagation, which for a foreach kernel over a few hundred
+     parameters takes most of a second in Python, twice per op per step: half of a Llama-3-8B rank's trace.
+     So the trace steps an optimizer of the same class and settings over the local tensors, handing it each
+     gradient's local tensor, and runs the aten ops DTensor would run, without the propagation.
+  3. FSDP2 makes a parameter's local tensor anew in its lazy initialization (the first forward), so the
+     shards are looked up again at every step, and the optimizer's state follows a shard that was replaced.
+  4. Only where that holds: no GradScaler (its inf check reduces across ranks) and no gradient clipping (the
+     norm is all-reduced), and an optimizer whose state is per element. Otherwise the DTensor optimizer runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import cast
+
+import torch
+
+from udnn_lab.analysis.step import same_optimizer
+
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)  # state and update per element
+
+
+class LocalShardSteps:
+    """Looks like the DTensor optimizer to the step (param_groups, state, zero_grad, step); steps the shards."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.groups = [list(group["params"]) for group in optimizer.param_groups]  # the DTensor parameters
+        self.inner = same_optimizer(optimizer, [{**{k: v for k, v in group.items() if k != "params"},
+                                                 "params": [_shard(p) for p in params]}
+                                                for group, params in zip(optimizer.param_groups, self.groups,
+                                                                         strict=True)])
+        self.defaults = self.inner.defaults
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> Mapping[torch.Tensor, dict]:
+        """Each parameter's state (its shard's), keyed by the parameter, as the DTensor optimizer keys it."""
+        return {p: self.inner.state[local] for params, group in zip(self.groups, self.inner.param_groups, strict=True)
+                for p, local in zip(params, group["params"], strict=True) if local in self.inner.state}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for params, group in zip(self.groups, self.inner.param_groups, strict=True):
+            for p, local in zip(params, group["params"], strict=True):
+                p.grad = local.grad = None
+
+    def step(self) -> None:
+        for params, group in zip(self.groups, self.inner.param_groups, strict=True):
+            for i, p in enumerate(params):
+                local, before = _shard(p), group["params"][i]
+                if local is not before:  # NOTE [local shard steps] 3
+                    group["params"][i] = local
+                    if before in self.inner.state:
+                        self.inner.state[local] = self.inner.state.pop(before)
+                    before.grad = None
+                local.grad = None if p.grad is None else _shard(p.grad)
+        self.inner.step()
+
+
+def steps_on_shards(optimizer: torch.optim.Optimizer | None, scales_loss: bool,
+                    clips: bool) -> torch.optim.Optimizer | None:
+    """``optimizer`` itself, or a LocalShardSteps over it where NOTE [local shard steps] 4 allows."""
+    if optimizer is None or scales_loss or clips or type(optimizer) not in ELEMENTWISE:
+        return optimizer
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not params or not all(_sharded_on_first_dim(p) for p in params):
+        return optimizer
+    return cast(torch.optim.Optimizer, LocalShardSteps(optimizer))  # what the step uses of one, it has
+
+
+def _shard(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor  # type: ignore[attr-defined]  # a DTensor's tensor on this rank
+
+
+def _sharded_on_first_dim(tensor: torch.Tensor) -> bool:
+    placements = getattr(tensor, "placements", None)
+    return placements is not None and all(getattr(p, "dim", None) == 0 or p.is_replicate() for p in placements)
