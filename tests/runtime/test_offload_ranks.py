@@ -57,7 +57,8 @@ _COMMUNICATION = CATEGORIES.index("communication")
 def _workload(name: str) -> ul.Workload:
     if name.startswith("hf:"):
         return zoo.get(name, batch=2, seq_len=32, small=True, optimizer="adam", seed=0)
-    return zoo.get(name, batch=4, optimizer="adam", seed=0)
+    # mlp3 at a batch whose feature maps are worth moving (at 4 rows no policy acts on them)
+    return zoo.get(name, batch=256 if name == "mlp3" else 4, optimizer="adam", seed=0)
 
 
 def _planned(graph: ul.Graph, policy: str) -> ul.Plan:
@@ -139,7 +140,7 @@ def _rank(rank: int, store: str, out: str, plans: dict) -> None:
                 left = hooks_left()
                 stats = runtime.last_step
                 measured = ul.measure(model, work.example_input, work.loss_fn, optimizer, target=work.target,
-                                      plan=plan, warmup=1, graph=graph, name=case)
+                                      plan=plan, warmup=0, graph=graph, name=case)  # warm already
                 runs[case, policy] = RankRun(
                     all(torch.equal(a, b) for a, b in zip(grads, grads_b, strict=True)),
                     all(torch.equal(a, b) for a, b in zip(params, params_b, strict=True)),
@@ -225,7 +226,9 @@ def test_every_case_is_planned_below_its_peak_where_a_policy_can_go_below_it(ran
     """The plans act: at a budget below the peak wherever the least budget is below it."""
     for (case, policy), per_rank in ranks.items():
         for traced, plan, _ in per_rank:
-            assert plan.offloads or plan.recomputes or case.startswith("mlp3"), f"{case}, {policy}: no action"
+            acts = bool(plan.offloads or plan.recomputes)
+            # mlp3's peak is Adam's step, which no plan lowers: auto keeps all, and FSDP's recompute finds no source
+            assert acts or (case.startswith("mlp3") and policy != "vdnn-all"), f"{case}, {policy}: no action"
             if plan.budget_bytes is not None:
                 assert plan.budget_bytes < traced.peak_bytes, f"{case}, {policy}"
 
