@@ -35,7 +35,7 @@ from udnn_lab.graph.liveness import op_table
 from udnn_lab.parallel import DDP, FSDP
 from udnn_lab.planning import PlanInfeasible
 from udnn_lab.runtime import OffloadRuntime
-from udnn_lab.vocabulary import CATEGORIES
+from udnn_lab.vocabulary import CATEGORIES, PLANNED_CATEGORIES
 
 from ..analysis.test_one_rank_gloo import _gloo_view, _live
 
@@ -151,13 +151,13 @@ def _rank(rank: int, store: str, out: str, plans: dict) -> None:
     Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(runs))
 
 
-def _spawned(target, args: tuple, out: Path, wait_each: bool = False) -> mp.ProcessContext:
-    """Run ``target`` on RANKS processes; no rank outlives this call, whatever happens.
+def _spawned(target, args: tuple, out: Path, wait_each: bool = False, processes: int = RANKS) -> mp.ProcessContext:
+    """Run ``target`` on ``processes`` processes; none outlives this call, whatever happens.
 
     ``wait_each``: wait for every rank to end by itself (a failed rank does not end the others here), up to
     the timeout; otherwise the first rank that fails ends the others, as torch's join does.
     """
-    context = mp.start_processes(target, args=args, nprocs=RANKS, join=False, start_method="spawn")
+    context = mp.start_processes(target, args=args, nprocs=processes, join=False, start_method="spawn")
     deadline = time.monotonic() + RANKS_TIMEOUT_S
     try:
         if wait_each:
@@ -223,21 +223,26 @@ def test_each_rank_under_its_plan_stays_within_its_budget(ranks, case, policy):
 
 
 def test_every_case_is_planned_below_its_peak_where_a_policy_can_go_below_it(ranks):
-    """The plans act: at a budget below the peak wherever the least budget is below it."""
+    """The plans act, on feature maps only: at a budget below the peak wherever the least budget is below it."""
     for (case, policy), per_rank in ranks.items():
         for traced, plan, _ in per_rank:
             acts = bool(plan.offloads or plan.recomputes)
             # mlp3's peak is Adam's step, which no plan lowers: auto keeps all, and FSDP's recompute finds no source
             assert acts or (case.startswith("mlp3") and policy != "vdnn-all"), f"{case}, {policy}: no action"
+            planned = [o.tensor for o in plan.offloads] + [t for r in plan.recomputes for t in r.tensors]
+            # never FSDP's unsharded parameters or a collective's buffer: FSDP frees those by resizing storage
+            assert {traced.tensors[t].category for t in planned} <= set(PLANNED_CATEGORIES), f"{case}, {policy}"
             if plan.budget_bytes is not None:
                 assert plan.budget_bytes < traced.peak_bytes, f"{case}, {policy}"
 
 
-def _failing_rank(rank: int, store: str, out: str, plan: ul.Plan) -> None:
-    """Rank 1 raises in the middle of forward under the runtime; rank 0 finds out from gloo (its peer is gone, or
-    the collective times out) and says what it saw: its error, and the hooks left after it."""
+def _failing_rank(process: int, store: str, out: str, plans: tuple[ul.Plan, ...]) -> None:
+    """Two pairs of ranks, each following a plan of its own kind: in each, rank 1 raises in the middle of forward
+    under the runtime, and rank 0 finds out from gloo (its peer is gone, or the collective times out); each says
+    what it saw: its error, and the hooks left after it."""
+    pair, rank = divmod(process, RANKS)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=RANKS,
+    dist.init_process_group("gloo", init_method=f"file://{store}{pair}", rank=rank, world_size=RANKS,
                             timeout=timedelta(seconds=5))
     try:
         work = _workload("mlp3")
@@ -250,10 +255,11 @@ def _failing_rank(rank: int, store: str, out: str, plan: ul.Plan) -> None:
             middle = model.module.net[2]  # the second of mlp3's three Linear layers
             middle.register_forward_hook(_fail)
         try:
-            with OffloadRuntime(plan):
+            with OffloadRuntime(plans[pair]):
                 run_step(model, args, kwargs, loss_fn=work.loss_fn, target=work.target, optimizer=optimizer)
         except Exception as err:
-            Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps((type(err).__name__, str(err)[:200], hooks_left())))
+            seen = (type(err).__name__, str(err)[:200], hooks_left())
+            Path(out, f"pair{pair}-rank{rank}.pkl").write_bytes(pickle.dumps(seen))
             raise
     finally:
         if dist.is_initialized():
@@ -264,17 +270,23 @@ def _fail(*_) -> None:
     raise RuntimeError("rank 1 fails mid-step")
 
 
+FOLLOWING = {"recompute": "op by op", "vdnn-all": "by module and saved-tensor hooks"}  # policy: how it is followed
+
+
 def test_a_rank_that_fails_mid_step_ends_the_other_which_leaves_no_hook(tmp_path):
-    work = _workload("mlp3")
-    graph = ul.trace(work, parallel=DDP(RANKS))
-    plan = _planned(graph, "recompute")
-    assert plan.recomputes and OffloadRuntime(plan).follows == "op by op (a dispatch mode)"
+    """Each way of following a plan (a dispatch mode; global module hooks) is undone on the error path."""
+    graph = ul.trace(_workload("mlp3"), parallel=DDP(RANKS))
+    plans = tuple(_planned(graph, policy) for policy in FOLLOWING)
+    for plan, follows in zip(plans, FOLLOWING.values(), strict=True):
+        assert (plan.offloads or plan.recomputes) and OffloadRuntime(plan).follows.startswith(follows)
     started = time.monotonic()
-    context = _spawned(_failing_rank, (str(tmp_path / "store"), str(tmp_path), plan), tmp_path, wait_each=True)
-    assert time.monotonic() - started < RANKS_TIMEOUT_S, "the surviving rank hung until it was killed"
-    assert [p.exitcode != 0 for p in context.processes] == [True, True], "both ranks end with an error"
-    seen = [pickle.loads(Path(tmp_path, f"rank{rank}.pkl").read_bytes()) for rank in range(RANKS)]
-    assert seen[1][1] == "rank 1 fails mid-step"
-    assert seen[0][0] == "RuntimeError" and ("closed by peer" in seen[0][1] or "Timed out" in seen[0][1]), \
-        f"rank 0 ends by gloo's error, not {seen[0]}"
-    assert seen[0][2] == () and seen[1][2] == (), f"hooks left after the error: {seen}"
+    context = _spawned(_failing_rank, (str(tmp_path / "store"), str(tmp_path), plans), tmp_path, wait_each=True,
+                       processes=RANKS * len(plans))
+    assert time.monotonic() - started < RANKS_TIMEOUT_S, "a surviving rank hung until it was killed"
+    assert all(p.exitcode != 0 for p in context.processes), "every rank ends with an error"
+    for pair, policy in enumerate(FOLLOWING):
+        seen = [pickle.loads(Path(tmp_path, f"pair{pair}-rank{rank}.pkl").read_bytes()) for rank in range(RANKS)]
+        assert seen[1][1] == "rank 1 fails mid-step"
+        assert seen[0][0] == "RuntimeError" and ("closed by peer" in seen[0][1] or "Timed out" in seen[0][1]), \
+            f"{policy}: rank 0 ends by gloo's error, not {seen[0]}"
+        assert seen[0][2] == () and seen[1][2] == (), f"{policy}: hooks left after the error: {seen}"
