@@ -8,6 +8,9 @@ the same warm-up, and measures each plan's step as ``ul.measure`` counts (live s
 A rank's measured step holds what gloo holds besides the trace (NOTE in test_one_rank_gloo.py: its
 reduce-scatter buffer, and communication buffers it lets go of late); the budget is checked on the measured
 curve without those, which test_one_rank_gloo.py checks to be the trace's where gloo lets go in time.
+
+A second spawn shows a rank that fails in the middle of a step under a plan ending the other (gloo tells it its
+peer is gone), whose runtime leaves no hook behind on its way out, for each way a plan is followed.
 """
 
 from __future__ import annotations
@@ -31,10 +34,13 @@ from torch.nn.modules import module as module_hooks
 import udnn_lab as ul
 from udnn_lab import zoo
 from udnn_lab.analysis.step import run_step, same_optimizer, split_input
+from udnn_lab.errors import ReplayError
 from udnn_lab.graph.liveness import op_table
+from udnn_lab.graph.plan_ir import Recompute
 from udnn_lab.parallel import DDP, FSDP
 from udnn_lab.planning import PlanInfeasible
 from udnn_lab.runtime import OffloadRuntime
+from udnn_lab.runtime._replay import Replay
 from udnn_lab.vocabulary import CATEGORIES, PLANNED_CATEGORIES
 
 from ..analysis.test_one_rank_gloo import _gloo_view, _live
@@ -232,6 +238,8 @@ def test_every_case_is_planned_below_its_peak_where_a_policy_can_go_below_it(ran
             planned = [o.tensor for o in plan.offloads] + [t for r in plan.recomputes for t in r.tensors]
             # never FSDP's unsharded parameters or a collective's buffer: FSDP frees those by resizing storage
             assert {traced.tensors[t].category for t in planned} <= set(PLANNED_CATEGORIES), f"{case}, {policy}"
+            rerun = {traced.ops[i].name for r in plan.recomputes for i in r.ops}
+            assert not any(name.startswith("c10d.") for name in rerun), f"{case}, {policy} re-runs a collective"
             if plan.budget_bytes is not None:
                 assert plan.budget_bytes < traced.peak_bytes, f"{case}, {policy}"
 
@@ -290,3 +298,12 @@ def test_a_rank_that_fails_mid_step_ends_the_other_which_leaves_no_hook(tmp_path
         assert seen[0][0] == "RuntimeError" and ("closed by peer" in seen[0][1] or "Timed out" in seen[0][1]), \
             f"{policy}: rank 0 ends by gloo's error, not {seen[0]}"
         assert seen[0][2] == () and seen[1][2] == (), f"{policy}: hooks left after the error: {seen}"
+
+
+def test_a_recomputation_never_re_runs_a_collective():
+    """A rank cannot re-run a collective alone: the replay refuses one before it runs (DDP's buffer broadcast
+    opens its forward, so a segment from the start of forward would hold it)."""
+    replay = Replay(Recompute((0,), (0, 1), 5))
+    replay.refuse(torch.ops.aten.relu.default)
+    with pytest.raises(ReplayError, match="collective that every rank calls together"):
+        replay.refuse(torch.ops.c10d.broadcast_.default)
