@@ -454,7 +454,9 @@ class _Step:
         raise PlanMismatch(
             f"this step is not the one the plan was made for: its op {index} is {family}, where the plan's step has "
             f"{expected}. The model, its mode (train or eval), the loss, the optimizer or the input changed since "
-            "the plan was made: trace this step and plan again (ul.plan(ul.trace(...), ...))")
+            "the plan was made: trace this step and plan again (ul.plan(ul.trace(...), ...)). A model wrapped in DDP "
+            "or FSDP2 reaches the traced step after two steps (FSDP's lazy initialization in the first, DDP's bucket "
+            "rebuild in the second): run those without the runtime")
 
     def _found(self, site, args, out) -> None:
         """The planned tensor is op ``site.producer``'s ``site.position``-th new storage (NOTE [offload runtime] 1)."""
