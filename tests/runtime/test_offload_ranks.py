@@ -33,7 +33,7 @@ from torch.nn.modules import module as module_hooks
 
 import udnn_lab as ul
 from udnn_lab import zoo
-from udnn_lab.analysis.step import run_step, same_optimizer, split_input
+from udnn_lab.analysis.step import preserved, run_step, same_optimizer, split_input
 from udnn_lab.errors import ReplayError
 from udnn_lab.graph.liveness import op_table
 from udnn_lab.graph.plan_ir import Recompute
@@ -103,19 +103,27 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return (to_local() if to_local is not None else tensor).detach().clone()
 
 
-def _trained(work: ul.Workload, spec: DDP | FSDP, runtime: OffloadRuntime | None):
-    """A fresh wrapped copy of the model after the warm-up steps and one more step (under ``runtime`` if
-    given): the model, its optimizer, and that step's gradients and updated parameters."""
-    torch.manual_seed(0)
+def _warm(work: ul.Workload, spec: DDP | FSDP) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A wrapped copy of the model and its optimizer after the warm-up steps: at the step its trace is of."""
     model = _wrapped(spec, copy.deepcopy(work.model))
     optimizer = same_optimizer(work.optimizer, [{"params": list(model.parameters())}])
     args, kwargs = split_input(work.example_input)
-    for step in range(WARMUP_STEPS + 1):
-        under = runtime if runtime is not None and step == WARMUP_STEPS else contextlib.nullcontext()
-        with under:
+    for _ in range(WARMUP_STEPS):
+        run_step(model, args, kwargs, loss_fn=work.loss_fn, target=work.target, optimizer=optimizer)
+    return model, optimizer
+
+
+def _stepped(work: ul.Workload, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             runtime: OffloadRuntime | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One step (under ``runtime`` if given) from the model's state, which is restored afterwards: the step's
+    gradients and the parameters after its optimizer step."""
+    args, kwargs = split_input(work.example_input)
+    with preserved(model, optimizer):
+        torch.manual_seed(0)
+        with runtime if runtime is not None else contextlib.nullcontext():
             run_step(model, args, kwargs, loss_fn=work.loss_fn, target=work.target, optimizer=optimizer)
-    params = list(model.parameters())
-    return model, optimizer, [_local(p.grad) for p in params], [_local(p) for p in params]
+        params = list(model.parameters())
+        return [_local(p.grad) for p in params], [_local(p) for p in params]
 
 
 def hooks_left() -> tuple[str, ...]:
@@ -131,22 +139,24 @@ def hooks_left() -> tuple[str, ...]:
 
 
 def _rank(rank: int, store: str, out: str, plans: dict) -> None:
-    """One real rank: for each case and policy, the step without and with the runtime, then ul.measure."""
+    """One real rank: for each case, from one warm state, the step without the runtime, and for each policy the
+    step under its plan and ul.measure's recording of it."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=RANKS)
     runs = {}
     try:
         for case, (name, spec_for) in CASES.items():
             work, spec = _workload(name), replace(spec_for(RANKS), rank=rank)
-            _, _, grads, params = _trained(work, spec, None)
+            model, optimizer = _warm(work, spec)
+            grads, params = _stepped(work, model, optimizer, None)
             for policy in POLICIES:
                 graph, plan = plans[case, rank][0], plans[case, rank][1][policy]
                 runtime = OffloadRuntime(plan)
-                model, optimizer, grads_b, params_b = _trained(work, spec, runtime)
+                grads_b, params_b = _stepped(work, model, optimizer, runtime)
                 left = hooks_left()
                 stats = runtime.last_step
                 measured = ul.measure(model, work.example_input, work.loss_fn, optimizer, target=work.target,
-                                      plan=plan, warmup=0, graph=graph, name=case)  # warm already
+                                      plan=plan, warmup=0, graph=graph, name=case)
                 runs[case, policy] = RankRun(
                     all(torch.equal(a, b) for a, b in zip(grads, grads_b, strict=True)),
                     all(torch.equal(a, b) for a, b in zip(params, params_b, strict=True)),
