@@ -124,6 +124,8 @@ def checkpointed(graph: Graph, segments: int, budget: int | None, name: str = NA
             continue
         end = max(writers(graph, c.tensor)[-1] for c in inside)  # in-place writes after a producer belong too
         ops = tuple(i for i in range(first, end + 1) if graph.ops[i].phase == "forward")
+        if any(graph.ops[i].name.startswith(("c10d.", "_c10d_functional.")) for i in ops):
+            continue  # DDP's buffer broadcast: a collective, which one rank cannot re-run alone
         action = Recompute(tuple(c.tensor for c in inside), ops, min(c.first_backward for c in inside))
         try:
             check_recompute(graph, action, dropped | set(action.tensors))

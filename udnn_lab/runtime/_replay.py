@@ -21,6 +21,8 @@ from udnn_lab.graph.plan_ir import Recompute
 # Ops that update running statistics in training although their schema does not say so.
 _UNDECLARED_WRITES = {"aten.native_batch_norm.default": (3, 4), "aten.cudnn_batch_norm.default": (3, 4),
                       "aten.miopen_batch_norm.default": (3, 4)}
+# A process group's collectives: every rank calls them together, so one rank can never re-run one alone.
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
 
 
 @dataclass
@@ -51,6 +53,14 @@ class Replay:
     storages: dict[int, tuple] = field(default_factory=dict)  # id(storage) -> (storage ref, an output on it)
     restores: dict[int, _Made] = field(default_factory=dict)  # tensor id -> an output on its storage
     done: bool = False  # it ran: a replay runs once, and then holds nothing
+
+    def refuse(self, func) -> None:
+        """Raise before ``func`` runs if the recomputation would have to re-run it: a collective (NOTE [offload
+        runtime] 6)."""
+        if func.namespace in _COLLECTIVE_NAMESPACES:
+            raise ReplayError(f"the plan recomputes tensors by re-running {func}, a collective that every rank calls "
+                              "together: one rank cannot re-run it alone in backward. Plan again so that the "
+                              "recomputation starts after it (the one-rank graph's collectives are never re-run)")
 
     def record(self, func, args: tuple, kwargs: dict, out, rng_state, written: tuple[int, ...] = ()) -> None:
         """``written``: positions of arguments whose version counter the op bumped (some ops, like

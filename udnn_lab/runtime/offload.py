@@ -12,7 +12,11 @@ NOTE [offload runtime]
      the module hooks and the saved-tensor hooks of the windows. Otherwise a dispatch mode counts the step's ops by the
      recorder's rules (records_op), so op indices are the plan's, and each op's family
      (op_family) must be the plan's op at that index; when op ``site.producer`` returns,
-     its ``site.position``-th new output storage is the planned tensor.
+     its ``site.position``-th new output storage is the planned tensor. One backend's ops are
+     not the step's: gloo's reduce-scatter copies its result out of a buffer of its own (a
+     ``split`` and a ``copy_`` right after the collective, on this thread, in ``work.wait()``),
+     where NCCL, and so the one-rank trace (NOTE [one rank of N]), reduce in place; those two
+     run uncounted.
   2. Saving. Autograd's pack hook returns a handle for a planned storage (one slot per
      storage however many ops save it, in whatever views) and the tensor itself, with its
      version, otherwise: parameters, buffers and unplanned tensors are never touched.
@@ -44,7 +48,8 @@ NOTE [offload runtime]
      the RNG state before a random op; when the op before ``at_op`` ends (autograd unpacks
      a node's saved tensors before the node's first op runs) they are replayed with that
      state, into clones of any buffer they write, so running statistics stay as eager
-     leaves them (replay.py).
+     leaves them (replay.py). A collective is never recorded: every rank calls it together,
+     so a plan whose recomputation would re-run one raises ReplayError before it runs.
   7. Release. A slot's restored storage is dropped when the last handle of it is
      collected: autograd frees saved variables as their backward node finishes. A handle
      collected before its prefetch completed (never unpacked) first waits for that copy, so
@@ -283,6 +288,7 @@ class _Step:
         self.families: dict = {}  # func -> its op_family, or "" for ops the trace does not count
         self.expected = plan.op_families  # NOTE [offload runtime] 1: the step must be the plan's step
         self.copying_in: deque[_Slot] = deque()  # prefetches in flight
+        self.backend_ops: deque[str] = deque()  # ops a collective's backend runs next that the step does not have
         self.recomputed = self.on_demand = 0
         # NOTE [offload runtime] 1: by saved-tensor events where the plan carries them, else op by op
         self.events = runtime.hook_schedule()
@@ -390,10 +396,17 @@ class _Step:
         family, written_args = known
         if not family:
             return func(*args, **kwargs)
+        if self.backend_ops:  # NOTE [offload runtime] 1: gloo's copy-out after a reduce-scatter is not the step's
+            if str(func) == self.backend_ops[0]:
+                self.backend_ops.popleft()
+                return func(*args, **kwargs)
+            self.backend_ops.clear()
         index = self.index
         self.index += 1
         if index < len(self.expected) and family != self.expected[index]:
             self._mismatch(index, family)
+        if family == _REDUCE_SCATTER and self.expected[index + 1:index + 2] != (_GLOO_COPY_OUT_FAMILY,):
+            self.backend_ops.extend(_GLOO_COPY_OUT)
         if index in self.watched:
             return self._act(index, func, args, kwargs, written_args)
         out = func(*args, **kwargs)
@@ -405,6 +418,8 @@ class _Step:
         """An op at which the plan acts: before it, after it, or by recording it for a replay."""
         self._before_op(index)
         recording = self.recording.get(index, ())
+        for replay in recording:
+            replay.refuse(func)
         state = rng_state(func, self._device(args), kwargs) if recording else None
         versions = [a._version if isinstance(a, torch.Tensor) else None for a in args] if recording else ()
         out = func(*args, **kwargs)
@@ -439,7 +454,9 @@ class _Step:
         raise PlanMismatch(
             f"this step is not the one the plan was made for: its op {index} is {family}, where the plan's step has "
             f"{expected}. The model, its mode (train or eval), the loss, the optimizer or the input changed since "
-            "the plan was made: trace this step and plan again (ul.plan(ul.trace(...), ...))")
+            "the plan was made: trace this step and plan again (ul.plan(ul.trace(...), ...)). A model wrapped in DDP "
+            "or FSDP2 reaches the traced step after two steps (FSDP's lazy initialization in the first, DDP's bucket "
+            "rebuild in the second): run those without the runtime")
 
     def _found(self, site, args, out) -> None:
         """The planned tensor is op ``site.producer``'s ``site.position``-th new storage (NOTE [offload runtime] 1)."""
@@ -626,6 +643,12 @@ class _Step:
     def _device(args) -> torch.device:
         first = next(flat_tensors(args), None)
         return first.device if first is not None else torch.device("cpu")
+
+
+# gloo's reduce-scatter returns this rank's chunk by these two ops in work.wait(); NCCL, and the trace, reduce
+# in place (NOTE [offload runtime] 1)
+_REDUCE_SCATTER, _GLOO_COPY_OUT_FAMILY = "_reduce_scatter_base_", "split"
+_GLOO_COPY_OUT = ("aten.split.Tensor", "aten.copy_.default")
 
 
 class _OpByOp(TorchDispatchMode):
