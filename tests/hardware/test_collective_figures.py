@@ -13,7 +13,7 @@ SYSTEMS = {
     "v100": (8, 150e9, 6.25e9),  # DGX-1: NVLink 2 300 GB/s both ways, 4 x 100 Gb/s EDR for 8 GPUs
     "mi300x": (8, 448e9, 50e9),  # 7 Infinity Fabric links of 64 GB/s each way
 }
-WITHOUT = ["cpu-amd-epyc-2cpu", "gtx-1080-ti", "k40c", "l4", "l40s", "rtx-4090", "titan-x-maxwell",
+WITHOUT = ["gtx-1080-ti", "k40c", "l4", "l40s", "rtx-4090", "titan-x-maxwell",
            "nvidia-h100-80gb-hbm3-measured"]
 
 
@@ -33,6 +33,22 @@ def test_devices_without_multi_gpu_figures_say_none_and_why(name):
     hardware = Hardware.load(name)
     assert hardware.gpus_per_node is hardware.intra_node_bytes_per_s is hardware.inter_node_bytes_per_s is None
     assert "No collective figures" in hardware.notes
+
+
+def test_the_cpu_profile_has_the_gloo_link_it_measured_and_no_node_figures():
+    cpu = Hardware.load("cpu-amd-epyc-2cpu")
+    assert cpu.intra_node_bytes_per_s and cpu.intra_node_latency_s is not None
+    assert cpu.gpus_per_node is cpu.inter_node_bytes_per_s is None
+    assert all("2 gloo ranks" in cpu.sources[k] for k in ("intra_node_bytes_per_s", "intra_node_latency_s"))
+
+
+def test_measuring_a_cpu_with_collectives_times_two_gloo_ranks():
+    measured = Hardware.measure("cpu", sizes=["4 KiB", "1 MiB"], repeats=1, matmul_size=64, conv_size=8,
+                                progress=False, collectives=True)
+    assert measured.intra_node_bytes_per_s > 0 and measured.intra_node_latency_s >= 0
+    assert measured.sources["intra_node_bytes_per_s"].startswith("measured on")
+    plain = Hardware.measure("cpu", sizes=["4 KiB"], repeats=1, matmul_size=64, conv_size=8, progress=False)
+    assert plain.intra_node_bytes_per_s is None
 
 
 def test_a_collective_figure_needs_a_source_and_a_sensible_value():

@@ -158,6 +158,27 @@ def test_a_callback_stops_every_rank_at_that_step_and_the_weights_come_back():
     _assert_same_parameters(model, _one_process(work.model, batches, work.loss_fn, steps=2), start)
 
 
+def test_a_plan_followed_op_by_op_starts_once_the_wrapped_model_runs_its_traced_step():
+    work = zoo.get("resnet20", batch=4, seed=0)
+    work.model.eval()
+    rank_work = zoo.get("resnet20", batch=2, seed=0)
+    rank_work.model.eval()
+    plans = []
+    for rank in (0, 1):
+        graph = ul.trace(rank_work, parallel=ul.DDP(2, rank=rank))
+        budget = (ul.min_budget(graph, "recompute") + graph.peak_bytes) // 2
+        plans.append(ul.plan(graph, budget, "recompute"))
+    assert all(p.recomputes for p in plans)
+    batches = _batches(4, 4, (3, 32, 32))
+    start, model = copy.deepcopy(work.model), copy.deepcopy(work.model)
+    with _watchdog():
+        run = ul.train(model, batches, _sgd(model), loss_fn=work.loss_fn, parallel=ul.DDP(2), plan=plans,
+                       progress=False)
+    assert list(run.steps["recomputed"] > 0) == [False, False, True, True]
+    assert any("the first 2 steps ran without the plan" in note for note in run.notes)
+    _assert_same_parameters(model, _one_process(work.model, batches, work.loss_fn), start)
+
+
 class FailsOnRank1(nn.Module):
     """A model whose second forward raises on rank 1 of a process group."""
 

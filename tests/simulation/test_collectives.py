@@ -161,13 +161,24 @@ def test_a_group_of_ranks_a_node_apart_crosses_nodes_however_few_they_are(graphs
     assert ratio == pytest.approx(450 / 50)
 
 
-@pytest.mark.parametrize("name", ["rtx-4090", "cpu-amd-epyc-2cpu", "nvidia-h100-80gb-hbm3-measured"])
+@pytest.mark.parametrize("name", ["rtx-4090", "nvidia-h100-80gb-hbm3-measured"])
 def test_a_profile_without_multi_gpu_figures_refuses_collectives_and_says_what_to_do(graphs, name):
     with pytest.raises(ValueError, match=r"multi-GPU figures.*intra_node_bytes_per_s.*h100-sxm"):
         ul.simulate(graphs["ddp8"], hardware=name)
     ul.simulate(graphs["plain"], hardware=name)  # a single rank's step needs none
     with pytest.raises(ValueError, match="ranks_per_node"):
         ul.simulate(graphs["ddp8"], hardware=H100, ranks_per_node=0)
+
+
+def test_a_cpu_runs_ranks_share_its_gloo_link_and_a_cpu_profile_without_one_says_how_to_measure_it(graphs):
+    cpu = ul.Hardware.load("cpu-amd-epyc-2cpu")
+    timed = ul.simulate(graphs["ddp8"], hardware=cpu)  # 8 ranks, one machine: nothing crosses to another node
+    assert timed.communication_time_s > 0
+    unmeasured = ul.Hardware.from_dict({**cpu.to_dict(), "intra_node_bytes_per_s": None,
+                                        "sources": {k: v for k, v in cpu.sources.items()
+                                                    if k != "intra_node_bytes_per_s"}})
+    with pytest.raises(ValueError, match=r"intra_node_bytes_per_s.*collectives=True"):
+        ul.simulate(graphs["ddp8"], hardware=unmeasured)
 
 
 def _one_offload(graph) -> tuple[Plan, int]:

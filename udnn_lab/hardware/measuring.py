@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from udnn_lab.devices import as_device, device_name
 from udnn_lab.errors import HardwareProfileError
+from udnn_lab.hardware._gloo_links import link_figures, measure_gloo
 from udnn_lab.units import format_bytes, parse_bytes
 from udnn_lab.vocabulary import DIRECTIONS, memory_kind
 
@@ -32,7 +33,7 @@ CPU_SWEEP_SIZES = tuple(4096 << (2 * i) for i in range(9))  # 4 KiB .. 256 MiB: 
 
 def measure_hardware(device: str | torch.device | None = None, sizes: Iterable[int | str] | None = None,
                      repeats: int = 5, matmul_size: int | None = None, conv_size: int | None = None,
-                     progress: bool = True) -> tuple[dict[str, Any], pd.DataFrame]:
+                     progress: bool = True, collectives: bool = False) -> tuple[dict[str, Any], pd.DataFrame]:
     """Measure the device (default: CUDA if present, else CPU): a profile and the copy sweep.
 
     On CUDA: H2D and D2H copies, pinned and pageable, for each of ``sizes`` (default 4 KiB to
@@ -43,7 +44,8 @@ def measure_hardware(device: str | torch.device | None = None, sizes: Iterable[i
     The sweep has one row per copy size (columns SWEEP_COLUMNS, times are medians over
     ``repeats``); ``direction`` is 'h2d' or 'd2h' (CUDA), 'd2d' (one device copy, CUDA)
     or 'memcpy' (CPU). Figures: a link's rate is its largest copy's, its latency what the
-    smallest copy takes beyond that.
+    smallest copy takes beyond that. ``collectives`` (CPU): the gloo link between ranks on this machine too
+    (hardware/_gloo_links.py).
     """
     device = as_device(device)
     if repeats < 1:
@@ -56,7 +58,12 @@ def measure_hardware(device: str | torch.device | None = None, sizes: Iterable[i
         return _measure_cuda(device, sizes or CUDA_SWEEP_SIZES, repeats, matmul_size or 8192,
                              conv_size or 56, progress)
     if device.type == "cpu":
-        return _measure_cpu(sizes or CPU_SWEEP_SIZES, repeats, matmul_size or 1024, conv_size or 56, progress)
+        fields, sweep = _measure_cpu(sizes or CPU_SWEEP_SIZES, repeats, matmul_size or 1024, conv_size or 56,
+                                     progress)
+        if collectives:
+            figures, sources = gloo_figures(repeats)
+            fields = {**fields, **figures, "sources": {**fields["sources"], **sources}}
+        return fields, sweep
     raise ValueError(f"cannot measure a {device.type!r} device: use 'cpu' or 'cuda' / 'cuda:<index>'")
 
 
@@ -199,6 +206,20 @@ def _measure_cpu(sizes: tuple[int, ...], repeats: int, matmul_size: int, conv_si
                  "memory_bytes_per_s": f"{how}: 2 x memcpy rate of {format_bytes(largest)} (read + write)"},
     )
     return fields, pd.DataFrame(rows, columns=list(SWEEP_COLUMNS))
+
+
+def gloo_figures(repeats: int = 5) -> tuple[dict[str, float], dict[str, str]]:
+    """The intra-node link figures of a CPU profile, measured between two gloo ranks here, and their sources."""
+    times = measure_gloo(repeats=repeats)
+    bandwidth, latency = link_figures(times)
+    how = _measured_source(device_name(torch.device("cpu")), "2 gloo ranks")
+    sizes = f"{format_bytes(min(times)[0])}..{format_bytes(max(times)[0])}"
+    figures = {"intra_node_bytes_per_s": bandwidth, "intra_node_latency_s": latency}
+    sources = {"intra_node_bytes_per_s": f"{how}: all-reduce of {format_bytes(max(times)[0])} (p = 2: its bytes "
+                                         f"over each rank's link)",
+               "intra_node_latency_s": f"{how}: all-reduce sweep {sizes}, what the smallest takes beyond the "
+                                       f"bandwidth, over its 2 ring steps"}
+    return figures, sources
 
 
 def _measure_cuda(device: torch.device, sizes: tuple[int, ...], repeats: int, matmul_size: int, conv_size: int,

@@ -188,20 +188,21 @@ class Hardware:
     @classmethod
     def measure(cls, device: str | torch.device | None = None, sizes: Iterable[int | str] | None = None,
                 repeats: int = 5, matmul_size: int | None = None, conv_size: int | None = None,
-                progress: bool = True) -> Hardware:
+                progress: bool = True, collectives: bool = False) -> Hardware:
         """Measure the device (default: CUDA if present, else CPU) and return its profile.
 
-        ``measure_with_sweep`` takes the same arguments and also returns the copy sweep. See
-        :func:`udnn_lab.hardware.measuring.measure_hardware`.
+        ``collectives=True`` (CPU): also time all-reduces between two gloo ranks on this machine, the link
+        figures a CPU rank of several is simulated with (a few seconds more). ``measure_with_sweep`` takes the
+        same arguments and also returns the copy sweep. See :func:`udnn_lab.hardware.measuring.measure_hardware`.
         """
-        return cls.measure_with_sweep(device, sizes, repeats, matmul_size, conv_size, progress)[0]
+        return cls.measure_with_sweep(device, sizes, repeats, matmul_size, conv_size, progress, collectives)[0]
 
     @classmethod
     def measure_with_sweep(cls, device: str | torch.device | None = None, sizes: Iterable[int | str] | None = None,
                            repeats: int = 5, matmul_size: int | None = None, conv_size: int | None = None,
-                           progress: bool = True) -> tuple[Hardware, pd.DataFrame]:
+                           progress: bool = True, collectives: bool = False) -> tuple[Hardware, pd.DataFrame]:
         """Measure the device as ``measure`` does: the profile, and the copy sweep (one row per copy size)."""
-        figures, sweep = measure_hardware(device, sizes, repeats, matmul_size, conv_size, progress)
+        figures, sweep = measure_hardware(device, sizes, repeats, matmul_size, conv_size, progress, collectives)
         return cls(**figures), sweep
 
 

@@ -133,7 +133,28 @@ def train_ranks(model: torch.nn.Module, batches: Iterable, optimizer: torch.opti
                notes=(f"{describe(spec).split(' of ', 1)[1]}, {backend}: every rank trained on 1/{world} of each "
                       f"batch; rows are rank 0's, loss the mean over ranks, peak_bytes_rank<r> each rank's peak",
                       "the weights came back from rank 0; the optimizer state stayed in the ranks",
-                      *_peak_caveat(spec, device)))
+                      *_peak_caveat(spec, device), *_warm_up_note(plans)))
+
+
+WARM_UP_STEPS = 2  # a wrapped model's first steps run other ops than its traced one: FSDP2's lazy init, DDP's rebuild
+
+
+def warm_up_steps(plan: Plan | None) -> int:
+    """Steps a rank runs before its plan: a plan followed op by op (a recompute, or a step traced with kernels
+    other than the device's, so without hook events) needs the very ops of the traced step, which a wrapped model
+    runs from its third step on; a plan followed by saved-tensor hooks acts from the first."""
+    if plan is None or not (plan.offloads or plan.recomputes):
+        return 0
+    return WARM_UP_STEPS if plan.recomputes or not plan.hook_events else 0
+
+
+def _warm_up_note(plans) -> tuple[str, ...]:
+    steps = max((warm_up_steps(p) for p in plans), default=0)
+    if not steps:
+        return ()
+    return (f"the first {steps} steps ran without the plan: it is followed op by op, and a DDP or FSDP2 model runs "
+            f"the ops of its traced step from its step {steps + 1} on (FSDP2's lazy initialization, DDP's bucket "
+            f"rebuild); those steps hold what the step holds with every tensor kept",)
 
 
 def _peak_caveat(spec: Parallel, device: torch.device) -> tuple[str, ...]:
@@ -317,13 +338,16 @@ def _train_rank(rank: int, job: RankJob, device: torch.device, inbox, outbox) ->
         optimizer = same_optimizer(optimizer, [{**group, "params": [now[names[id(p)]] for p in group["params"]]}
                                                for group in optimizer.param_groups])
     runtime = OffloadRuntime(job.plans[rank])
+    without_plan = OffloadRuntime(None)
+    warm_up = warm_up_steps(job.plans[rank])
     step = dict(loss_fn=loss_fn, optimizer=optimizer, options=job.options,
                 scaler=grad_scaler(job.options, device))
     try:
         index = 0
         while (message := _next_message(inbox)) is not None:
             micro_batches = [on_device(batch, device) for batch in pickle.loads(message)]
-            outbox.put(("row", rank, one_step(index, wrapped, micro_batches, device, step, optimizer, runtime,
+            acting = runtime if index >= warm_up else without_plan
+            outbox.put(("row", rank, one_step(index, wrapped, micro_batches, device, step, optimizer, acting,
                                               job.track)))
             index += 1
         state = _full_state_dict(wrapped, inner, spec)
@@ -333,6 +357,7 @@ def _train_rank(rank: int, job: RankJob, device: torch.device, inbox, outbox) ->
         return runtime.pool.capacity_bytes if runtime.pool is not None else 0
     finally:
         runtime.release()
+        without_plan.release()
 
 
 def _next_message(inbox) -> bytes | None:

@@ -15,7 +15,8 @@ NOTE [collectives]
      global ranks it spans, (ranks - 1) x OpInfo.rank_stride + 1, fit in a node (FSDP's and DDP's world of
      8 on DGX, HSDP's shard group; HSDP's replicate group, ranks a node apart, crosses nodes). FSDP2 runs
      all-gathers and reduce-scatters on two streams (and HSDP's all-reduces on a third); they share the
-     same links, so here they take turns.
+     same links, so here they take turns. The ranks of a CPU run (gloo) are processes of one machine: every
+     group is inside it, on the link a CPU profile measures between two gloo ranks.
   3. A collective starts when the stream is free and what it sends is ready: for FSDP2's all-gather, its
      copy-in (fsdp.all_gather_copy_in); for every other, what compute issued before it (DDP's bucket
      all-reduce, FSDP2's reduce-scatter: ``reduce_scatter_stream.wait_stream(current_stream)`` in
@@ -54,6 +55,7 @@ from udnn_lab.graph.step_graph import Graph, OpInfo
 from udnn_lab.hardware.profiles import Hardware
 
 _COLLECTIVE_PREFIXES = ("c10d.", "_c10d_functional.")
+ONE_MACHINE = 1 << 30  # ranks per node of a CPU run: all of them (NOTE 2)
 _COPY_IN = "fsdp.all_gather_copy_in.default"
 _COPY_OUT = "fsdp.split_with_sizes_copy.default"
 _REDUCE_SCATTER_COPY_IN = "fsdp.chunk_cat.default"
@@ -102,15 +104,21 @@ class Links:
 
     @classmethod
     def of(cls, hardware: Hardware, ranks_per_node: int | None = None) -> Links:
-        missing = [name for name in ("gpus_per_node", "intra_node_bytes_per_s", "intra_node_latency_s",
-                                     "inter_node_bytes_per_s", "inter_node_latency_s")
+        if hardware.device_type == "cpu":  # ranks of a CPU run share one machine, over its gloo link (NOTE 2)
+            names: tuple[str, ...] = ("intra_node_bytes_per_s", "intra_node_latency_s")
+            ranks_per_node = ranks_per_node or ONE_MACHINE
+        else:
+            names = ("gpus_per_node", "intra_node_bytes_per_s", "intra_node_latency_s", "inter_node_bytes_per_s",
+                     "inter_node_latency_s")
+        missing = [name for name in names
                    if getattr(hardware, name) is None and not (name == "gpus_per_node" and ranks_per_node)]
         if missing:
             raise ValueError(
                 f"this graph is one rank of several and its collectives need multi-GPU figures, but hardware "
                 f"profile {hardware.name!r} ({hardware.title}) has none for {missing}: simulate it on a profile "
                 f"with them (e.g. 'h100-sxm', 'a100', 'mi300x'), or add them, with their sources, to a copy of "
-                f"this profile")
+                f"this profile" + (" (for this machine's CPU: ul.Hardware.measure('cpu', collectives=True))"
+                                   if hardware.device_type == "cpu" else ""))
         per_node = ranks_per_node if ranks_per_node is not None else hardware.gpus_per_node
         if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
             raise ValueError(f"ranks_per_node is how many ranks share a node: a positive int, got {per_node!r}")
