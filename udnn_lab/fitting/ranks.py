@@ -35,7 +35,7 @@ DEFAULT_SETUPS = ("DDP", "FSDP2", "FSDP2+offload")
 DEFAULT_WORLD_SIZES = tuple(2 ** k for k in range(11))  # 1 to 1024
 COLUMNS = ["world_size", "setup", "spec", "budget_bytes", "fits", "peak_bytes", "traced_peak_bytes",
            "step_time_s", "communication_s", "exposed_communication_s", "communication_at_peak_bytes", "policy",
-           "offloads", "recomputes", "host_bytes_per_node", "trace_s", "why"]
+           "offloads", "recomputes", "host_bytes_per_node", "trace_s", "plan_s", "why"]
 _SWEEP_SETTINGS = ("policies", "ranks_per_node", "host_budget", "fsdp_options", "progress")
 DEFAULT_RANKS_PER_NODE = 8  # an HGX/DGX node; a profile's own figure wins where it has one
 
@@ -89,20 +89,26 @@ def sweep_ranks(work: Workload | str, world_sizes: Iterable[int] = DEFAULT_WORLD
     traces: dict[Parallel, tuple[Graph, float]] = {}  # HSDP within one node is FSDP2: traced once
     specs = {(setup, size): parallel_spec(setup, size, per_node, fsdp_options) for size in sizes for setup in chosen}
     rows = []
-    bar = tqdm(total=len(set(specs.values())), desc=f"tracing one rank of {work.name}", unit="trace", leave=False,
+    plans = sum(len(budget_list) * len(planners) for setup, _ in specs if setup.endswith("+offload"))
+    bar = tqdm(total=len(set(specs.values())) + plans, desc=f"one rank of {work.name}", unit="step", leave=False,
                disable=progress is False, delay=0 if progress else PROGRESS_SECONDS)
     with bar:
         for (setup, size), spec in specs.items():
             if spec not in traces:
-                bar.set_postfix_str(f"{setup.removesuffix('+offload')} x {size}")
+                bar.set_postfix_str(f"tracing {setup.removesuffix('+offload')} x {size}")
                 start = time.perf_counter()
                 traces[spec] = (trace(work, device=profile.device_type, parallel=spec), time.perf_counter() - start)
                 bar.update(1)
             graph, seconds = traces[spec]
             for budget in budget_list:
                 for policy in planners if setup.endswith("+offload") else ["keep-all"]:
+                    if policy != "keep-all":
+                        bar.set_postfix_str(f"planning {policy} for {setup} x {size} in {format_bytes(budget)}")
+                    start = time.perf_counter()
                     row = _row(graph, spec, budget, policy, profile, per_node, host_bytes)
-                    rows.append({"world_size": size, "setup": setup, "trace_s": seconds, **row})
+                    rows.append({"world_size": size, "setup": setup, "trace_s": seconds,
+                                 "plan_s": time.perf_counter() - start if policy != "keep-all" else 0.0, **row})
+                    bar.update(policy != "keep-all")
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
@@ -143,7 +149,7 @@ def _row(graph: Graph, spec: Parallel, budget_bytes: int, policy: str, profile: 
     row: dict[str, Any] = {"spec": _describe(spec), "budget_bytes": budget_bytes, "traced_peak_bytes": traced,
                            "communication_at_peak_bytes": int(at_peak.get("communication", 0)), "policy": policy,
                            "offloads": 0, "recomputes": 0, "host_bytes_per_node": 0, "why": ""}
-    if policy == "keep-all":
+    if policy == "keep-all" or (policy == "auto" and traced <= budget_bytes):  # auto's fastest then keeps all
         simulation = simulate(graph, None, profile, ranks_per_node=per_node)
         fits = traced <= budget_bytes
         return {**row, **_timing(simulation), "fits": fits, "peak_bytes": traced,
