@@ -16,7 +16,8 @@ than any of them. ``optimal`` (the exact reference) measures how far from the be
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -24,7 +25,9 @@ from udnn_lab.cost.model import CostModel
 from udnn_lab.graph.plan_ir import Offload, Plan, Recompute
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.planning._candidates import Candidate, candidates, first_backward_op, prefetch_point
+from udnn_lab.planning._copy_queue import CopyQueue
 from udnn_lab.planning._estimate import CurveEstimate
+from udnn_lab.planning._exact_options import chain_options
 from udnn_lab.planning._rebuild import rebuilds
 from udnn_lab.planning.registry import POLICIES, policy
 from udnn_lab.planning.vdnn import MARGINS, SIZE_FLOOR, pinned_pool_bytes
@@ -32,6 +35,9 @@ from udnn_lab.simulation.simulator import simulate_with
 
 LOOKAHEAD = 2
 HIDE = 2.0  # a prefetch is issued this many copy times before its first reader: hidden even behind another copy
+_TRIED = 4  # offloads away at the peak compared at each step, largest first: the cheapest per byte is taken
+_UNPINS = 24  # at most this many (each scans what is pinned; past that a deep graph gains little)
+_UNPINNED = 4  # tensors whose replays' swaps are compared when the greedy is stuck
 COMPLETED = 2  # how many of the fastest plans that do not fit auto completes
 _NOT_CONTENDERS = ("auto", "vdnn-dyn", "optimal")  # vdnn-dyn picks among others; optimal is the exact reference
 
@@ -45,6 +51,8 @@ class _Option:
     d2h_s: float = 0.0
     h2d_s: float = 0.0
     exposed_s: float = 0.0  # offload: copy-in time its first reader waits for, even with the stream free
+    reader: int = 0  # offload: the first op after forward that reads it (it waits for the copy in)
+    release: int | None = None  # offload: the op it is let go before, waiting for its copy (None: as that ends)
     late: bool = False  # offload: prefetched just before its use, only to move an offload's prefetch later
     ops: tuple[int, ...] = ()  # forward ops a recompute re-runs
     sources: tuple[int, ...] = ()  # tensors a recompute needs kept
@@ -80,15 +88,25 @@ def joint(graph: Graph, cost: CostModel, budget: int, base: Plan | None = None) 
     times = cost.op_times_s(graph)
     boundary = first_backward_op(graph)
     hideable = (float(times[:boundary].sum()), float(times[boundary:].sum()))  # copy time each stream can hide
+    starts = np.concatenate([[0.0], np.cumsum(times)])  # each op's start with nothing delaying it
     plan = _build(graph, budget, [], base)
+    chains = _Chains(graph, cost)
     for margin in MARGINS:
-        plan = _build(graph, budget, _choose(graph, options, budget * (1 - margin), hideable, base), base)
-        if simulate_with(graph, plan, cost).fits:
-            break
+        chosen = _choose(graph, options, budget * (1 - margin), starts, hideable, chains, base)
+        plan = _build(graph, budget, chosen, base)
+        if simulate_with(graph, plan, cost).fits or _short_of(graph, chosen, budget * (1 - margin), base):
+            break  # fits; or the options ran out before this target, and a lower one gets no further
     return plan
 
 
 def _options(graph: Graph, cost: CostModel) -> list[_Option]:
+    key = ("auto options", id(graph), graph.fingerprint)  # auto plans several times per call: listed once
+    if key not in cost.memo:
+        cost.memo[key] = _listed_options(graph, cost)
+    return list(cost.memo[key])
+
+
+def _listed_options(graph: Graph, cost: CostModel) -> tuple[_Option, ...]:
     found = []
     starts = np.concatenate([[0.0], np.cumsum(cost.op_times_s(graph))])  # each op's start with nothing delaying it
     for c in candidates(graph, SIZE_FLOOR):
@@ -105,59 +123,257 @@ def _options(graph: Graph, cost: CostModel) -> list[_Option]:
             if prefetch > gone:
                 exposed = max(0.0, h2d - float(starts[reader] - starts[prefetch]))
                 found.append(_Option(c, "offload", (gone, prefetch), d2h + h2d, d2h, h2d, exposed_s=exposed,
-                                     late=prefetch != early))
+                                     reader=reader, late=prefetch != early))
     for r in rebuilds(graph, cost, SIZE_FLOOR):
         # back on the device from the op before its replay (NOTE [simulated streams] 1)
         window = (r.window[0], r.candidate.first_backward - 1)
         found.append(_Option(r.candidate, "recompute", window, r.time_s, ops=r.ops, sources=r.sources))
-    return found
+    return tuple(found)
 
 
-def _choose(graph: Graph, options: list[_Option], target: float, hideable: tuple[float, float],
-            base: Plan | None = None) -> list[_Option]:
+class _Chains:
+    """A tensor's recomputations that also remake the saved tensors they read, a few levels back (the exact
+    planner's chains), so that those need not stay; listed only for the tensors asked about (slow on deep graphs)."""
+
+    def __init__(self, graph: Graph, cost: CostModel) -> None:
+        boundary = first_backward_op(graph)
+        self.graph, self.times = graph, cost.op_times_s(graph)
+        self.pool = {c.tensor: c for c in candidates(graph, SIZE_FLOOR) if c.last_forward < boundary}
+        self.found: dict[int, list[_Option]] = {}
+
+    def __call__(self, tensor: int) -> list[_Option]:
+        if tensor not in self.found:
+            c = self.pool[tensor]
+            window = (c.freed_after + 1, c.first_backward - 1)
+            self.found[tensor] = sorted((_Option(c, "recompute", window, chain.time_s, ops=chain.action.ops,
+                                                 sources=chain.keeps)
+                                         for chain in chain_options(self.graph, c, self.pool, self.times)),
+                                        key=lambda o: o.cost_s)
+        return self.found[tensor]
+
+
+def _short_of(graph: Graph, chosen: list[_Option], target: float, base: Plan | None) -> bool:
+    """The estimate with ``chosen`` (and ``base``) taken away is still over ``target``."""
+    estimate = CurveEstimate(graph)
+    if base is not None:
+        _taken(graph, base, estimate)
+    for option in chosen:
+        estimate.drop(option.candidate, option.window)
+    return estimate.peak()[0] > target
+
+
+def _choose(graph: Graph, options: list[_Option], target: float, starts: np.ndarray, hideable: tuple[float, float],
+            chains: _Chains, base: Plan | None = None) -> list[_Option]:
     """Drop, at the estimated peak, whatever frees bytes for the least time, until the estimate fits.
 
     A recompute costs its ops' time. Offloads share the copy streams: while the copies fit
     in the compute time they overlap (forward for the copies out, backward for the copies
-    in) they cost nothing, beyond that their whole copy time.
+    in) they cost nothing, beyond that their whole copy time. Each stream runs its copies
+    one at a time (``CopyQueue``): an offload whose copy out, queued behind the chosen ones,
+    ends after the peak op starts is let go there, compute waiting for it; a copy in adds
+    its reader's wait and the delay it causes the copies queued behind it. An offloaded
+    tensor may later be prefetched later, or recomputed instead. When every tensor at the
+    peak is chosen or read by a chosen replay, a replay is lengthened to remake what it
+    read (``_unpin``), so that that may go too.
     """
-    estimate = CurveEstimate(graph)
-    recomputes = sorted((o for o in options if o.action == "recompute"),
-                        key=lambda o: (o.cost_s / estimate.size(o.candidate), o.candidate.tensor))
-    offloads = sorted((o for o in options if o.action == "offload"),
-                      key=lambda o: (-o.candidate.nbytes, o.exposed_s, o.candidate.tensor))
-    chosen: dict[int, _Option] = {}
-    pinned: set[int] = set()  # sources of chosen recomputes: they must stay
-    away: set[int] = set()  # what base offloads or recomputes: no replay may read it
-    d2h_left, h2d_left = hideable
-    if base is not None:
-        pinned |= _taken(graph, base, estimate)
-        away = {o.tensor for o in base.offloads} | {t for r in base.recomputes for t in r.tensors}
-        d2h_left -= sum(cost_of for cost_of in _copy_times(base, options, "d2h"))
-        h2d_left -= sum(cost_of for cost_of in _copy_times(base, options, "h2d"))
-    peak, op = estimate.peak()
+    greedy = _Greedy(graph, options, starts, hideable, base)
+    peak, op = greedy.estimate.peak()
     while peak > target:
-        recompute = _first(recomputes, op, chosen, pinned, away)
-        offload = _first(offloads, op, chosen, pinned, away)
+        recompute = _first(greedy.recomputes, op, greedy.chosen, greedy.pinned, greedy.away)
+        offload = _cheapest_offload(greedy.offloads, op, greedy.chosen, greedy.pinned, greedy.away, greedy.streams,
+                                    greedy.estimate)
         if recompute is None and offload is None:
-            break
-        offload_cost = float("inf") if offload is None else \
-            max(0.0, offload.d2h_s - d2h_left) + max(0.0, offload.h2d_s - h2d_left) + offload.exposed_s
-        if offload is None or (recompute is not None and recompute.cost_s / estimate.size(recompute.candidate)
-                               < offload_cost / estimate.size(offload.candidate)):
-            assert recompute is not None  # not with offload None too: the loop broke then
-            pick = recompute
+            if not greedy.unpin(chains, op):
+                break
+        elif offload is None or (recompute is not None and recompute.cost_s / greedy.estimate.size(recompute.candidate)
+                                 < offload[0] / greedy.estimate.size(offload[1].candidate)):
+            assert recompute is not None  # not with offload None too
+            greedy.take(recompute)
         else:
-            pick = offload
-        before = chosen.get(pick.candidate.tensor)
-        if pick.action == "offload" and before is None:
-            d2h_left, h2d_left = d2h_left - pick.d2h_s, h2d_left - pick.h2d_s
-        chosen[pick.candidate.tensor] = pick
-        pinned.update(pick.sources)
-        # a later prefetch of a tensor already offloaded keeps it away longer: only the difference is new
-        estimate.drop(pick.candidate, pick.window if before is None else (before.window[1], pick.window[1]))
-        peak, op = estimate.peak()
-    return list(chosen.values())
+            greedy.take(offload[1])
+        peak, op = greedy.estimate.peak()
+    return list(greedy.chosen.values())
+
+
+class _Greedy:
+    """What ``_choose`` has chosen so far, the estimate with it taken away, and the options still ranked."""
+
+    def __init__(self, graph: Graph, options: list[_Option], starts: np.ndarray, hideable: tuple[float, float],
+                 base: Plan | None) -> None:
+        self.estimate = CurveEstimate(graph)
+        self.recomputes = sorted((o for o in options if o.action == "recompute"), key=self._recompute_key)
+        self.offloads = sorted((o for o in options if o.action == "offload" and not o.late), key=self._offload_key)
+        self.later: dict[int, list[_Option]] = {}  # ranked only once their tensor is offloaded
+        self.by_tensor: dict[int, list[_Option]] = {}
+        for option in options:
+            self.by_tensor.setdefault(option.candidate.tensor, []).append(option)
+            if option.late:
+                self.later.setdefault(option.candidate.tensor, []).append(option)
+        self.chosen: dict[int, _Option] = {}
+        self.held: set[int] = set()  # what base's replays read: it must stay
+        self.away: set[int] = set()  # what base offloads or recomputes: no replay may read it
+        self.streams = _Streams(starts, hideable)
+        if base is not None:
+            self.held = _taken(graph, base, self.estimate)
+            self.away = {o.tensor for o in base.offloads} | {t for r in base.recomputes for t in r.tensors}
+            copies = {o.candidate.tensor: o for o in self.offloads}
+            for offload in base.offloads:
+                if offload.tensor in copies:
+                    self.streams.add(replace(copies[offload.tensor], window=(0, offload.prefetch_at)), None)
+        self.pinned = set(self.held)  # and the sources of chosen recomputes
+        self.unpinned = 0
+
+    def _recompute_key(self, o: _Option) -> tuple[float, int]:
+        return o.cost_s / self.estimate.size(o.candidate), o.candidate.tensor
+
+    @staticmethod
+    def _offload_key(o: _Option) -> tuple[int, float, int]:
+        return -o.candidate.nbytes, o.exposed_s, o.candidate.tensor
+
+    def take(self, pick: _Option) -> None:
+        tensor = pick.candidate.tensor
+        before = self.chosen.get(tensor)
+        if pick.action == "offload":
+            self.streams.add(pick, before)
+            if before is None:
+                for option in self.later.get(tensor, ()):
+                    bisect.insort(self.offloads, option, key=self._offload_key)
+        self.chosen[tensor] = pick
+        self.pinned.update(pick.sources)
+        if before is None:
+            self.estimate.drop(pick.candidate, pick.window)
+        else:  # an offloaded tensor away longer (prefetched later, or recomputed instead): only the difference is new
+            self.estimate.drop(pick.candidate, (pick.window[0], before.window[0]))
+            self.estimate.drop(pick.candidate, (before.window[1], pick.window[1]))
+            if pick.action == "recompute":
+                self.streams.remove(before)
+
+    def unpin(self, chains: _Chains, op: int) -> bool:
+        """Free a tensor at ``op`` that chosen replays read, by lengthening them (``_unpin``); False if none."""
+        freed = None if self.unpinned == _UNPINS else \
+            _unpin(self.by_tensor, chains, op, self.chosen, self.pinned, self.held, self.away, self.estimate)
+        if freed is None:
+            return False
+        self.unpinned += 1
+        self.pinned = self.held | {s for o in self.chosen.values() for s in o.sources}
+        for option in self.by_tensor[freed]:  # back among the options (a copy left there is passed over twice)
+            if option.action == "recompute":
+                bisect.insort(self.recomputes, option, key=self._recompute_key)
+            elif not option.late:
+                bisect.insort(self.offloads, option, key=self._offload_key)
+        return True
+
+
+class _Streams:
+    """The copies chosen so far on each stream, and what is left of the compute time that hides them."""
+
+    def __init__(self, starts: np.ndarray, hideable: tuple[float, float]) -> None:
+        self.starts = starts
+        self.out, self.back = CopyQueue(), CopyQueue()
+        self.d2h_left, self.h2d_left = hideable
+
+    def price(self, option: _Option, before: _Option | None, op: int) -> tuple[float, int | None]:
+        """The option's time, away at ``op``: copy time beyond what compute hides, its reader's wait for its
+        copy in behind the queue, and, if its copy out (behind the queue) ends after ``op`` starts, the wait
+        for it there (its release op, returned; None: let go as its copy ends). ``before``: already out."""
+        c = option.candidate
+        added = 0.0
+        release = None
+        if before is None:
+            ready = float(self.starts[c.last_forward + 1])
+            done = self.out.end_if_added(ready, c.tensor, option.d2h_s)
+            if max(c.freed_after + 1, int(np.searchsorted(self.starts, done))) > op:
+                added, release = done - float(self.starts[op]), op
+            added += max(0.0, option.d2h_s - self.d2h_left) + max(0.0, option.h2d_s - self.h2d_left)
+        replaced = None if before is None else (float(self.starts[before.window[1]]), c.tensor)
+        waits = self.back.added_wait(float(self.starts[option.window[1]]), c.tensor, option.h2d_s,
+                                     float(self.starts[option.reader]), replaced)
+        return added + waits, release
+
+    def remove(self, option: _Option) -> None:
+        c = option.candidate
+        self.out.remove(float(self.starts[c.last_forward + 1]), c.tensor)
+        self.back.remove(float(self.starts[option.window[1]]), c.tensor)
+        self.d2h_left, self.h2d_left = self.d2h_left + option.d2h_s, self.h2d_left + option.h2d_s
+
+    def add(self, option: _Option, before: _Option | None) -> None:
+        c = option.candidate
+        if before is None:
+            self.out.add(float(self.starts[c.last_forward + 1]), c.tensor, option.d2h_s)
+            self.d2h_left, self.h2d_left = self.d2h_left - option.d2h_s, self.h2d_left - option.h2d_s
+        else:
+            self.back.remove(float(self.starts[before.window[1]]), c.tensor)
+        self.back.add(float(self.starts[option.window[1]]), c.tensor, option.h2d_s, float(self.starts[option.reader]))
+
+
+def _cheapest_offload(ranked: list[_Option], op: int, chosen: dict[int, _Option], pinned: set[int], away: set[int],
+                      streams: _Streams, estimate: CurveEstimate) -> tuple[float, _Option] | None:
+    """Of the first few offloads away at ``op`` once their copy out has queued, the least time per byte,
+    with the window it has behind the queue."""
+    best: tuple[float, float, _Option] | None = None
+    tried = 0
+    stale = []
+    for index, option in enumerate(ranked):
+        if not _allowed(option, chosen, pinned, away):
+            stale.append(index)
+            continue
+        before = chosen.get(option.candidate.tensor)
+        if not (option.candidate.freed_after < op if before is None else option.window[0] <= op) \
+                or op >= option.window[1]:
+            continue
+        time_s, release = streams.price(option, before, op)
+        size = estimate.size(option.candidate)
+        if best is None or time_s / size < best[0]:
+            window = (op if release is not None else option.window[0], option.window[1])
+            best = (time_s / size, time_s, replace(option, window=window, release=release))
+        tried += 1
+        if tried == _TRIED:
+            break
+    for index in reversed(stale):
+        del ranked[index]
+    return None if best is None else (best[1], best[2])
+
+
+def _unpin(by_tensor: dict[int, list[_Option]], chains: _Chains, op: int, chosen: dict[int, _Option], pinned: set[int],
+           held: set[int], away: set[int], estimate: CurveEstimate) -> int | None:
+    """Stuck at ``op`` with every tensor there chosen or read by a chosen replay: let the replays that read
+    one such tensor remake it instead (a longer chain of theirs), so that it may go too. Of the largest few
+    such tensors, the one whose replays cost the least added time per byte it frees (returned); None if none
+    can be freed that way."""
+    def allowed(option: _Option) -> bool:
+        return not any(s in chosen or s in away for s in option.sources)
+
+    readers: dict[int, list[_Option]] = {}
+    for option in chosen.values():
+        for source in option.sources:
+            readers.setdefault(source, []).append(option)
+    there = [t for t in pinned - held - set(chosen) if t in by_tensor
+             and by_tensor[t][0].candidate.freed_after < op < by_tensor[t][0].candidate.first_backward
+             and any(o.window[0] <= op < o.window[1] and not o.late and allowed(o) for o in by_tensor[t])]
+    best: tuple[float, int, dict[int, _Option]] | None = None
+    found = 0
+    for tensor in sorted(there, key=lambda t: (-by_tensor[t][0].candidate.nbytes, t)):
+        swaps: dict[int, _Option] = {}
+        for reader in readers.get(tensor, ()):
+            longer = next((o for o in chains(reader.candidate.tensor) if tensor not in o.sources and allowed(o)),
+                          None)
+            if longer is None:
+                break
+            swaps[reader.candidate.tensor] = longer
+        else:
+            if not swaps:
+                continue
+            added = sum(o.cost_s - chosen[t].cost_s for t, o in swaps.items())
+            score = added / estimate.size(by_tensor[tensor][0].candidate)
+            if best is None or score < best[0]:
+                best = (score, tensor, swaps)
+            found += 1
+            if found == _UNPINNED:
+                break
+    if best is None:
+        return None
+    chosen.update(best[2])
+    return best[1]
 
 
 def _first(ranked: list[_Option], op: int, chosen: dict[int, _Option], pinned: set[int],
@@ -180,8 +396,13 @@ def _first(ranked: list[_Option], op: int, chosen: dict[int, _Option], pinned: s
 def _allowed(option: _Option, chosen: dict[int, _Option], pinned: set[int], away: set[int]) -> bool:
     tensor = option.candidate.tensor
     before = chosen.get(tensor)
-    if before is not None:  # an offload may still be prefetched later, to cover a peak closer to its use
-        return option.action == before.action == "offload" and option.window[1] > before.window[1]
+    if before is not None and before.action == "offload":
+        # an offload may still be prefetched later, to cover a peak closer to its use, or recomputed instead
+        if option.action == "offload":
+            return option.window[1] > before.window[1]
+        return not any(s in chosen or s in away for s in option.sources)
+    if before is not None:
+        return False
     return not option.late and tensor not in pinned and not any(s in chosen or s in away for s in option.sources)
 
 
@@ -207,14 +428,9 @@ def _taken(graph: Graph, base: Plan, estimate: CurveEstimate) -> set[int]:
     return taken
 
 
-def _copy_times(base: Plan, options: list[_Option], direction: str) -> list[float]:
-    offloaded = {o.tensor for o in base.offloads}
-    return [o.d2h_s if direction == "d2h" else o.h2d_s for o in options
-            if o.action == "offload" and o.candidate.tensor in offloaded]
-
-
 def _build(graph: Graph, budget: int, chosen: list[_Option], base: Plan | None = None) -> Plan:
-    offloads = tuple(sorted([Offload(o.candidate.tensor, o.candidate.last_forward, o.window[1])
+    offloads = tuple(sorted([Offload(o.candidate.tensor, o.candidate.last_forward, o.window[1],
+                                     release_before=o.release)
                              for o in chosen if o.action == "offload"] + list(base.offloads if base else ()),
                             key=lambda x: (x.after_op, x.tensor)))
     recomputes = tuple(sorted([Recompute((o.candidate.tensor,), o.ops, o.candidate.first_backward)
