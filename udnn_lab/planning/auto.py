@@ -38,6 +38,7 @@ HIDE = 2.0  # a prefetch is issued this many copy times before its first reader:
 _TRIED = 4  # offloads away at the peak compared at each step, largest first: the cheapest per byte is taken
 _UNPINS = 24  # at most this many (each scans what is pinned; past that a deep graph gains little)
 _UNPINNED = 4  # tensors whose replays' swaps are compared when the greedy is stuck
+SECOND_GREEDY_OPS = 4000  # up to this many ops, the greedy is run twice, with copies priced alone as well
 COMPLETED = 2  # how many of the fastest plans that do not fit auto completes
 _NOT_CONTENDERS = ("auto", "vdnn-dyn", "optimal")  # vdnn-dyn picks among others; optimal is the exact reference
 
@@ -63,6 +64,8 @@ def auto(graph: Graph, cost: CostModel, budget: int | None) -> Plan:
     if budget is None:
         return Plan.keep_all(graph)  # nothing to save: every action only adds time
     contenders = [joint(graph, cost, budget)]
+    if len(graph.ops) <= SECOND_GREEDY_OPS:
+        contenders.append(joint(graph, cost, budget, queued=False))
     contenders += [POLICIES[name](graph, cost, budget) for name in POLICIES if name not in _NOT_CONTENDERS]
     runs = [(simulate_with(graph, plan, cost), plan) for plan in contenders]
     # the fastest plans that act but do not fit, with what they still need chosen by the same greedy
@@ -82,18 +85,19 @@ def auto(graph: Graph, cost: CostModel, budget: int | None) -> Plan:
                 chosen.pinned_pool_bytes, chosen.size_floor_bytes, chosen.notes + (f"chose {chosen.policy}",))
 
 
-def joint(graph: Graph, cost: CostModel, budget: int, base: Plan | None = None) -> Plan:
-    """The joint keep/offload/recompute greedy, checked by simulation; from ``base``'s actions if given."""
+def joint(graph: Graph, cost: CostModel, budget: int, base: Plan | None = None, queued: bool = True) -> Plan:
+    """The joint keep/offload/recompute greedy, checked by simulation; from ``base``'s actions if given.
+    ``queued``: price each copy behind those chosen before it (else as if it had its stream to itself)."""
     options = _options(graph, cost)
     times = cost.op_times_s(graph)
     boundary = first_backward_op(graph)
     hideable = (float(times[:boundary].sum()), float(times[boundary:].sum()))  # copy time each stream can hide
     starts = np.concatenate([[0.0], np.cumsum(times)])  # each op's start with nothing delaying it
-    plan = _build(graph, budget, [], base)
+    plan = _build(graph, budget, [], base, queued)
     chains = _Chains(graph, cost)
     for margin in MARGINS:
-        chosen = _choose(graph, options, budget * (1 - margin), starts, hideable, chains, base)
-        plan = _build(graph, budget, chosen, base)
+        chosen = _choose(graph, options, budget * (1 - margin), starts, hideable, chains, base, queued)
+        plan = _build(graph, budget, chosen, base, queued)
         if simulate_with(graph, plan, cost).fits or _short_of(graph, chosen, budget * (1 - margin), base):
             break  # fits; or the options ran out before this target, and a lower one gets no further
     return plan
@@ -163,7 +167,7 @@ def _short_of(graph: Graph, chosen: list[_Option], target: float, base: Plan | N
 
 
 def _choose(graph: Graph, options: list[_Option], target: float, starts: np.ndarray, hideable: tuple[float, float],
-            chains: _Chains, base: Plan | None = None) -> list[_Option]:
+            chains: _Chains, base: Plan | None = None, queued: bool = True) -> list[_Option]:
     """Drop, at the estimated peak, whatever frees bytes for the least time, until the estimate fits.
 
     A recompute costs its ops' time. Offloads share the copy streams: while the copies fit
@@ -176,10 +180,10 @@ def _choose(graph: Graph, options: list[_Option], target: float, starts: np.ndar
     peak is chosen or read by a chosen replay, a replay is lengthened to remake what it
     read (``_unpin``), so that that may go too.
     """
-    greedy = _Greedy(graph, options, starts, hideable, base)
+    greedy = _Greedy(graph, options, starts, hideable, base, queued)
     peak, op = greedy.estimate.peak()
     while peak > target:
-        recompute = _first(greedy.recomputes, op, greedy.chosen, greedy.pinned, greedy.away)
+        recompute = _first(greedy.recomputes, op, greedy.chosen, greedy.pinned, greedy.away, queued)
         offload = _cheapest_offload(greedy.offloads, op, greedy.chosen, greedy.pinned, greedy.away, greedy.streams,
                                     greedy.estimate)
         if recompute is None and offload is None:
@@ -199,7 +203,7 @@ class _Greedy:
     """What ``_choose`` has chosen so far, the estimate with it taken away, and the options still ranked."""
 
     def __init__(self, graph: Graph, options: list[_Option], starts: np.ndarray, hideable: tuple[float, float],
-                 base: Plan | None) -> None:
+                 base: Plan | None, queued: bool) -> None:
         self.estimate = CurveEstimate(graph)
         self.recomputes = sorted((o for o in options if o.action == "recompute"), key=self._recompute_key)
         self.offloads = sorted((o for o in options if o.action == "offload" and not o.late), key=self._offload_key)
@@ -212,7 +216,7 @@ class _Greedy:
         self.chosen: dict[int, _Option] = {}
         self.held: set[int] = set()  # what base's replays read: it must stay
         self.away: set[int] = set()  # what base offloads or recomputes: no replay may read it
-        self.streams = _Streams(starts, hideable)
+        self.streams = _Streams(starts, hideable, queued)
         if base is not None:
             self.held = _taken(graph, base, self.estimate)
             self.away = {o.tensor for o in base.offloads} | {t for r in base.recomputes for t in r.tensors}
@@ -267,8 +271,8 @@ class _Greedy:
 class _Streams:
     """The copies chosen so far on each stream, and what is left of the compute time that hides them."""
 
-    def __init__(self, starts: np.ndarray, hideable: tuple[float, float]) -> None:
-        self.starts = starts
+    def __init__(self, starts: np.ndarray, hideable: tuple[float, float], queued: bool) -> None:
+        self.starts, self.queued = starts, queued
         self.out, self.back = CopyQueue(), CopyQueue()
         self.d2h_left, self.h2d_left = hideable
 
@@ -281,14 +285,16 @@ class _Streams:
         release = None
         if before is None:
             ready = float(self.starts[c.last_forward + 1])
-            done = self.out.end_if_added(ready, c.tensor, option.d2h_s)
+            done = self.out.end_if_added(ready, c.tensor, option.d2h_s) if self.queued else ready + option.d2h_s
             if max(c.freed_after + 1, int(np.searchsorted(self.starts, done))) > op:
                 added, release = done - float(self.starts[op]), op
+        if before is None or not self.queued:
             added += max(0.0, option.d2h_s - self.d2h_left) + max(0.0, option.h2d_s - self.h2d_left)
+        issued, due = float(self.starts[option.window[1]]), float(self.starts[option.reader])
+        if not self.queued:
+            return added + max(0.0, issued + option.h2d_s - due), release
         replaced = None if before is None else (float(self.starts[before.window[1]]), c.tensor)
-        waits = self.back.added_wait(float(self.starts[option.window[1]]), c.tensor, option.h2d_s,
-                                     float(self.starts[option.reader]), replaced)
-        return added + waits, release
+        return added + self.back.added_wait(issued, c.tensor, option.h2d_s, due, replaced), release
 
     def remove(self, option: _Option) -> None:
         c = option.candidate
@@ -322,12 +328,14 @@ def _cheapest_offload(ranked: list[_Option], op: int, chosen: dict[int, _Option]
                 or op >= option.window[1]:
             continue
         time_s, release = streams.price(option, before, op)
+        if release is not None and not streams.queued:
+            continue  # priced alone, an offload is away from when its copy would end with the stream to itself
         size = estimate.size(option.candidate)
         if best is None or time_s / size < best[0]:
             window = (op if release is not None else option.window[0], option.window[1])
             best = (time_s / size, time_s, replace(option, window=window, release=release))
         tried += 1
-        if tried == _TRIED:
+        if tried == (_TRIED if streams.queued else 1):
             break
     for index in reversed(stale):
         del ranked[index]
@@ -377,13 +385,13 @@ def _unpin(by_tensor: dict[int, list[_Option]], chains: _Chains, op: int, chosen
 
 
 def _first(ranked: list[_Option], op: int, chosen: dict[int, _Option], pinned: set[int],
-           away: set[int]) -> _Option | None:
+           away: set[int], switch: bool = True) -> _Option | None:
     """The best option away at ``op``; options no longer allowed are dropped from ``ranked`` on the way
     (what is chosen or pinned stays so), so each is passed over at most once."""
     stale = []
     found = None
     for index, option in enumerate(ranked):
-        if not _allowed(option, chosen, pinned, away):
+        if not _allowed(option, chosen, pinned, away, switch):
             stale.append(index)
         elif option.window[0] <= op < option.window[1]:
             found = option
@@ -393,14 +401,16 @@ def _first(ranked: list[_Option], op: int, chosen: dict[int, _Option], pinned: s
     return found
 
 
-def _allowed(option: _Option, chosen: dict[int, _Option], pinned: set[int], away: set[int]) -> bool:
+def _allowed(option: _Option, chosen: dict[int, _Option], pinned: set[int], away: set[int],
+             switch: bool = True) -> bool:
+    """``switch``: an offloaded tensor may be recomputed instead."""
     tensor = option.candidate.tensor
     before = chosen.get(tensor)
     if before is not None and before.action == "offload":
         # an offload may still be prefetched later, to cover a peak closer to its use, or recomputed instead
         if option.action == "offload":
             return option.window[1] > before.window[1]
-        return not any(s in chosen or s in away for s in option.sources)
+        return switch and not any(s in chosen or s in away for s in option.sources)
     if before is not None:
         return False
     return not option.late and tensor not in pinned and not any(s in chosen or s in away for s in option.sources)
@@ -428,7 +438,7 @@ def _taken(graph: Graph, base: Plan, estimate: CurveEstimate) -> set[int]:
     return taken
 
 
-def _build(graph: Graph, budget: int, chosen: list[_Option], base: Plan | None = None) -> Plan:
+def _build(graph: Graph, budget: int, chosen: list[_Option], base: Plan | None = None, queued: bool = True) -> Plan:
     offloads = tuple(sorted([Offload(o.candidate.tensor, o.candidate.last_forward, o.window[1],
                                      release_before=o.release)
                              for o in chosen if o.action == "offload"] + list(base.offloads if base else ()),
@@ -436,6 +446,7 @@ def _build(graph: Graph, budget: int, chosen: list[_Option], base: Plan | None =
     recomputes = tuple(sorted([Recompute((o.candidate.tensor,), o.ops, o.candidate.first_backward)
                                for o in chosen if o.action == "recompute"] + list(base.recomputes if base else ()),
                               key=lambda r: (r.at_op, r.tensors)))
-    name = "auto-joint" if base is None else f"{base.policy} completed by auto-joint"
+    greedy = "auto-joint" if queued else "auto-joint (copies priced alone)"
+    name = greedy if base is None else f"{base.policy} completed by {greedy}"
     return Plan(name, graph.fingerprint, budget, offloads=offloads, recomputes=recomputes,
                 pinned_pool_bytes=pinned_pool_bytes(graph, offloads), size_floor_bytes=SIZE_FLOOR)
