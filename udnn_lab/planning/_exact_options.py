@@ -96,7 +96,7 @@ def menu(graph: Graph, cost: CostModel, starts_s: np.ndarray, binding: np.ndarra
                                                   extra_prefetches.get(c.tensor, set()))) is not None]
     by_tensor = {c.tensor: c for c in pool}
     times = cost.op_times_s(graph)
-    chains = [option for c in pool for option in _chains(graph, c, by_tensor, times)]
+    chains = [option for c in pool for option in chain_options(graph, c, by_tensor, times)]
     grouped = [option for g in groups if (option := _group(graph, g, by_tensor, times)) is not None]
     recomputes = [r for r in _unique(chains + grouped) if any(helps(first, last) for first, last in r.windows)]
     return Menu(tuple(offloads), tuple(recomputes))
@@ -159,7 +159,7 @@ def _offload(graph: Graph, cost: CostModel, c: Candidate, starts_s: np.ndarray, 
     return OffloadOption(c, size(graph, c.tensor), d2h, h2d, kept, tuple(chosen), readers)
 
 
-def _chains(graph: Graph, c: Candidate, pool: dict[int, Candidate], times: np.ndarray) -> list[RecomputeOption]:
+def chain_options(graph: Graph, c: Candidate, pool: dict[int, Candidate], times: np.ndarray) -> list[RecomputeOption]:
     """Recompute ``c`` remaking its saved inputs up to each depth; inputs freed before the replay are always
     remade."""
     found = []

@@ -154,7 +154,7 @@ def _exact(graph: Graph, budget: int, options: Menu, outcome: Outcome, seconds: 
 
 def _seeds(graph: Graph, cost: CostModel, budget: int) -> tuple[Plan, ...]:
     plans = [POLICIES[name](graph, cost, budget) for name in POLICIES if name not in _NOT_SEEDS]
-    return (*plans, joint(graph, cost, budget))
+    return (*plans, joint(graph, cost, budget), joint(graph, cost, budget, queued=False))
 
 
 def _unfitting(graph: Graph, budget: int, why: str) -> ExactPlan:

@@ -1,0 +1,292 @@
+"""auto's greedy: at the op where the estimated curve peaks, drop whatever frees bytes for the least time.
+
+Recomputes cost their ops' time. Offloads share the copy streams, each running one copy at a
+time (NOTE [simulated streams] 2, 3; ``CopyQueue``): they cost nothing while the copies fit in
+the compute they overlap, their copy time beyond; a copy out that, behind the queue, ends after
+the peak op starts is let go there, compute waiting for it; a copy in costs its reader's wait and
+the delay it adds to the copies queued behind it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import replace
+
+import numpy as np
+
+from udnn_lab.graph.plan_ir import Plan, replay_reads
+from udnn_lab.graph.step_graph import Graph
+from udnn_lab.planning._auto_options import Chains, Option
+from udnn_lab.planning._candidates import candidates
+from udnn_lab.planning._copy_queue import CopyQueue
+from udnn_lab.planning._estimate import CurveEstimate
+
+_TRIED = 4  # offloads away at the peak compared at each step, largest first: the cheapest per byte is taken
+_UNPINS = 24  # at most this many (each scans what is pinned; past that a deep graph gains little)
+_UNPINNED = 4  # tensors whose replays' swaps are compared when the greedy is stuck
+
+
+def choose(graph: Graph, options: list[Option], target: float, starts: np.ndarray, hideable: tuple[float, float],
+            chains: Chains, base: Plan | None = None, queued: bool = True) -> list[Option]:
+    """Drop, at the estimated peak, whatever frees bytes for the least time, until the estimate fits.
+
+    A recompute costs its ops' time. Offloads share the copy streams: while the copies fit
+    in the compute time they overlap (forward for the copies out, backward for the copies
+    in) they cost nothing, beyond that their whole copy time. Each stream runs its copies
+    one at a time (``CopyQueue``): an offload whose copy out, queued behind the chosen ones,
+    ends after the peak op starts is let go there, compute waiting for it; a copy in adds
+    its reader's wait and the delay it causes the copies queued behind it. An offloaded
+    tensor may later be prefetched later, or recomputed instead. When every tensor at the
+    peak is chosen or read by a chosen replay, a replay is lengthened to remake what it
+    read (``_unpin``), so that that may go too.
+    """
+    greedy = _Greedy(graph, options, starts, hideable, base, queued)
+    peak, op = greedy.estimate.peak()
+    while peak > target:
+        recompute = _first(greedy.recomputes, op, greedy.chosen, greedy.pinned, greedy.away, queued)
+        offload = _cheapest_offload(greedy.offloads, op, greedy.chosen, greedy.pinned, greedy.away, greedy.streams,
+                                    greedy.estimate)
+        if recompute is None and offload is None:
+            if not greedy.unpin(chains, op):
+                break
+        elif offload is None or (recompute is not None and recompute.cost_s / greedy.estimate.size(recompute.candidate)
+                                 < offload[0] / greedy.estimate.size(offload[1].candidate)):
+            assert recompute is not None  # not with offload None too
+            greedy.take(recompute)
+        else:
+            greedy.take(offload[1])
+        peak, op = greedy.estimate.peak()
+    return list(greedy.chosen.values())
+
+
+class _Greedy:
+    """What ``choose`` has chosen so far, the estimate with it taken away, and the options still ranked."""
+
+    def __init__(self, graph: Graph, options: list[Option], starts: np.ndarray, hideable: tuple[float, float],
+                 base: Plan | None, queued: bool) -> None:
+        self.estimate = CurveEstimate(graph)
+        self.recomputes = sorted((o for o in options if o.action == "recompute"), key=self._recompute_key)
+        self.offloads = sorted((o for o in options if o.action == "offload" and not o.late), key=self._offload_key)
+        self.later: dict[int, list[Option]] = {}  # ranked only once their tensor is offloaded
+        self.by_tensor: dict[int, list[Option]] = {}
+        for option in options:
+            self.by_tensor.setdefault(option.candidate.tensor, []).append(option)
+            if option.late:
+                self.later.setdefault(option.candidate.tensor, []).append(option)
+        self.chosen: dict[int, Option] = {}
+        self.held: set[int] = set()  # what base's replays read: it must stay
+        self.away: set[int] = set()  # what base offloads or recomputes: no replay may read it
+        self.streams = _Streams(starts, hideable, queued)
+        if base is not None:
+            self.held = taken(graph, base, self.estimate)
+            self.away = {o.tensor for o in base.offloads} | {t for r in base.recomputes for t in r.tensors}
+            copies = {o.candidate.tensor: o for o in self.offloads}
+            for offload in base.offloads:
+                if offload.tensor in copies:
+                    self.streams.add(replace(copies[offload.tensor], window=(0, offload.prefetch_at)), None)
+        self.pinned = set(self.held)  # and the sources of chosen recomputes
+        self.unpinned = 0
+
+    def _recompute_key(self, o: Option) -> tuple[float, int]:
+        return o.cost_s / self.estimate.size(o.candidate), o.candidate.tensor
+
+    @staticmethod
+    def _offload_key(o: Option) -> tuple[int, float, int]:
+        return -o.candidate.nbytes, o.exposed_s, o.candidate.tensor
+
+    def take(self, pick: Option) -> None:
+        tensor = pick.candidate.tensor
+        before = self.chosen.get(tensor)
+        if pick.action == "offload":
+            self.streams.add(pick, before)
+            if before is None:
+                for option in self.later.get(tensor, ()):
+                    bisect.insort(self.offloads, option, key=self._offload_key)
+        self.chosen[tensor] = pick
+        self.pinned.update(pick.sources)
+        if before is None:
+            self.estimate.drop(pick.candidate, pick.window)
+        else:  # an offloaded tensor away longer (prefetched later, or recomputed instead): only the difference is new
+            self.estimate.drop(pick.candidate, (pick.window[0], before.window[0]))
+            self.estimate.drop(pick.candidate, (before.window[1], pick.window[1]))
+            if pick.action == "recompute":
+                self.streams.remove(before)
+
+    def unpin(self, chains: Chains, op: int) -> bool:
+        """Free a tensor at ``op`` that chosen replays read, by lengthening them (``_unpin``); False if none."""
+        freed = None if self.unpinned == _UNPINS else \
+            _unpin(self.by_tensor, chains, op, self.chosen, self.pinned, self.held, self.away, self.estimate)
+        if freed is None:
+            return False
+        self.unpinned += 1
+        self.pinned = self.held | {s for o in self.chosen.values() for s in o.sources}
+        for option in self.by_tensor[freed]:  # back among the options (a copy left there is passed over twice)
+            if option.action == "recompute":
+                bisect.insort(self.recomputes, option, key=self._recompute_key)
+            elif not option.late:
+                bisect.insort(self.offloads, option, key=self._offload_key)
+        return True
+
+
+class _Streams:
+    """The copies chosen so far on each stream, and what is left of the compute time that hides them."""
+
+    def __init__(self, starts: np.ndarray, hideable: tuple[float, float], queued: bool) -> None:
+        self.starts, self.queued = starts, queued
+        self.out, self.back = CopyQueue(), CopyQueue()
+        self.d2h_left, self.h2d_left = hideable
+
+    def price(self, option: Option, before: Option | None, op: int) -> tuple[float, int | None]:
+        """The option's time, away at ``op``: copy time beyond what compute hides, its reader's wait for its
+        copy in behind the queue, and, if its copy out (behind the queue) ends after ``op`` starts, the wait
+        for it there (its release op, returned; None: let go as its copy ends). ``before``: already out."""
+        c = option.candidate
+        added = 0.0
+        release = None
+        if before is None:
+            ready = float(self.starts[c.last_forward + 1])
+            done = self.out.end_if_added(ready, c.tensor, option.d2h_s) if self.queued else ready + option.d2h_s
+            if max(c.freed_after + 1, int(np.searchsorted(self.starts, done))) > op:
+                added, release = done - float(self.starts[op]), op
+        if before is None or not self.queued:
+            added += max(0.0, option.d2h_s - self.d2h_left) + max(0.0, option.h2d_s - self.h2d_left)
+        issued, due = float(self.starts[option.window[1]]), float(self.starts[option.reader])
+        if not self.queued:
+            return added + max(0.0, issued + option.h2d_s - due), release
+        replaced = None if before is None else (float(self.starts[before.window[1]]), c.tensor)
+        return added + self.back.added_wait(issued, c.tensor, option.h2d_s, due, replaced), release
+
+    def remove(self, option: Option) -> None:
+        c = option.candidate
+        self.out.remove(float(self.starts[c.last_forward + 1]), c.tensor)
+        self.back.remove(float(self.starts[option.window[1]]), c.tensor)
+        self.d2h_left, self.h2d_left = self.d2h_left + option.d2h_s, self.h2d_left + option.h2d_s
+
+    def add(self, option: Option, before: Option | None) -> None:
+        c = option.candidate
+        if before is None:
+            self.out.add(float(self.starts[c.last_forward + 1]), c.tensor, option.d2h_s)
+            self.d2h_left, self.h2d_left = self.d2h_left - option.d2h_s, self.h2d_left - option.h2d_s
+        else:
+            self.back.remove(float(self.starts[before.window[1]]), c.tensor)
+        self.back.add(float(self.starts[option.window[1]]), c.tensor, option.h2d_s, float(self.starts[option.reader]))
+
+
+def _cheapest_offload(ranked: list[Option], op: int, chosen: dict[int, Option], pinned: set[int], away: set[int],
+                      streams: _Streams, estimate: CurveEstimate) -> tuple[float, Option] | None:
+    """Of the first few offloads away at ``op`` once their copy out has queued, the least time per byte,
+    with the window it has behind the queue."""
+    best: tuple[float, float, Option] | None = None
+    tried = 0
+    stale = []
+    for index, option in enumerate(ranked):
+        if not _allowed(option, chosen, pinned, away):
+            stale.append(index)
+            continue
+        before = chosen.get(option.candidate.tensor)
+        if not (option.candidate.freed_after < op if before is None else option.window[0] <= op) \
+                or op >= option.window[1]:
+            continue
+        time_s, release = streams.price(option, before, op)
+        if release is not None and not streams.queued:
+            continue  # priced alone, an offload is away from when its copy would end with the stream to itself
+        size = estimate.size(option.candidate)
+        if best is None or time_s / size < best[0]:
+            window = (op if release is not None else option.window[0], option.window[1])
+            best = (time_s / size, time_s, replace(option, window=window, release=release))
+        tried += 1
+        if tried == (_TRIED if streams.queued else 1):
+            break
+    for index in reversed(stale):
+        del ranked[index]
+    return None if best is None else (best[1], best[2])
+
+
+def _unpin(by_tensor: dict[int, list[Option]], chains: Chains, op: int, chosen: dict[int, Option], pinned: set[int],
+           held: set[int], away: set[int], estimate: CurveEstimate) -> int | None:
+    """Stuck at ``op`` with every tensor there chosen or read by a chosen replay: let the replays that read
+    one such tensor remake it instead (a longer chain of theirs), so that it may go too. Of the largest few
+    such tensors, the one whose replays cost the least added time per byte it frees (returned); None if none
+    can be freed that way."""
+    def allowed(option: Option) -> bool:
+        return not any(s in chosen or s in away for s in option.sources)
+
+    readers: dict[int, list[Option]] = {}
+    for option in chosen.values():
+        for source in option.sources:
+            readers.setdefault(source, []).append(option)
+    there = [t for t in pinned - held - set(chosen) if t in by_tensor
+             and by_tensor[t][0].candidate.freed_after < op < by_tensor[t][0].candidate.first_backward
+             and any(o.window[0] <= op < o.window[1] and not o.late and allowed(o) for o in by_tensor[t])]
+    best: tuple[float, int, dict[int, Option]] | None = None
+    found = 0
+    for tensor in sorted(there, key=lambda t: (-by_tensor[t][0].candidate.nbytes, t)):
+        swaps: dict[int, Option] = {}
+        for reader in readers.get(tensor, ()):
+            longer = next((o for o in chains(reader.candidate.tensor) if tensor not in o.sources and allowed(o)),
+                          None)
+            if longer is None:
+                break
+            swaps[reader.candidate.tensor] = longer
+        else:
+            if not swaps:
+                continue
+            added = sum(o.cost_s - chosen[t].cost_s for t, o in swaps.items())
+            score = added / estimate.size(by_tensor[tensor][0].candidate)
+            if best is None or score < best[0]:
+                best = (score, tensor, swaps)
+            found += 1
+            if found == _UNPINNED:
+                break
+    if best is None:
+        return None
+    chosen.update(best[2])
+    return best[1]
+
+
+def _first(ranked: list[Option], op: int, chosen: dict[int, Option], pinned: set[int],
+           away: set[int], switch: bool = True) -> Option | None:
+    """The best option away at ``op``; options no longer allowed are dropped from ``ranked`` on the way
+    (what is chosen or pinned stays so), so each is passed over at most once."""
+    stale = []
+    found = None
+    for index, option in enumerate(ranked):
+        if not _allowed(option, chosen, pinned, away, switch):
+            stale.append(index)
+        elif option.window[0] <= op < option.window[1]:
+            found = option
+            break
+    for index in reversed(stale):
+        del ranked[index]
+    return found
+
+
+def _allowed(option: Option, chosen: dict[int, Option], pinned: set[int], away: set[int],
+             switch: bool = True) -> bool:
+    """``switch``: an offloaded tensor may be recomputed instead."""
+    tensor = option.candidate.tensor
+    before = chosen.get(tensor)
+    if before is not None and before.action == "offload":
+        # an offload may still be prefetched later, to cover a peak closer to its use, or recomputed instead
+        if option.action == "offload":
+            return option.window[1] > before.window[1]
+        return switch and not any(s in chosen or s in away for s in option.sources)
+    if before is not None:
+        return False
+    return not option.late and tensor not in pinned and not any(s in chosen or s in away for s in option.sources)
+
+
+def taken(graph: Graph, base: Plan, estimate: CurveEstimate) -> set[int]:
+    """Take ``base``'s tensors out of the estimate; what they are and what its replays read stays as it is."""
+    where = {c.tensor: c for c in candidates(graph)}
+    taken: set[int] = set()
+    for offload in base.offloads:
+        if offload.tensor in where:
+            estimate.drop(where[offload.tensor], (where[offload.tensor].freed_after + 1, offload.prefetch_at))
+        taken.add(offload.tensor)
+    for recompute in base.recomputes:
+        taken |= replay_reads(graph, recompute.ops) | set(recompute.tensors)
+        for t in recompute.tensors:
+            if t in where:
+                estimate.drop(where[t], (where[t].freed_after + 1, recompute.at_op - 1))
+    return taken
