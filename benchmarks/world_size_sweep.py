@@ -41,7 +41,7 @@ def main() -> None:
     start = time.perf_counter()
     table = ul.sweep(work, budgets, world_sizes=args.worlds, hardware=hardware, setups=list(SETUPS), progress=True)
     total_s = time.perf_counter() - start
-    traces = table.drop_duplicates(["world_size", "spec"])
+    traces = table[table.trace_s > 0].drop_duplicates(["world_size", "spec"])  # DDP ranks of 2+ are traced once
     print(f"{MODEL}, batch {BATCH} x {SEQ_LEN} tokens per rank, {PRECISION}, AdamW, on {HARDWARE} (predicted); "
           f"{len(traces)} traces ({traces.trace_s.sum():.1f} s), {int((table.plan_s > 0).sum())} plans "
           f"({table.plan_s.sum():.1f} s): the whole sweep {total_s:.1f} s on this machine")

@@ -86,3 +86,14 @@ def test_collectives_take_time_on_their_own_stream_beyond_one_rank(table):
     assert kept.communication_s[("DDP", 8)] > 0 and kept.communication_s[("FSDP2", 8)] > 0
     assert (kept.exposed_communication_s <= kept.communication_s).all()
     assert (kept.exposed_communication_s <= kept.step_time_s).all()
+
+
+def test_a_ddp_rank_is_traced_once_for_every_world_of_two_or_more_as_its_own_trace_would_be():
+    work = ul.zoo.get("hf:gpt2", small=True, batch=2, seq_len=32, device="meta", optimizer="adamw")
+    rows = ul.sweep(work, "1GiB", world_sizes=[2, 64], setups=["DDP"], progress=False).set_index("world_size")
+    assert rows.trace_s[2] > 0 and rows.trace_s[64] == 0  # the second comes from the first
+    own = ul.trace(work, device="cuda", parallel=ul.DDP(64))
+    simulated = ul.simulate(own, hardware="h100-sxm")
+    assert rows.peak_bytes[64] == own.cuda_peak_bytes and rows.spec[64] == "DDP over 64 ranks (25 MiB buckets)"
+    assert rows.step_time_s[64] == simulated.step_time_s
+    assert rows.communication_s[64] == simulated.communication_time_s > rows.communication_s[2]

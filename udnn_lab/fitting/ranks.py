@@ -97,7 +97,9 @@ def sweep_ranks(work: Workload | str, world_sizes: Iterable[int] = DEFAULT_WORLD
             if spec not in traces:
                 bar.set_postfix_str(f"tracing {setup.removesuffix('+offload')} x {size}")
                 start = time.perf_counter()
-                traces[spec] = (trace(work, device=profile.device_type, parallel=spec), time.perf_counter() - start)
+                same = _same_ddp_rank(spec, traces)
+                traces[spec] = (trace(work, device=profile.device_type, parallel=spec), time.perf_counter() - start) \
+                    if same is None else (same, 0.0)
                 bar.update(1)
             graph, seconds = traces[spec]
             for budget in budget_list:
@@ -168,6 +170,22 @@ def _row(graph: Graph, spec: Parallel, budget_bytes: int, policy: str, profile: 
     return {**row, **_timing(simulation), "fits": fits, "peak_bytes": int(simulation.peak_bytes),
             "offloads": len(chosen.offloads), "recomputes": len(chosen.recomputes), "host_bytes_per_node": host,
             "why": why}
+
+
+def _same_ddp_rank(spec: Parallel, traces: dict[Parallel, tuple[Graph, float]]) -> Graph | None:
+    """A DDP rank's step at this world size from one traced at another, or None. Every DDP rank of a world of two
+    or more holds and runs the same (whole replicas, the same buckets; the gradients' division by the world size
+    is one op whatever its value): only the collectives' group differs. Checked in tests/fitting/test_ranks.py."""
+    if not isinstance(spec, DDP) or spec.world_size < 2:
+        return None
+    for traced, (graph, seconds) in traces.items():
+        if isinstance(traced, DDP) and traced.world_size >= 2 and seconds > 0 \
+                and replace(traced, world_size=spec.world_size) == spec:
+            ops = tuple(replace(op, ranks=spec.world_size) if op.ranks == traced.world_size else op
+                        for op in graph.ops)
+            notes = tuple(describe(spec) if note == describe(traced) else note for note in graph.notes)
+            return replace(graph, ops=ops, notes=notes)
+    return None
 
 
 def _timing(simulation: Simulation) -> dict[str, float]:
