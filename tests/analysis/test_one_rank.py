@@ -1,6 +1,7 @@
 """trace(..., parallel=...): one rank of DDP or FSDP2, traced from this process (real ranks: test_one_rank_gloo.py)."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import udnn_lab as ul
 from udnn_lab import zoo
+from udnn_lab.analysis import _local_shards as local_shards
 from udnn_lab.analysis import one_rank
 from udnn_lab.analysis._fake_group import fake_process_group
 from udnn_lab.errors import ModelInputError
@@ -136,15 +138,27 @@ def test_hsdp_shards_within_a_group_and_all_reduces_across_groups(mlp):
     assert "HSDP over 8 ranks (4 replicas x 2 shards" in hsdp.notes[0]
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize(("model", "optimizer"), [("mlp3", "adamw"), ("resnet20", "adam"), ("resnet20", "sgd-plain"),
+                                                 ("resnet20", "sgd-momentum")])
 @pytest.mark.parametrize("device", ["cpu", "cuda"])  # CUDA: the foreach kernels
-def test_an_fsdp_rank_steps_its_shards_as_the_dtensor_optimizer_does(monkeypatch, optimizer, device):
-    """NOTE [local shard steps]: the same ops and the same bytes as DTensor's own dispatch of the step."""
-    work = zoo.get("mlp3", batch=4, optimizer=optimizer)
-    spec = ul.FSDP(4, rank=3)  # uneven shards: 10 rows over 4 ranks, padded
-    on_shards = ul.trace(work, device=device, parallel=spec)
-    monkeypatch.setattr(one_rank, "steps_on_shards", lambda optimizer, *_: optimizer)
-    on_dtensors = ul.trace(work, device=device, parallel=spec)
-    assert [op.name for op in on_shards.ops] == [op.name for op in on_dtensors.ops]
-    assert [(t.name, t.nbytes) for t in on_shards.tensors] == [(t.name, t.nbytes) for t in on_dtensors.tensors]
-    assert (on_shards.memory_curve()["live_bytes"] == on_dtensors.memory_curve()["live_bytes"]).all()
+def test_an_fsdp_rank_steps_its_shards_as_the_dtensor_optimizer_does(monkeypatch, model, optimizer, device):
+    """NOTE [local shard steps]: the same ops and the same bytes as DTensor's own dispatch of the step (SGD with
+    momentum steps through DTensor: its rank 0 makes temporaries a step on the shards would not)."""
+    work = zoo.get(model, batch=4, optimizer="sgd" if optimizer.startswith("sgd") else optimizer)
+    momentum = 0.9 if optimizer == "sgd-momentum" else 0.0
+    if optimizer.startswith("sgd"):
+        work = replace(work, optimizer=torch.optim.SGD(work.model.parameters(), lr=0.1, momentum=momentum))
+    for rank in (0, 3):  # uneven shards on rank 3: 10 rows over 4 ranks, padded
+        spec = ul.FSDP(4, rank=rank)
+        with monkeypatch.context() as patch:
+            calls = []
+            patch.setattr(one_rank, "steps_on_shards", lambda opt, *a: calls.append(
+                type(local_shards.steps_on_shards(opt, *a)).__name__) or local_shards.steps_on_shards(opt, *a))
+            on_shards = ul.trace(work, device=device, parallel=spec)
+        assert calls == ["SGD" if optimizer == "sgd-momentum" else "LocalShardSteps"]
+        monkeypatch.setattr(one_rank, "steps_on_shards", lambda opt, *_: opt)
+        on_dtensors = ul.trace(work, device=device, parallel=spec)
+        monkeypatch.undo()
+        assert [op.name for op in on_shards.ops] == [op.name for op in on_dtensors.ops]
+        assert [(t.name, t.nbytes) for t in on_shards.tensors] == [(t.name, t.nbytes) for t in on_dtensors.tensors]
+        assert (on_shards.memory_curve()["live_bytes"] == on_dtensors.memory_curve()["live_bytes"]).all()

@@ -108,6 +108,9 @@ def raise_explained(err: Exception, recorder: StepRecorder, args: tuple, kwargs:
     raise explained from err
 
 
+MIXED_DTENSOR = "got mixed torch.Tensor and DTensor"  # DTensor's error for a sharded parameter read as a plain one
+
+
 def explained_error(err: Exception, recorder: StepRecorder, args: tuple, kwargs: dict) -> Exception:
     """Turn a failure inside the model or the loss into an error that names where it happened."""
     if isinstance(err, FAKE_LIMITS):
@@ -116,6 +119,13 @@ def explained_error(err: Exception, recorder: StepRecorder, args: tuple, kwargs:
     if recorder.phase == "forward" and recorder.module_stack:
         path, kind, shapes = recorder.module_stack[-1]
         where = f"module {path!r} ({kind})" if path else f"the model ({kind})"
+        if MIXED_DTENSOR in str(err):
+            return ModelInputError(
+                f"{where} reads a parameter of another FSDP2 unit outside that unit's forward ({_first_line(err)}): "
+                "FSDP2 gathers a unit's parameters only around its own forward, so weights tied or shared across "
+                "units (a decoder reading the encoder's weight) stay sharded where they are read. Leave the modules "
+                "whose weights are read elsewhere to a unit whose forward does the reading (their common parent, "
+                "or the root): FSDP(wrap=...) sharding only the other blocks")
         if HALF_ONLY_KERNEL in str(err):
             return ModelInputError(
                 f"{where} calls a kernel that takes bfloat16 or float16 only (torch's grouped matmul, which "
