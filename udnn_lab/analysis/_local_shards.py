@@ -11,11 +11,13 @@ NOTE [local shard steps]
      gradient's local tensor, and runs the aten ops DTensor would run, without the propagation.
   3. FSDP2 makes a parameter's local tensor anew in its lazy initialization (the first forward), so the
      shards are looked up again at every step, and the optimizer's state follows a shard that was replaced.
-  4. Only where that holds: no GradScaler (its inf check reduces across ranks) and no gradient clipping (the
-     norm is all-reduced), and Adam, AdamW or SGD without momentum, for which the ops and bytes were checked
-     against the DTensor step on unseen models (30 architectures, CPU and CUDA kernels, ranks 0 and 3 of 4).
-     SGD with momentum is not among them: through DTensor, rank 0's step makes temporaries the shards' step
-     does not. Otherwise the DTensor optimizer runs.
+  4. It is also closer to the real step: the first time DTensor's propagation meets an op's arguments it runs
+     ops of its own on them (temporaries of the shapes it reasons about), which under fake tensors a trace
+     records as the step's; a real step's propagation does that work on meta tensors, and once its caches are
+     warm, not at all. The shards' step makes the ops DTensor's step makes with warm caches (checked: ops and
+     bytes equal on 30 unseen architectures, CPU and CUDA kernels, ranks 0 and 3 of 4, SGD with momentum, Adam).
+  5. Only where that holds: no GradScaler (its inf check reduces across ranks) and no gradient clipping (the
+     norm is all-reduced), and SGD, Adam or AdamW. Otherwise the DTensor optimizer runs.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 
 from udnn_lab.analysis.step import same_optimizer
 
-CHECKED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)  # NOTE [local shard steps] 4
+CHECKED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)  # NOTE [local shard steps] 5
 
 
 class LocalShardSteps:
@@ -71,10 +73,8 @@ class LocalShardSteps:
 
 def steps_on_shards(optimizer: torch.optim.Optimizer | None, scales_loss: bool,
                     clips: bool) -> torch.optim.Optimizer | None:
-    """``optimizer`` itself, or a LocalShardSteps over it where NOTE [local shard steps] 4 allows."""
+    """``optimizer`` itself, or a LocalShardSteps over it where NOTE [local shard steps] 5 allows."""
     if optimizer is None or scales_loss or clips or type(optimizer) not in CHECKED:
-        return optimizer
-    if isinstance(optimizer, torch.optim.SGD) and any(group.get("momentum", 0) for group in optimizer.param_groups):
         return optimizer
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if not params or not all(_sharded_on_first_dim(p) for p in params):
