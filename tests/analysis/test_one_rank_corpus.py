@@ -1,7 +1,6 @@
 """One rank of DDP and FSDP2, traced for every model of the corpus of architectures nobody designed for."""
 
 import pytest
-import torch
 
 import udnn_lab as ul
 from tests.corpus.models import CORPUS
@@ -10,14 +9,6 @@ from udnn_lab.errors import ModelInputError
 AVAILABLE = [name for name, entry in CORPUS.items() if entry.available]
 EAGER_BUG = "modifies_saved_output"  # a bug eager autograd catches (a saved output scaled in place)
 TIED_ACROSS_UNITS = "tied_weights"  # the root reads the encoder's weight: FSDP2 needs them in one unit
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.slow

@@ -18,7 +18,6 @@ Two things of gloo's own are set aside, and only those (``_gloo_view``):
 from __future__ import annotations
 
 import pickle
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,7 +25,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -37,7 +35,8 @@ from udnn_lab.graph.liveness import op_table
 from udnn_lab.parallel import DDP, FSDP
 from udnn_lab.vocabulary import CATEGORIES
 
-RANKS_TIMEOUT_S = 240  # for a whole spawn; a rank still alive then is killed
+from ..spawned_ranks import spawned
+
 BF16_GATHER = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 CASES = {  # name: (zoo model, spec for a world size)
     "mlp3 DDP": ("mlp3", lambda world: DDP(world)),
@@ -97,19 +96,7 @@ def _wrapped(spec: DDP | FSDP, model: torch.nn.Module, group: dist.ProcessGroup)
 
 def _spawned(out: Path) -> list[dict[tuple[int, str], ul.Graph]]:
     """Each rank's measured steps of every run; no rank outlives this call, whatever happens."""
-    context = mp.start_processes(_rank, args=(str(out / "store"), str(out)), nprocs=RANKS, join=False,
-                                 start_method="spawn")
-    deadline = time.monotonic() + RANKS_TIMEOUT_S
-    try:
-        while not context.join(timeout=max(1.0, deadline - time.monotonic())):  # a failed rank raises here
-            if time.monotonic() > deadline:
-                pytest.fail(f"the gloo ranks did not finish in {RANKS_TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-            process.join(10)
-        assert not any(p.is_alive() for p in context.processes), "a rank process was left behind"
+    spawned(_rank, (str(out / "store"), str(out)), RANKS)
     return [pickle.loads(Path(out, f"rank{rank}.pkl").read_bytes()) for rank in range(RANKS)]
 
 

@@ -27,7 +27,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.modules import module as module_hooks
 
@@ -44,9 +43,9 @@ from udnn_lab.runtime._replay import Replay
 from udnn_lab.vocabulary import CATEGORIES, PLANNED_CATEGORIES
 
 from ..analysis.test_one_rank_gloo import _gloo_view, _live
+from ..spawned_ranks import RANKS_TIMEOUT_S, spawned
 
 RANKS = 2
-RANKS_TIMEOUT_S = 240  # for a whole spawn; a rank still alive then is killed
 CPU = ul.Hardware.load("cpu-amd-epyc-2cpu")
 CASES = {  # name: (zoo model, spec for a world size)
     "mlp3 DDP": ("mlp3", lambda world: DDP(world)),
@@ -167,31 +166,6 @@ def _rank(rank: int, store: str, out: str, plans: dict) -> None:
     Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(runs))
 
 
-def _spawned(target, args: tuple, out: Path, wait_each: bool = False, processes: int = RANKS) -> mp.ProcessContext:
-    """Run ``target`` on ``processes`` processes; none outlives this call, whatever happens.
-
-    ``wait_each``: wait for every rank to end by itself (a failed rank does not end the others here), up to
-    the timeout; otherwise the first rank that fails ends the others, as torch's join does.
-    """
-    context = mp.start_processes(target, args=args, nprocs=processes, join=False, start_method="spawn")
-    deadline = time.monotonic() + RANKS_TIMEOUT_S
-    try:
-        if wait_each:
-            for process in context.processes:
-                process.join(max(1.0, deadline - time.monotonic()))
-        else:
-            while not context.join(timeout=max(1.0, deadline - time.monotonic())):  # a failed rank raises here
-                if time.monotonic() > deadline:
-                    pytest.fail(f"the gloo ranks did not finish in {RANKS_TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-            process.join(10)
-        assert not any(p.is_alive() for p in context.processes), "a rank process was left behind"
-    return context
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """{(case, policy): [(traced Graph, Plan, RankRun) of each rank]}."""
@@ -201,7 +175,7 @@ def ranks(tmp_path_factory):
             graph = ul.trace(_workload(name), parallel=replace(spec_for(RANKS), rank=rank))
             plans[case, rank] = (graph, {policy: _planned(graph, policy) for policy in POLICIES})
     out = tmp_path_factory.mktemp("ranks")
-    _spawned(_rank, (str(out / "store"), str(out), plans), out)
+    spawned(_rank, (str(out / "store"), str(out), plans), RANKS)
     runs = [pickle.loads(Path(out, f"rank{rank}.pkl").read_bytes()) for rank in range(RANKS)]
     return {(case, policy): [(plans[case, r][0], plans[case, r][1][policy], runs[r][case, policy])
                              for r in range(RANKS)]
@@ -298,8 +272,8 @@ def test_a_rank_that_fails_mid_step_ends_the_other_which_leaves_no_hook(tmp_path
     for plan, follows in zip(plans, FOLLOWING.values(), strict=True):
         assert (plan.offloads or plan.recomputes) and OffloadRuntime(plan).follows.startswith(follows)
     started = time.monotonic()
-    context = _spawned(_failing_rank, (str(tmp_path / "store"), str(tmp_path), plans), tmp_path, wait_each=True,
-                       processes=RANKS * len(plans))
+    context = spawned(_failing_rank, (str(tmp_path / "store"), str(tmp_path), plans), wait_each=True,
+                      processes=RANKS * len(plans))
     assert time.monotonic() - started < RANKS_TIMEOUT_S, "a surviving rank hung until it was killed"
     assert all(p.exitcode != 0 for p in context.processes), "every rank ends with an error"
     for pair, policy in enumerate(FOLLOWING):

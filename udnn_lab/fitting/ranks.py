@@ -247,7 +247,7 @@ def _budgets(budgets: Iterable[int | str] | int | str | None, profile: Hardware)
 
 def _ranks_per_node(ranks_per_node: int | None, profile: Hardware) -> int:
     if ranks_per_node is None:
-        return int(getattr(profile, "gpus_per_node", None) or DEFAULT_RANKS_PER_NODE)
+        return profile.gpus_per_node or DEFAULT_RANKS_PER_NODE
     if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
         raise ValueError(f"ranks_per_node is a positive int (GPUs of one node), got {ranks_per_node!r}")
     return ranks_per_node
