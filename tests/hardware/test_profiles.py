@@ -1,6 +1,7 @@
 import dataclasses
 import json
 import math
+import pickle
 
 import pytest
 import torch
@@ -248,3 +249,9 @@ def test_the_profile_found_for_this_machine_is_a_measured_one_where_there_is_one
     found = simulator.resolve_hardware(None, "cuda")
     assert found.measured and found.name == "nvidia-h100-80gb-hbm3-measured"
     assert "NVIDIA H100 80GB HBM3" in Hardware.load("h100-sxm").device_names  # the datasheet profile matches too
+
+
+def test_a_profile_pickles_to_an_equal_one():  # sweeps send it to their worker processes
+    for name in ("h100-sxm", "cpu-amd-epyc-2cpu"):
+        profile = Hardware.load(name)
+        assert pickle.loads(pickle.dumps(profile)) == profile

@@ -9,21 +9,22 @@ global batch grows with the world).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import pandas as pd
 from tqdm.auto import tqdm
 
 from udnn_lab import zoo
-from udnn_lab.analysis import trace
 from udnn_lab.errors import PlanInfeasible
+from udnn_lab.fitting._rank_jobs import RankJob, Traced
+from udnn_lab.fitting._sweep_processes import processes_for, run_ranks
 from udnn_lab.graph import Graph
 from udnn_lab.hardware import Hardware
 from udnn_lab.parallel import DDP, FSDP, Parallel, describe
-from udnn_lab.planning import plan
+from udnn_lab.planning import floor_bytes, plan
 from udnn_lab.planning import sweep as planning_sweep
 from udnn_lab.simulation import Simulation, simulate
 from udnn_lab.units import format_bytes, parse_bytes
@@ -36,7 +37,7 @@ DEFAULT_WORLD_SIZES = tuple(2 ** k for k in range(11))  # 1 to 1024
 COLUMNS = ["world_size", "setup", "spec", "budget_bytes", "fits", "peak_bytes", "traced_peak_bytes",
            "step_time_s", "communication_s", "exposed_communication_s", "communication_at_peak_bytes", "policy",
            "offloads", "recomputes", "host_bytes_per_node", "trace_s", "plan_s", "why"]
-_SWEEP_SETTINGS = ("policies", "ranks_per_node", "host_budget", "fsdp_options", "progress")
+_SWEEP_SETTINGS = ("policies", "ranks_per_node", "host_budget", "fsdp_options", "progress", "workers")
 DEFAULT_RANKS_PER_NODE = 8  # an HGX/DGX node; a profile's own figure wins where it has one
 
 
@@ -63,7 +64,7 @@ def sweep_ranks(work: Workload | str, world_sizes: Iterable[int] = DEFAULT_WORLD
                 policies: Sequence[str] | str = ("auto",), hardware: Hardware | str = "h100-sxm",
                 ranks_per_node: int | None = None, host_budget: int | str | None = None,
                 fsdp_options: dict[str, Any] | None = None, progress: bool | None = None,
-                **options: Any) -> pd.DataFrame:
+                workers: int | None = None, **options: Any) -> pd.DataFrame:
     """Per-rank peak and predicted step time of ``work`` for each world size x setup x budget (``COLUMNS``).
 
     ``work``: a Workload (build it on the meta device: only shapes are used) or a zoo name with ``options``
@@ -73,7 +74,10 @@ def sweep_ranks(work: Workload | str, world_sizes: Iterable[int] = DEFAULT_WORLD
     budget (what udnn_lab's offload and recompute add). ``budgets``: per rank (default: the device's memory).
     ``host_budget``: host memory of one node that the ranks' pinned pools share (``ranks_per_node`` x each
     rank's pool), or None not to check. ``fsdp_options``: more FSDP settings (``mp_policy``,
-    ``reshard_after_forward``). A step time is that of the rank's step as the simulator predicts it.
+    ``reshard_after_forward``). A step time is that of the rank's step as the simulator predicts it. A budget
+    under what any plan of the rank needs (``planning.floor_bytes``) is not planned: its row's peak is that floor.
+    ``workers``: processes tracing ranks at once, this one included (NOTE [sweep processes]): by default one per
+    core, started once the first rank says the others would take longer than starting them.
     """
     profile = hardware if isinstance(hardware, Hardware) else Hardware.load(hardware)
     work = _workload(work, options)
@@ -86,31 +90,23 @@ def sweep_ranks(work: Workload | str, world_sizes: Iterable[int] = DEFAULT_WORLD
     if not planners or any(p == "keep-all" for p in planners):
         raise ValueError(f"policies are the planning policies of the '+offload' setups (not keep-all: the setups "
                          f"without '+offload' keep everything), got {policies!r}")
-    traces: dict[Parallel, tuple[Graph, float]] = {}  # HSDP within one node is FSDP2: traced once
     specs = {(setup, size): parallel_spec(setup, size, per_node, fsdp_options) for size in sizes for setup in chosen}
-    rows = []
-    plans = sum(len(budget_list) * len(planners) for setup, _ in specs if setup.endswith("+offload"))
-    bar = tqdm(total=len(set(specs.values())) + plans, desc=f"one rank of {work.name}", unit="step", leave=False,
-               disable=progress is False, delay=0 if progress else PROGRESS_SECONDS)
+    job = RankJob(work, profile, budget_list, planners, specs,
+                  partial(_row, profile=profile, per_node=per_node, host_budget=host_bytes))
+    bar = tqdm(total=sum(1 + job.plans_of(spec) for spec in job.traced), desc=f"one rank of {work.name}",
+               unit="step", leave=False, disable=progress is False, delay=0 if progress else PROGRESS_SECONDS)
+
+    def finished(rank: Traced, processes: int) -> None:
+        bar.set_postfix_str(f"{describe(rank.spec)} done" + (f"; {processes} processes" if processes > 1 else ""))
+        bar.update(1 + job.plans_of(rank.spec))
+
     with bar:
-        for (setup, size), spec in specs.items():
-            if spec not in traces:
-                bar.set_postfix_str(f"tracing {setup.removesuffix('+offload')} x {size}")
-                start = time.perf_counter()
-                same = _same_ddp_rank(spec, traces)
-                traces[spec] = (trace(work, device=profile.device_type, parallel=spec), time.perf_counter() - start) \
-                    if same is None else (same, 0.0)
-                bar.update(1)
-            graph, seconds = traces[spec]
-            for budget in budget_list:
-                for policy in planners if setup.endswith("+offload") else ["keep-all"]:
-                    if policy != "keep-all":
-                        bar.set_postfix_str(f"planning {policy} for {setup} x {size} in {format_bytes(budget)}")
-                    start = time.perf_counter()
-                    row = _row(graph, spec, budget, policy, profile, per_node, host_bytes)
-                    rows.append({"world_size": size, "setup": setup, "trace_s": seconds,
-                                 "plan_s": time.perf_counter() - start if policy != "keep-all" else 0.0, **row})
-                    bar.update(policy != "keep-all")
+        bar.set_postfix_str(f"tracing and planning {len(job.traced)} ranks")
+        found = {rank.spec: rank for rank in run_ranks(job, workers, finished)}
+    rows = []
+    for (setup, _), spec in specs.items():
+        done = found.get(spec) or job.derived(spec, found)
+        rows += [row for row in done.rows if row["setup"] == setup]
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
@@ -118,7 +114,8 @@ def min_world_size(work: Workload | str, budget: int | str | None = None, *, set
                    candidates: Iterable[int] = DEFAULT_WORLD_SIZES, **settings: Any) -> WorldSizeSearch:
     """The smallest of ``candidates`` at which ``setup``'s rank fits ``budget`` (default: the device's memory).
 
-    The candidates are tried from the smallest up, and the search stops at the first that fits. Not a
+    The candidates are tried from the smallest up (with ``workers``, that many at once), and the search stops at
+    the first that fits. Not a
     bisection: a rank's peak does fall as sharded parameters, gradients and optimizer state shrink, but FSDP pads
     every parameter to a multiple of the world size, so past the point where a dimension splits into one row
     per rank, the padded all-gather buffers grow again (a 10-row layer over 1024 ranks gathers 1024 rows).
@@ -131,12 +128,19 @@ def min_world_size(work: Workload | str, budget: int | str | None = None, *, set
     profile = profile if isinstance(profile, Hardware) else Hardware.load(profile)
     budget_bytes = _budgets(budget, profile)[0]
     work = _workload(work, {key: settings.pop(key) for key in list(settings) if key not in _SWEEP_SETTINGS})
-    rows, found = [], None
-    for size in sizes:
-        row = sweep_ranks(work, [size], [budget_bytes], setups=[setup], hardware=profile, **settings).iloc[0]
-        rows.append(row.to_dict())
-        if row["fits"]:
-            found = size
+    rows: list[dict[str, Any]] = []
+    found = None
+    workers = settings.get("workers")  # given: as many sizes at once as there are processes
+    chunk = 1 if workers is None else processes_for(len(sizes), workers)
+    for start in range(0, len(sizes), chunk):
+        probes = sweep_ranks(work, sizes[start:start + chunk], [budget_bytes], setups=[setup], hardware=profile,
+                             **settings)
+        for row in probes.to_dict("records"):
+            rows.append(row)
+            if row["fits"]:
+                found = row["world_size"]
+                break
+        if found is not None:
             break
     table = pd.DataFrame(rows, columns=COLUMNS)
     notes = () if found is not None else (f"not even {sizes[-1]} ranks fit: {table.iloc[-1]['why']}",)
@@ -144,7 +148,7 @@ def min_world_size(work: Workload | str, budget: int | str | None = None, *, set
                            hardware=profile.name, probes=table, notes=notes)
 
 
-def _row(graph: Graph, spec: Parallel, budget_bytes: int, policy: str, profile: Hardware,
+def _row(graph: Graph, spec: Parallel, budget_bytes: int, policy: str, *, profile: Hardware,
          per_node: int, host_budget: int | None) -> dict[str, Any]:
     traced = int(graph.cuda_peak_bytes if profile.device_type == "cuda" else graph.peak_bytes)
     at_peak = graph.breakdown()["bytes_at_peak"]
@@ -156,6 +160,12 @@ def _row(graph: Graph, spec: Parallel, budget_bytes: int, policy: str, profile: 
         fits = traced <= budget_bytes
         return {**row, **_timing(simulation), "fits": fits, "peak_bytes": traced,
                 "why": "" if fits else f"needs {format_bytes(traced)}"}
+    floor = floor_bytes(graph)
+    if floor > budget_bytes:  # no plan of any policy goes under it: not worth planning
+        return {**row, "fits": False, "peak_bytes": floor, "step_time_s": float("nan"),
+                "communication_s": float("nan"), "exposed_communication_s": float("nan"),
+                "why": f"no plan goes under {format_bytes(floor)} (what its ops need at once, with what it holds "
+                       "throughout)"}
     try:
         chosen = plan(graph, budget_bytes, policy, profile)
     except PlanInfeasible as error:
@@ -170,22 +180,6 @@ def _row(graph: Graph, spec: Parallel, budget_bytes: int, policy: str, profile: 
     return {**row, **_timing(simulation), "fits": fits, "peak_bytes": int(simulation.peak_bytes),
             "offloads": len(chosen.offloads), "recomputes": len(chosen.recomputes), "host_bytes_per_node": host,
             "why": why}
-
-
-def _same_ddp_rank(spec: Parallel, traces: dict[Parallel, tuple[Graph, float]]) -> Graph | None:
-    """A DDP rank's step at this world size from one traced at another, or None. Every DDP rank of a world of two
-    or more holds and runs the same (whole replicas, the same buckets; the gradients' division by the world size
-    is one op whatever its value): only the collectives' group differs. Checked in tests/fitting/test_ranks.py."""
-    if not isinstance(spec, DDP) or spec.world_size < 2:
-        return None
-    for traced, (graph, seconds) in traces.items():
-        if isinstance(traced, DDP) and traced.world_size >= 2 and seconds > 0 \
-                and replace(traced, world_size=spec.world_size) == spec:
-            ops = tuple(replace(op, ranks=spec.world_size) if op.ranks == traced.world_size else op
-                        for op in graph.ops)
-            notes = tuple(describe(spec) if note == describe(traced) else note for note in graph.notes)
-            return replace(graph, ops=ops, notes=notes)
-    return None
 
 
 def _timing(simulation: Simulation) -> dict[str, float]:

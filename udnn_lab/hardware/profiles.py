@@ -138,6 +138,9 @@ class Hardware:
         data["sources"] = dict(self.sources)
         return data
 
+    def __reduce__(self):  # its sources are a read-only mapping, which does not pickle: rebuilt from the dict
+        return Hardware.from_dict, (self.to_dict(), f"pickled profile {self.name!r}")
+
     def save(self, path: str | os.PathLike) -> Path:
         path = Path(path)
         path.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")

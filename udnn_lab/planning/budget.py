@@ -36,7 +36,7 @@ def plan(graph: Graph, budget: int | str | None = None, policy: str = "auto", ha
     simulation = simulate_with(graph, result, cost)
     if budget_bytes is not None and not simulation.fits:
         minimum = min_budget(graph, policy, cost=cost)
-        other = _fitting_policy(graph, cost, budget_bytes)
+        other = None if policy == "auto" else _fitting_policy(graph, cost, budget_bytes)  # auto tried them all
         hint = f"; {other!r} fits {format_bytes(budget_bytes)}" if other else \
             "; no policy fits it: raise the budget, or lower the batch size"
         raise PlanInfeasible(f"policy {policy!r} cannot fit {graph.model_name} into {format_bytes(budget_bytes)}: "
@@ -69,7 +69,7 @@ def min_budget(graph: Graph, policy: str = "auto", hardware: Hardware | str | No
         return Bytes(floor if simulate_with(graph, replace(fixed, budget_bytes=floor), cost).fits else high)
     if not _fits(graph, cost, choose, high):
         return Bytes(simulate_with(graph, choose(graph, cost, None), cost).peak_bytes)
-    low, step = max(0, _floor(graph) - 1), max(1, int(high * _RESOLUTION))
+    low, step = max(0, floor_bytes(graph) - 1), max(1, int(high * _RESOLUTION))
     while high - low > step:
         middle = (low + high) // 2
         if _fits(graph, cost, choose, middle):
@@ -122,8 +122,9 @@ def _fitting_policy(graph: Graph, cost: CostModel, budget: int) -> str | None:
     return next((note.removeprefix("chose ") for note in chosen.notes if note.startswith("chose ")), "auto")
 
 
-def _floor(graph: Graph) -> int:
-    """No plan goes under this: the peak with every saved tensor away wherever no op touches it."""
+def floor_bytes(graph: Graph) -> int:
+    """No plan of any policy goes under this: the peak with every saved tensor away wherever no op touches it
+    (what the ops need at once, with what the step holds throughout: parameters, gradients, optimizer state)."""
     estimate = CurveEstimate(graph)
     for c in candidates(graph):
         estimate.drop(c, (c.freed_after + 1, c.first_backward))

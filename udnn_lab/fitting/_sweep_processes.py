@@ -1,0 +1,188 @@
+"""Runs the ranks of a sweep over world sizes in this process and, when that pays, in worker processes too.
+
+NOTE [sweep processes]
+  1. The ranks a sweep traces are independent (each its own copy of the model, its own fake process group), and
+     a trace is single-threaded Python: worker processes trace some while this one traces others. A rank is
+     taken by creating its claim file (O_EXCL: exactly one process gets it), so this process never waits for a
+     rank that no one started.
+  2. Workers are fresh interpreters (``python -m udnn_lab.fitting._sweep_worker``): not forked (a forked child
+     of a process that has run a backward cannot run one, PyTorch's autograd-and-fork rule), and the user's
+     ``__main__`` is not run again. Starting one costs seconds of imports, so they start only once the first
+     rank, traced here, says the rest would take longer than that; ``workers=`` given starts them at once.
+  3. The job reaches them pickled. A worker that cannot rebuild it (a model class defined in a notebook or a
+     script) exits before it claims anything, and this process traces what it would have.
+  4. A result is written under a temporary name and renamed: a result file seen is whole. A rank claimed by a
+     worker that ended without its result is traced here.
+  5. Workers are ended on the way out, whatever happened (Ctrl-C, an error): none outlives the sweep.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from udnn_lab.fitting._rank_jobs import RankJob, Traced
+
+WORKER_START_S = 4.0  # a fresh interpreter importing torch, transformers and udnn_lab: 2.5-3.6 s measured here
+POLL_S = 0.05
+CANNOT_REBUILD = 3  # a worker's exit status when the job does not unpickle there (NOTE [sweep processes] 3)
+
+
+def processes_for(tasks: int, workers: int | None) -> int:
+    """How many processes, this one included, trace ``tasks`` ranks: ``workers``, by default one per core, at
+    most one a rank."""
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ValueError(f"workers is how many processes trace ranks at once (this one included): a positive "
+                         f"int, or None for one per core; got {workers!r}")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(tasks, workers if workers is not None else cores))
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A rank whose trace or plans raised, as a worker sends it back."""
+
+    error: BaseException
+    where: str
+
+
+class Claims:
+    """Which ranks are taken (NOTE [sweep processes] 1)."""
+
+    def __init__(self, folder: Path, tasks: int) -> None:
+        self.folder, self.tasks = folder / "claims", tasks
+        self.folder.mkdir(exist_ok=True)
+
+    def claim(self) -> int | None:
+        for index in range(self.tasks):
+            try:
+                os.close(os.open(self.folder / str(index), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                continue
+            return index
+        return None
+
+    def taken(self) -> int:
+        return len(os.listdir(self.folder))
+
+
+def run_one(job: RankJob, index: int) -> Traced | Failed:
+    try:
+        return job.run(index)
+    except Exception as error:  # sent back whole when it pickles, as its type and message when it does not
+        where = traceback.format_exc()
+        try:
+            pickle.loads(pickle.dumps(error))
+        except Exception:
+            error = RuntimeError(f"{type(error).__name__}: {error}")
+        return Failed(error, where)
+
+
+def write_result(folder: Path, index: int, result: Traced | Failed) -> None:
+    partial = folder / f"{index}.partial"
+    partial.write_bytes(pickle.dumps(result))
+    partial.rename(folder / f"{index}.result")  # NOTE [sweep processes] 4
+
+
+def run_ranks(job: RankJob, workers: int | None, on_done: Callable[[Traced, int], None]) -> list[Traced]:
+    """Every rank of ``job``, traced here and in workers (NOTE [sweep processes]); ``on_done(rank, processes)``
+    as each one is done."""
+    tasks = len(job.traced)
+    most = processes_for(tasks, workers)
+    results: dict[int, Traced] = {}
+    with tempfile.TemporaryDirectory(prefix="udnn-lab-sweep-") as name:
+        folder = Path(name)
+        claims = Claims(folder, tasks)
+        pool = _Workers(folder, job, most - 1, asked=True) if workers is not None and most > 1 else None
+        try:
+            while (index := claims.claim()) is not None:
+                start = time.perf_counter()
+                results[index] = _returned(run_one(job, index))
+                on_done(results[index], 1 + (pool.count if pool else 0))
+                remaining = tasks - claims.taken()
+                if pool is None and most > 1 and remaining >= 2 and \
+                        remaining * (time.perf_counter() - start) * (1 - 1 / most) > WORKER_START_S:
+                    pool = _Workers(folder, job, min(most - 1, remaining))
+                if pool and pool.running():
+                    pool.collect(results, on_done)
+            while pool and len(results) < tasks:
+                pool.collect(results, on_done)
+                if not pool.running():
+                    for index in range(tasks):  # NOTE [sweep processes] 4: claimed by a worker that ended
+                        if index not in results and not (folder / f"{index}.result").exists():
+                            results[index] = _returned(run_one(job, index))
+                            on_done(results[index], 1)
+                    pool.collect(results, on_done)
+                time.sleep(POLL_S)
+        finally:
+            if pool:
+                pool.end()
+    return [results[index] for index in range(tasks)]
+
+
+class _Workers:
+    """Worker processes of one sweep (NOTE [sweep processes] 2, 3, 5)."""
+
+    def __init__(self, folder: Path, job: RankJob, count: int, asked: bool = False) -> None:
+        self.folder, self.count, self.processes, self.asked = folder, 0, [], asked
+        try:
+            (folder / "job.pkl").write_bytes(pickle.dumps(job))
+        except Exception as error:  # a job that does not pickle (a lambda as loss): traced here, one after another
+            self._told(f"the workload does not pickle ({type(error).__name__}: {error})")
+            return
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
+        for n in range(count):
+            with open(folder / f"worker{n}.log", "wb") as log:  # the worker writes to its own copy
+                self.processes.append(subprocess.Popen(
+                    [sys.executable, "-m", "udnn_lab.fitting._sweep_worker", str(folder)], stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL, stderr=log, env=env, start_new_session=True))
+        self.count = count
+
+    def __bool__(self) -> bool:
+        return bool(self.processes)
+
+    def running(self) -> bool:
+        if any(process.poll() is None for process in self.processes):
+            return True
+        if any(process.returncode == CANNOT_REBUILD for process in self.processes):
+            log = (self.folder / "worker0.log").read_text(errors="replace").strip().splitlines()
+            self._told(log[-1] if log else "a worker could not rebuild the workload")
+        return False
+
+    def _told(self, why: str) -> None:
+        if self.asked:
+            warnings.warn(f"workers= asked for worker processes, but {why}: the ranks are traced in this process "
+                          "(define the model, loss and optimizer at a module's top level for workers)", stacklevel=4)
+            self.asked = False
+
+    def collect(self, results: dict[int, Traced], on_done: Callable[[Traced, int], None]) -> None:
+        for path in self.folder.glob("*.result"):
+            index = int(path.stem)
+            if index not in results:
+                results[index] = _returned(pickle.loads(path.read_bytes()))
+                on_done(results[index], 1 + self.count)
+
+    def end(self) -> None:
+        self.running()  # tells of a worker that could not rebuild the job
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+        for process in self.processes:
+            process.wait()
+
+
+def _returned(result: Traced | Failed) -> Traced:
+    if isinstance(result, Failed):
+        result.error.add_note(f"raised in a sweep worker process:\n{result.where}")
+        raise result.error
+    return result
