@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 
 import udnn_lab as ul
 from udnn_lab import zoo
@@ -144,7 +145,7 @@ def test_hsdp_shards_within_a_group_and_all_reduces_across_groups(mlp):
 def test_an_fsdp_rank_steps_its_shards_as_the_dtensor_optimizer_does_with_warm_caches(monkeypatch, model, optimizer,
                                                                                       device):
     """NOTE [local shard steps]: the same ops and bytes as DTensor's own dispatch of the step, once DTensor has met
-    the step's ops before (its first propagation runs ops of its own, which a trace would record as the step's)."""
+    the step's ops in warm-up (its first propagation runs ops of its own, which a trace would record as the step's)."""
     work = zoo.get(model, batch=4, optimizer="sgd" if optimizer.startswith("sgd") else optimizer)
     if optimizer.startswith("sgd"):
         momentum = 0.9 if optimizer == "sgd-momentum" else 0.0
@@ -158,9 +159,24 @@ def test_an_fsdp_rank_steps_its_shards_as_the_dtensor_optimizer_does_with_warm_c
             on_shards = ul.trace(work, device=device, parallel=spec)
         assert isinstance(made[0], local_shards.LocalShardSteps)
         with monkeypatch.context() as patch:
-            patch.setattr(one_rank, "steps_on_shards", lambda opt, *_: opt)
-            ul.trace(work, device=device, parallel=spec)  # DTensor meets the step's ops once
+            patch.setattr(one_rank, "steps_on_shards", lambda opt, *_: opt)  # two warm-up steps ([local shard steps] 6)
             on_dtensors = ul.trace(work, device=device, parallel=spec)
         assert [op.name for op in on_shards.ops] == [op.name for op in on_dtensors.ops]
         assert [(t.name, t.nbytes) for t in on_shards.tensors] == [(t.name, t.nbytes) for t in on_dtensors.tensors]
         assert (on_shards.memory_curve()["live_bytes"] == on_dtensors.memory_curve()["live_bytes"]).all()
+
+
+@pytest.mark.parametrize("options", [{"clip_grad_norm": 1.0}, {"precision": "16-mixed"}])
+def test_a_rank_stepped_through_dtensor_traces_the_same_whatever_ran_before_it(options):
+    """NOTE [local shard steps] 6: clipping or a GradScaler steps the DTensor optimizer, whose propagation runs ops of
+    its own the first time it meets an op; the warm-up meets them all, so a cold start records none of them."""
+    work = zoo.get("mlp3", batch=4, optimizer="sgd", precision=options.get("precision"))
+    work = replace(work, optimizer=torch.optim.SGD(work.model.parameters(), lr=0.1, momentum=0.9),
+                   clip_grad_norm=options.get("clip_grad_norm"))
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    cold = ul.trace(work, device="cuda", parallel=ul.FSDP(2))
+    warm = ul.trace(work, device="cuda", parallel=ul.FSDP(2))
+    assert [op.name for op in cold.ops] == [op.name for op in warm.ops]
+    assert cold.cuda_peak_bytes == warm.cuda_peak_bytes

@@ -18,6 +18,11 @@ NOTE [local shard steps]
      bytes equal on 30 unseen architectures, CPU and CUDA kernels, ranks 0 and 3 of 4, SGD with momentum, Adam).
   5. Only where that holds: no GradScaler (its inf check reduces across ranks) and no gradient clipping (the
      norm is all-reduced), and SGD, Adam or AdamW. Otherwise the DTensor optimizer runs.
+  6. Where it runs, the trace warms up two steps rather than one: an optimizer's first step runs other ops than
+     its next ones (SGD makes its momentum by a copy, then updates it in place), and an op that DTensor first
+     meets in the recorded step would bring its propagation's own ops into the trace. After two steps every op
+     of the steady step has been met, and the trace is the same whatever ran before it in the process
+     (checked with clipping and a GradScaler in tests/analysis/test_local_shards.py).
 """
 
 from __future__ import annotations

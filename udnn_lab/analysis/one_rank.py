@@ -23,7 +23,7 @@ from udnn_lab.analysis._fake.attention import CudaAttentionKernels
 from udnn_lab.analysis._fake.tensors import fake_inputs, fake_replica, meta_replica
 from udnn_lab.analysis._fake_group import CompletedCollectives, fake_process_group, rebuild_buckets
 from udnn_lab.analysis._holders import forward_releases
-from udnn_lab.analysis._local_shards import steps_on_shards
+from udnn_lab.analysis._local_shards import LocalShardSteps, steps_on_shards
 from udnn_lab.analysis._recorder import StepRecorder
 from udnn_lab.analysis._recording import graph_from_recording, raise_explained, record_step
 from udnn_lab.analysis.step import grad_scaler, run_step, same_optimizer, split_input
@@ -63,6 +63,8 @@ def trace_one_rank(work: Workload, parallel: Parallel, counted_as: str, fast_pat
         with fake_mode, attention:
             scaler = grad_scaler(options, device)
             _warm_up(recorder, model, args, kwargs, target, work, optimizer, scaler)
+            if isinstance(spec, FSDP) and optimizer is not None and not isinstance(optimizer, LocalShardSteps):
+                _warm_up(recorder, model, args, kwargs, target, work, optimizer, scaler)  # [local shard steps] 6
             record_step(recorder, model, args, kwargs, target, work.loss_fn, optimizer, track_saved=True,
                         options=options, scaler=scaler)
             holders = forward_releases(model, args, kwargs, target, work.loss_fn, recorder.run_op,  # [forward holders]
