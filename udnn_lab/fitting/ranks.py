@@ -98,7 +98,9 @@ def sweep_ranks(work: Workload | str, world_sizes: Iterable[int] = DEFAULT_WORLD
                 bar.set_postfix_str(f"tracing {setup.removesuffix('+offload')} x {size}")
                 start = time.perf_counter()
                 same = _same_ddp_rank(spec, traces)
-                traces[spec] = (trace(work, device=profile.device_type, parallel=spec), time.perf_counter() - start) \
+                # a Workload made with parallel= is swept over the specs asked for, each in place of its own
+                one_rank = replace(work, parallel=spec)
+                traces[spec] = (trace(one_rank, device=profile.device_type), time.perf_counter() - start) \
                     if same is None else (same, 0.0)
                 bar.update(1)
             graph, seconds = traces[spec]
