@@ -164,14 +164,15 @@ def _rank_0_plan(name: str, spec: ul.FSDP, **options) -> ul.Plan:
     return ul.plan(ul.trace(work, parallel=replace(spec, rank=0)), None, "vdnn-all", hardware="cpu-amd-epyc-2cpu")
 
 
-def test_a_callback_stops_every_rank_at_that_step_and_the_weights_come_back():
+def test_a_callback_stops_every_rank_at_that_step_and_the_weights_and_optimizer_state_come_back():
     # eval mode: batch norm uses its running statistics, so a rank's half batch computes what the whole one does
     work = zoo.get("resnet20", batch=4, seed=0)
     work.model.eval()
     plan = _rank_0_plan("resnet20", ul.FSDP(2), batch=2)  # every rank runs the same ops: one plan for both
-    batches = _batches(50, 4, (3, 32, 32))
+    batches = _batches(51, 4, (3, 32, 32))
     start, model = copy.deepcopy(work.model), copy.deepcopy(work.model)
     optimizer = _adam(model)
+    ul.train(model, batches[:1], optimizer, loss_fn=work.loss_fn, progress=False)  # the ranks go on from here
     pids: set[int] = set()
 
     def stop_after_step_1(row):
@@ -179,12 +180,12 @@ def test_a_callback_stops_every_rank_at_that_step_and_the_weights_come_back():
         return row["step"] < 1
 
     with _watchdog():
-        run = ul.train(model, batches, optimizer, loss_fn=work.loss_fn, parallel=ul.FSDP(2), plan=plan,
+        run = ul.train(model, batches[1:], optimizer, loss_fn=work.loss_fn, parallel=ul.FSDP(2), plan=plan,
                        callbacks=[stop_after_step_1], progress=False)
     assert run.stopped == "callback" and list(run.steps["step"]) == [0, 1]
     assert run.policy == "vdnn-all" and (run.steps["d2h_bytes"] > 0).all()
     assert len(pids) == 2 and _gone(pids)
-    reference, reference_optimizer = _one_process(work.model, batches, work.loss_fn, steps=2, make_optimizer=_adam)
+    reference, reference_optimizer = _one_process(work.model, batches, work.loss_fn, steps=3, make_optimizer=_adam)
     _assert_same_parameters(model, reference, start)
     _assert_same_optimizer_state(optimizer, model, reference_optimizer, reference)
 
@@ -200,11 +201,12 @@ def test_a_plan_followed_op_by_op_starts_once_the_wrapped_model_runs_its_traced_
         budget = (ul.min_budget(graph, "recompute") + graph.peak_bytes) // 2
         plans.append(ul.plan(graph, budget, "recompute"))
     assert all(p.recomputes for p in plans)
-    batches = _batches(4, 4, (3, 32, 32))
+    batches = _batches(5, 4, (3, 32, 32))
     start, model = copy.deepcopy(work.model), copy.deepcopy(work.model)
     optimizer = _sgd(model)
+    ul.train(model, batches[:1], optimizer, loss_fn=work.loss_fn, progress=False)  # the ranks go on from here
     with _watchdog():
-        run = ul.train(model, batches, optimizer, loss_fn=work.loss_fn, parallel=ul.DDP(2), plan=plans,
+        run = ul.train(model, batches[1:], optimizer, loss_fn=work.loss_fn, parallel=ul.DDP(2), plan=plans,
                        progress=False)
     assert list(run.steps["recomputed"] > 0) == [False, False, True, True]
     assert any("the first 2 steps ran without the plan" in note for note in run.notes)

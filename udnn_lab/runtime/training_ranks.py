@@ -31,7 +31,8 @@ Rows: rank 0's row, with ``loss`` the mean of the ranks' losses (the global batc
 over examples) and ``peak_bytes_rank<r>`` each rank's peak (``peak_bytes`` is rank 0's). The trained weights come
 back into the user's model and the optimizer's state (Adam's step and moments, SGD's momentum buffers, whole
 tensors, gathered from the shards under FSDP2) into the user's optimizer, keyed to the user's own parameters: what
-single-process training on the whole batches leaves there, so training can go on in this process.
+single-process training on the whole batches leaves there, so training can go on in this process. The ranks start
+from the state the user's optimizer holds (_rank_state.py), so a run also goes on from earlier training.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from udnn_lab.devices import device_name, model_device
 from udnn_lab.errors import RankFailed
 from udnn_lab.graph.plan_ir import Plan
 from udnn_lab.parallel import DDP, Parallel, check_spec, describe
-from udnn_lab.runtime._rank_state import full_model_state, full_optimizer_state
+from udnn_lab.runtime._rank_state import full_model_state, full_optimizer_state, load_optimizer_state
 from udnn_lab.runtime._step_loop import STEP_COLUMNS, Run, groups, on_device, one_step, progress_bar
 from udnn_lab.runtime.offload import OffloadRuntime
 from udnn_lab.units import format_bytes
@@ -341,11 +342,13 @@ def _train_rank(rank: int, job: RankJob, device: torch.device, inbox, outbox) ->
     wrapped = spec.apply(model)
     inner = wrapped.module if isinstance(wrapped, DistributedDataParallel) else wrapped
     order = []  # the parameters' names in the order of the optimizer's groups: the user's optimizer's positions
-    if optimizer is not None:  # the same groups and settings, over the wrapped (for FSDP, sharded) parameters
+    if optimizer is not None:  # the same groups, settings and state, over the wrapped (for FSDP, sharded) parameters
         order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
         now = dict(inner.named_parameters())
-        optimizer = same_optimizer(optimizer, [{**group, "params": [now[names[id(p)]] for p in group["params"]]}
-                                               for group in optimizer.param_groups])
+        users = optimizer
+        optimizer = same_optimizer(users, [{**group, "params": [now[names[id(p)]] for p in group["params"]]}
+                                           for group in users.param_groups])
+        load_optimizer_state(wrapped, optimizer, users.state_dict(), spec, order)
     runtime = OffloadRuntime(job.plans[rank])
     without_plan = OffloadRuntime(None)
     warm_up = warm_up_steps(job.plans[rank])
