@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+import udnn_lab as ul
 from udnn_lab import zoo
 from udnn_lab.workload import StepOptions, Workload, as_workload, optimizer_like
 
@@ -29,6 +30,24 @@ def test_the_summary_shows_the_step_options_that_are_not_the_default():
     accumulated = as_workload(work, grad_accumulation=4, clip_grad_norm=1.0)
     assert repr(accumulated).endswith("precision=bf16-mixed, grad_accumulation=4, clip_grad_norm=1.0)")
     assert accumulated.step_options == StepOptions("bf16-mixed", 4, 1.0)
+
+
+def test_a_workload_carries_how_its_step_is_spread_over_ranks_and_shows_it():
+    work = zoo.get("mlp3", batch=2, parallel=ul.FSDP(8))
+    assert work.parallel == ul.FSDP(8)
+    assert repr(work).endswith("optimizer=SGD, parallel=FSDP(world_size=8))")
+    ranked = as_workload(work, parallel=ul.DDP(4, rank=3, bucket_cap_mb=1.0))
+    assert repr(ranked).endswith("parallel=DDP(world_size=4, bucket_cap_mb=1.0, rank=3))")
+    assert as_workload(torch.nn.Linear(4, 2), torch.zeros(2, 4), parallel=ul.DDP(2)).parallel == ul.DDP(2)
+    with pytest.raises(TypeError, match=r"parallel is ul\.DDP\(world_size, \.\.\.\) or ul\.FSDP.*got int"):
+        Workload(torch.nn.Linear(4, 2), torch.zeros(2, 4), parallel=8)
+
+
+@pytest.mark.parametrize("run", [ul.measure, ul.profile])
+def test_a_rank_of_a_parallel_step_is_not_run_for_real_in_one_process(run):
+    work = zoo.get("mlp3", batch=2, parallel=ul.DDP(2))
+    with pytest.raises(ValueError, match=r"one rank of DDP\(world_size=2\).*replace\(work, parallel=None\)"):
+        run(work)
 
 
 def test_a_model_is_taken_in_its_own_dtype_unless_a_precision_is_asked_for():

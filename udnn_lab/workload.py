@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import inspect
+import sys
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from udnn_lab.vocabulary import PRECISIONS, Precision
+
+if TYPE_CHECKING:
+    from udnn_lab.parallel import Parallel
 
 # the dtype the step computes in: the weights' for '-true' precisions, autocast's for '-mixed' ones
 COMPUTE_DTYPES: dict[Precision, torch.dtype] = {
@@ -104,7 +108,8 @@ def check_weights(model: torch.nn.Module, options: StepOptions) -> None:
 
 @dataclass(frozen=True, repr=False)
 class Workload:
-    """A model with everything needed to run one training step of it."""
+    """A model with everything needed to run one training step of it, and, with ``parallel``, how the step is
+    spread over ranks (``ul.DDP(n)``, ``ul.FSDP(n)``): ``ul.trace`` then traces one rank of it."""
 
     model: torch.nn.Module
     example_input: Any  # a tensor, a tuple of positional tensors, or a dict of keyword tensors (one micro-batch)
@@ -116,11 +121,14 @@ class Workload:
     precision: Precision | None = None  # None: the model's own dtype as a '-true' precision (precision_of)
     grad_accumulation: int = 1  # micro-batches per optimizer step
     clip_grad_norm: float | None = None  # max total gradient norm; None: no clipping
+    parallel: Parallel | None = None  # a DDP or FSDP spec: the step is one rank of parallel.world_size; None: one
 
     def __post_init__(self) -> None:
         if self.precision is None:
             object.__setattr__(self, "precision", precision_of(self.model))
         check_weights(self.model, self.step_options)
+        if self.parallel is not None:
+            _check_parallel(self.parallel)
 
     @property
     def step_options(self) -> StepOptions:
@@ -137,8 +145,35 @@ class Workload:
         options = "".join(f", {key}={value}" for key, value, default in (
             ("precision", self.precision, "32-true"), ("grad_accumulation", self.grad_accumulation, 1),
             ("clip_grad_norm", self.clip_grad_norm, None)) if value != default)
+        if self.parallel is not None:
+            options += f", parallel={_spec_summary(self.parallel)}"
         return (f"Workload({self.name!r}: {type(self.model).__name__}, input={_summary(self.example_input)}{target}, "
                 f"loss={loss}, optimizer={optimizer}{options})")
+
+
+def _check_parallel(parallel: Any) -> None:
+    """Raise TypeError unless ``parallel`` is a DDP or FSDP spec of udnn_lab.parallel."""
+    # udnn_lab.parallel loads FSDP2 and DTensor (half a second), so it is not imported here, where every trace
+    # passes; a spec can only exist once that module is loaded
+    specs = sys.modules.get("udnn_lab.parallel")
+    if specs is None or not isinstance(parallel, (specs.DDP, specs.FSDP)):
+        raise TypeError(f"parallel is ul.DDP(world_size, ...) or ul.FSDP(world_size, ...) (or None for one "
+                        f"process), got {type(parallel).__name__}")
+
+
+def _spec_summary(spec: Any) -> str:
+    """'FSDP(world_size=8)': the spec's class, its world size and the settings that are not the default."""
+    settings = [f"{field.name}={getattr(spec, field.name)!r}" for field in fields(spec)
+                if field.name == "world_size" or getattr(spec, field.name) != field.default]
+    return f"{type(spec).__name__}({', '.join(settings)})"
+
+
+def check_one_process(work: Workload, action: str) -> None:
+    """Raise ValueError when ``work`` is one rank of a parallel step: ``action`` runs it for real in this process."""
+    if work.parallel is not None:
+        raise ValueError(f"{action} runs the step for real in this one process, but the Workload is one rank of "
+                         f"{_spec_summary(work.parallel)}: give it dataclasses.replace(work, parallel=None) to run the "
+                         f"whole step here, or train the ranks with ul.train(..., parallel=work.parallel)")
 
 
 def optimizer_like(optimizer: torch.optim.Optimizer, params: Any) -> torch.optim.Optimizer:
@@ -168,14 +203,14 @@ def _summary(value: Any) -> str:
 def as_workload(model: Any, example_input: Any = None, *, loss_fn: Callable | None = None,
                 optimizer: torch.optim.Optimizer | None = None, target: Any = None,
                 name: str | None = None, precision: Precision | None = None, grad_accumulation: int | None = None,
-                clip_grad_norm: float | None = None) -> Workload:
+                clip_grad_norm: float | None = None, parallel: Parallel | None = None) -> Workload:
     """Accept a Workload (fields given here override it) or a module with its example input."""
     if isinstance(model, Workload):
         overrides: dict[str, Any] = {
             key: value for key, value in (("example_input", example_input), ("loss_fn", loss_fn),
                                           ("optimizer", optimizer), ("target", target), ("name", name),
                                           ("precision", precision), ("grad_accumulation", grad_accumulation),
-                                          ("clip_grad_norm", clip_grad_norm))
+                                          ("clip_grad_norm", clip_grad_norm), ("parallel", parallel))
             if value is not None}
         return replace(model, **overrides)
     if isinstance(model, str):
@@ -191,4 +226,4 @@ def as_workload(model: Any, example_input: Any = None, *, loss_fn: Callable | No
     return Workload(model=model, example_input=example_input, target=target, loss_fn=loss_fn,
                     optimizer=optimizer, name=name or type(model).__name__, precision=precision,
                     grad_accumulation=1 if grad_accumulation is None else grad_accumulation,
-                    clip_grad_norm=clip_grad_norm)
+                    clip_grad_norm=clip_grad_norm, parallel=parallel)

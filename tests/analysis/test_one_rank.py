@@ -104,6 +104,16 @@ def test_a_wrapping_function_of_ones_own_picks_the_blocks(mlp):
     assert graph.notes[0] == "rank 0 of FSDP2 over 2 ranks (reshard after forward)"
 
 
+def test_a_workload_made_with_a_spec_is_traced_as_that_rank_and_a_spec_given_to_trace_wins(mlp):
+    carried = zoo.get("mlp3", batch=4, optimizer="adam", parallel=ul.FSDP(2))
+    fsdp, ddp = ul.trace(mlp, parallel=ul.FSDP(2)), ul.trace(mlp, parallel=ul.DDP(2))
+    assert fsdp.fingerprint != ddp.fingerprint
+    traced = ul.trace(carried)
+    assert traced.fingerprint == fsdp.fingerprint and traced.notes == fsdp.notes
+    assert ul.trace(carried, parallel=ul.DDP(2)).fingerprint == ddp.fingerprint
+    assert ul.trace(replace(carried, parallel=None)).fingerprint == ul.trace(mlp).fingerprint
+
+
 def test_what_a_parallel_trace_cannot_do_is_refused_with_what_to_do_instead(mlp):
     with pytest.raises(ValueError, match="leave fake=True"):
         ul.trace(mlp, parallel=ul.DDP(2), fake=False)

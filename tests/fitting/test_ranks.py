@@ -88,6 +88,15 @@ def test_collectives_take_time_on_their_own_stream_beyond_one_rank(table):
     assert (kept.exposed_communication_s <= kept.step_time_s).all()
 
 
+def test_a_workload_made_with_a_spec_is_swept_over_the_specs_asked_for_in_place_of_its_own():
+    def rows(**parallel):
+        work = ul.zoo.get("mlp3", device="meta", parallel=parallel.get("parallel"), **MLP)
+        found = ul.sweep(work, "16MiB", world_sizes=[2, 4], setups=["DDP", "FSDP2"], progress=False)
+        return found.drop(columns=["trace_s", "plan_s"])
+
+    pd.testing.assert_frame_equal(rows(parallel=ul.FSDP(8, reshard_after_forward=False)), rows())
+
+
 def test_a_ddp_rank_is_traced_once_for_every_world_of_two_or_more_as_its_own_trace_would_be():
     work = ul.zoo.get("hf:gpt2", small=True, batch=2, seq_len=32, device="meta", optimizer="adamw")
     rows = ul.sweep(work, "1GiB", world_sizes=[2, 64], setups=["DDP"], progress=False).set_index("world_size")

@@ -23,8 +23,9 @@ from udnn_lab import zoo
 from udnn_lab.errors import RankFailed
 
 RUN_TIMEOUT_S = 120
-# Parameters after 3 steps agree with one process on the whole batch up to the order of the sums: each rank's
-# mean loss over half the batch, its gradients averaged over ranks, against one mean over the whole batch.
+# Parameters (and optimizer state) after 3 steps agree with one process on the whole batch up to the order of the
+# sums: each rank's mean loss over half the batch, its gradients averaged over ranks, against one mean over the
+# whole batch.
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 
 
@@ -62,10 +63,34 @@ def _sgd(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
-def _one_process(model: nn.Module, batches, loss_fn, steps: int | None = None) -> nn.Module:
+def _adam(model: nn.Module) -> torch.optim.Optimizer:
+    # eps well above a gradient's rounding: where a gradient is near zero Adam divides it by about eps, and with
+    # the default 1e-8 the last bits that the ranks' order of sums changes would move a weight beyond TOLERANCE
+    return torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-6)
+
+
+def _one_process(model: nn.Module, batches, loss_fn, steps: int | None = None,
+                 make_optimizer=_sgd) -> tuple[nn.Module, torch.optim.Optimizer]:
     reference = copy.deepcopy(model)
-    ul.train(reference, batches, _sgd(reference), loss_fn=loss_fn, steps=steps, progress=False)
-    return reference
+    optimizer = make_optimizer(reference)
+    ul.train(reference, batches, optimizer, loss_fn=loss_fn, steps=steps, progress=False)
+    return reference, optimizer
+
+
+def _assert_same_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module,
+                                 reference: torch.optim.Optimizer, reference_model: nn.Module) -> None:
+    """``optimizer`` holds, keyed to ``model``'s own parameters, the state ``reference`` holds for its model's."""
+    assert len(optimizer.state) == len(reference.state) == len(list(model.parameters()))
+    for (name, param), expected_param in zip(model.named_parameters(), reference_model.parameters()):
+        state, expected = optimizer.state[param], reference.state[expected_param]
+        assert state.keys() == expected.keys() and state, name
+        for key, value in state.items():
+            assert value.device == param.device and (key == "step" or value.shape == param.shape), (name, key)
+            # scaled to the largest: Adam's second moments, squares of small gradients, lie far below TOLERANCE's atol
+            scale = expected[key].abs().max()
+            assert scale > 0, (name, key)
+            torch.testing.assert_close(value / scale, expected[key] / scale, **TOLERANCE,
+                                       msg=lambda m, n=f"{name}/{key}": f"{n}: {m}")
 
 
 def _assert_same_parameters(model: nn.Module, reference: nn.Module, start: nn.Module) -> None:
@@ -89,13 +114,15 @@ class CountsExamples(nn.Module):
         return self.model(x)
 
 
-@pytest.mark.parametrize(("spec", "ends"), [(ul.DDP(2), "batches"), (ul.FSDP(2), "stop requested")],
-                         ids=["DDP, to the last batch", "FSDP, stopped from outside"])
-def test_ranks_train_what_one_process_trains_on_the_whole_batches(spec, ends):
+@pytest.mark.parametrize(("spec", "ends", "make_optimizer"), [(ul.DDP(2), "batches", _adam),
+                                                               (ul.FSDP(2), "stop requested", _sgd)],
+                         ids=["DDP, Adam, to the last batch", "FSDP, SGD, stopped from outside"])
+def test_ranks_train_what_one_process_trains_on_the_whole_batches(spec, ends, make_optimizer):
     work = zoo.get("mlp3", batch=8, seed=0)
     batches = _batches(3, 8, (784,))
     start = CountsExamples(work.model)
     model = copy.deepcopy(start)
+    optimizer = make_optimizer(model)
     seen, pids, stop = [], set(), threading.Event()
 
     def record(row):
@@ -105,10 +132,11 @@ def test_ranks_train_what_one_process_trains_on_the_whole_batches(spec, ends):
             stop.set()  # as another thread would: the ranks end before step 3
 
     with _watchdog():
-        run = ul.train(model, batches if ends == "batches" else batches * 5, _sgd(model), loss_fn=work.loss_fn,
+        run = ul.train(model, batches if ends == "batches" else batches * 5, optimizer, loss_fn=work.loss_fn,
                        parallel=spec, callbacks=[record], stop=stop, progress=False)
-    reference = _one_process(start, batches, work.loss_fn)
+    reference, reference_optimizer = _one_process(start, batches, work.loss_fn, make_optimizer=make_optimizer)
     _assert_same_parameters(model, reference, start)
+    _assert_same_optimizer_state(optimizer, model, reference_optimizer, reference)
     assert reference.examples == 3 * 8 and model.examples == 3 * 4  # rank 0 saw its half of each batch
     assert [row["step"] for row in seen] == [0, 1, 2] and list(run.steps["step"]) == [0, 1, 2]
     assert run.stopped == ends and len(pids) == 2 and _gone(pids)
@@ -118,7 +146,7 @@ def test_ranks_train_what_one_process_trains_on_the_whole_batches(spec, ends):
     assert "over 2 ranks" in run.notes[0] and "gloo" in run.notes[0]
     half = zoo.get("mlp3", batch=4, seed=0)  # each rank's step, as predicted
     counted = CountsExamples(half.model)
-    half = replace(half, model=counted, optimizer=_sgd(counted))
+    half = replace(half, model=counted, optimizer=make_optimizer(counted))
     for rank in (0, 1):
         traced = ul.trace(half, parallel=replace(spec, rank=rank))
         measured = run.steps[f"peak_bytes_rank{rank}"].iloc[1:]  # the first step lazily builds FSDP and DDP state
@@ -136,13 +164,15 @@ def _rank_0_plan(name: str, spec: ul.FSDP, **options) -> ul.Plan:
     return ul.plan(ul.trace(work, parallel=replace(spec, rank=0)), None, "vdnn-all", hardware="cpu-amd-epyc-2cpu")
 
 
-def test_a_callback_stops_every_rank_at_that_step_and_the_weights_come_back():
+def test_a_callback_stops_every_rank_at_that_step_and_the_weights_and_optimizer_state_come_back():
     # eval mode: batch norm uses its running statistics, so a rank's half batch computes what the whole one does
     work = zoo.get("resnet20", batch=4, seed=0)
     work.model.eval()
     plan = _rank_0_plan("resnet20", ul.FSDP(2), batch=2)  # every rank runs the same ops: one plan for both
-    batches = _batches(50, 4, (3, 32, 32))
+    batches = _batches(51, 4, (3, 32, 32))
     start, model = copy.deepcopy(work.model), copy.deepcopy(work.model)
+    optimizer = _adam(model)
+    ul.train(model, batches[:1], optimizer, loss_fn=work.loss_fn, progress=False)  # the ranks go on from here
     pids: set[int] = set()
 
     def stop_after_step_1(row):
@@ -150,12 +180,14 @@ def test_a_callback_stops_every_rank_at_that_step_and_the_weights_come_back():
         return row["step"] < 1
 
     with _watchdog():
-        run = ul.train(model, batches, _sgd(model), loss_fn=work.loss_fn, parallel=ul.FSDP(2), plan=plan,
+        run = ul.train(model, batches[1:], optimizer, loss_fn=work.loss_fn, parallel=ul.FSDP(2), plan=plan,
                        callbacks=[stop_after_step_1], progress=False)
     assert run.stopped == "callback" and list(run.steps["step"]) == [0, 1]
     assert run.policy == "vdnn-all" and (run.steps["d2h_bytes"] > 0).all()
     assert len(pids) == 2 and _gone(pids)
-    _assert_same_parameters(model, _one_process(work.model, batches, work.loss_fn, steps=2), start)
+    reference, reference_optimizer = _one_process(work.model, batches, work.loss_fn, steps=3, make_optimizer=_adam)
+    _assert_same_parameters(model, reference, start)
+    _assert_same_optimizer_state(optimizer, model, reference_optimizer, reference)
 
 
 def test_a_plan_followed_op_by_op_starts_once_the_wrapped_model_runs_its_traced_step():
@@ -169,14 +201,18 @@ def test_a_plan_followed_op_by_op_starts_once_the_wrapped_model_runs_its_traced_
         budget = (ul.min_budget(graph, "recompute") + graph.peak_bytes) // 2
         plans.append(ul.plan(graph, budget, "recompute"))
     assert all(p.recomputes for p in plans)
-    batches = _batches(4, 4, (3, 32, 32))
+    batches = _batches(5, 4, (3, 32, 32))
     start, model = copy.deepcopy(work.model), copy.deepcopy(work.model)
+    optimizer = _sgd(model)
+    ul.train(model, batches[:1], optimizer, loss_fn=work.loss_fn, progress=False)  # the ranks go on from here
     with _watchdog():
-        run = ul.train(model, batches, _sgd(model), loss_fn=work.loss_fn, parallel=ul.DDP(2), plan=plans,
+        run = ul.train(model, batches[1:], optimizer, loss_fn=work.loss_fn, parallel=ul.DDP(2), plan=plans,
                        progress=False)
     assert list(run.steps["recomputed"] > 0) == [False, False, True, True]
     assert any("the first 2 steps ran without the plan" in note for note in run.notes)
-    _assert_same_parameters(model, _one_process(work.model, batches, work.loss_fn), start)
+    reference, reference_optimizer = _one_process(work.model, batches, work.loss_fn)
+    _assert_same_parameters(model, reference, start)
+    _assert_same_optimizer_state(optimizer, model, reference_optimizer, reference)
 
 
 class FailsOnRank1(nn.Module):

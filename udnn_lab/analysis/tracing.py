@@ -68,11 +68,15 @@ def trace(model: torch.nn.Module | Workload, example_input: Any = None, loss_fn:
     spread over ``world_size`` ranks, traced from this process (NOTE [one rank of N]): DDP's or FSDP2's own code
     runs on a copy of the model (yours stays as it is), with its gradient buckets, sharded parameters,
     gradients and optimizer state, and all-gather and reduce-scatter buffers ("communication" in the breakdown).
+    A Workload made with ``parallel=`` (``ul.zoo.get(..., parallel=ul.FSDP(8))``) is traced as that rank without
+    being told again; a ``parallel`` given here wins over the Workload's (to trace its step in one process,
+    ``dataclasses.replace(work, parallel=None)``).
     """
     work = as_workload(model, example_input, loss_fn=loss_fn, optimizer=optimizer, target=target, name=name,
-                       precision=precision, grad_accumulation=grad_accumulation, clip_grad_norm=clip_grad_norm)
+                       precision=precision, grad_accumulation=grad_accumulation, clip_grad_norm=clip_grad_norm,
+                       parallel=parallel)
     run_on, counted_as = _resolve_device(work, device, fake)
-    if parallel is not None:
+    if work.parallel is not None:
         if not fake:
             raise ValueError("a parallel trace runs under fake tensors (one rank of a fake process group): "
                              "leave fake=True, or measure the real ranks with ul.measure in each process")
@@ -80,7 +84,7 @@ def trace(model: torch.nn.Module | Workload, example_input: Any = None, loss_fn:
         from udnn_lab.analysis.one_rank import trace_one_rank
 
         with _explained_fake_limits():
-            return trace_one_rank(work, parallel, counted_as, fast_paths)
+            return trace_one_rank(work, work.parallel, counted_as, fast_paths)
     if fake:
         with _explained_fake_limits():
             return _trace_fake(work, run_on, counted_as, fast_paths)

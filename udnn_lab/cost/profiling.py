@@ -37,7 +37,7 @@ from udnn_lab.devices import device_name, model_device
 from udnn_lab.errors import TraceMismatch
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.units import format_seconds
-from udnn_lab.workload import Workload, as_workload
+from udnn_lab.workload import Workload, as_workload, check_one_process
 
 
 @dataclass(frozen=True, repr=False)
@@ -149,6 +149,7 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     work = _on_device(as_workload(model, example_input, loss_fn=loss_fn, optimizer=optimizer, target=target,
                                   name=name), device)
+    check_one_process(work, "profile")
     where = model_device(work.model)
     args, kwargs = split_input(map_tensors(lambda t: t.to(where), work.example_input))
     target = map_tensors(lambda t: t.to(where), work.target)

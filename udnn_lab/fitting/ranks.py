@@ -167,7 +167,7 @@ def _row(graph: Graph, spec: Parallel, budget_bytes: int, policy: str, *, profil
                 "why": f"no plan goes under {format_bytes(floor)} (what its ops need at once, with what it holds "
                        "throughout)"}
     try:
-        chosen = plan(graph, budget_bytes, policy, profile)
+        chosen = plan(graph, budget_bytes, policy, profile, ranks_per_node=per_node)
     except PlanInfeasible as error:
         return {**row, "fits": False, "peak_bytes": int(error.minimum_bytes), "step_time_s": float("nan"),
                 "communication_s": float("nan"), "exposed_communication_s": float("nan"),
@@ -255,6 +255,7 @@ def sweep(subject: Graph | Workload | str, budgets: Iterable[int | str] | int | 
     With ``world_sizes``: world size x setup x budget for a Workload or zoo name (``sweep_ranks``; its
     ``setups``, ``ranks_per_node``, ``host_budget``, ... go in ``ranks_options``)."""
     if world_sizes is None:
+        per_node = ranks_options.pop("ranks_per_node", None)  # a rank's graph: the links its collectives cross
         if ranks_options:
             raise TypeError(f"{', '.join(sorted(ranks_options))}: these are for a sweep over world_sizes")
         if not isinstance(subject, Graph):
@@ -263,7 +264,7 @@ def sweep(subject: Graph | Workload | str, budgets: Iterable[int | str] | int | 
         if budgets is None:
             raise TypeError("sweep(graph, budgets): give the budgets to try, e.g. ['4GiB', '6GiB']")
         return planning_sweep(subject, [budgets] if isinstance(budgets, (int, str)) else budgets, policies,
-                              hardware, profile, rates)
+                              hardware, profile, rates, ranks_per_node=per_node)
     if profile is not None or rates is not None:
         raise TypeError("a sweep over world sizes times each rank from the hardware profile: leave profile and "
                         "rates out (a measured profile is of one traced step)")

@@ -42,7 +42,7 @@ from udnn_lab.measurement._estimate import PROGRESS_SECONDS, MeasurementEstimate
 from udnn_lab.runtime.offload import OffloadRuntime
 from udnn_lab.units import Bytes, format_bytes
 from udnn_lab.vocabulary import Precision
-from udnn_lab.workload import Workload, as_workload
+from udnn_lab.workload import Workload, as_workload, check_one_process
 
 SETTLE_STEPS = 24  # recorded steps tried again under 16-mixed while the GradScaler's scale falls
 
@@ -185,6 +185,8 @@ def measure(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
     """
     work = as_workload(model, example_input, loss_fn=loss_fn, optimizer=optimizer, target=target, name=name,
                        precision=precision, grad_accumulation=grad_accumulation, clip_grad_norm=clip_grad_norm)
+    if not is_distributed(work.model):  # a model wrapped in a rank's process is that rank's step
+        check_one_process(work, "measure")
     device = model_device(work.model)
     if warmup < 0 or repeats < 0:
         raise ValueError(f"warmup and repeats count steps: 0 or more, got warmup={warmup}, repeats={repeats}")

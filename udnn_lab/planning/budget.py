@@ -24,13 +24,17 @@ _BUDGET_FREE = ("keep-all", "vdnn-all", "vdnn-conv")  # the same plan under any 
 
 
 def plan(graph: Graph, budget: int | str | None = None, policy: str = "auto", hardware: Hardware | str | None = None,
-         profile: Profile | None = None, rates: RateCurve | bool | None = None) -> Plan:
+         profile: Profile | None = None, rates: RateCurve | bool | None = None, *,
+         ranks_per_node: int | None = None) -> Plan:
     """A plan of ``policy`` for ``graph`` whose simulated peak fits ``budget`` ("6 GiB", bytes, or None).
 
-    Raises PlanInfeasible, with the policy's smallest budget and a policy that would fit,
+    ``ranks_per_node``: for a graph of one rank of several, the ranks sharing a node (default: the profile's
+    ``gpus_per_node``), as for ``simulate``: a collective whose group spans more crosses the nodes' network
+    instead of the node's GPU-to-GPU fabric, and the node's ranks share its host memory for their copies
+    (NOTE [collectives]). Raises PlanInfeasible, with the policy's smallest budget and a policy that would fit,
     when it cannot.
     """
-    cost = cost_model(graph, hardware, profile, rates)
+    cost = cost_model(graph, hardware, profile, rates, ranks_per_node)
     budget_bytes = None if budget is None else parse_bytes(budget)
     result = _policy(policy)(graph, cost, budget_bytes)
     simulation = simulate_with(graph, result, cost)
@@ -52,15 +56,18 @@ def plan(graph: Graph, budget: int | str | None = None, policy: str = "auto", ha
 
 def min_budget(graph: Graph, policy: str = "auto", hardware: Hardware | str | None = None,
                profile: Profile | None = None, rates: RateCurve | bool | None = None,
-               cost: CostModel | None = None) -> Bytes:
+               cost: CostModel | None = None, *, ranks_per_node: int | None = None) -> Bytes:
     """The smallest budget (bytes) whose plan of ``policy`` simulates within it.
 
     A plan that does not depend on the budget is simulated once with compute waiting for
     every copy in flight (its floor); other policies are bisected between a floor no plan
     can go under (what each op needs while every saved tensor it does not touch is away)
-    and the keep-all peak.
+    and the keep-all peak. ``ranks_per_node`` as for ``plan`` (a ``cost`` model carries its own).
     """
-    cost = cost or cost_model(graph, hardware, profile, rates)
+    if cost is not None and ranks_per_node is not None:
+        raise ValueError("a cost model carries its own ranks_per_node: give min_budget either cost or "
+                         "ranks_per_node, or make the cost model with it (simulation.cost_model(..., ranks_per_node))")
+    cost = cost or cost_model(graph, hardware, profile, rates, ranks_per_node)
     choose = _policy(policy)
     high = simulate_with(graph, Plan.keep_all(graph), cost).peak_bytes
     if policy in _BUDGET_FREE:
@@ -81,13 +88,14 @@ def min_budget(graph: Graph, policy: str = "auto", hardware: Hardware | str | No
 
 def sweep(graph: Graph, budgets: Iterable[int | str], policies: Iterable[str] | None = None,
           hardware: Hardware | str | None = None, profile: Profile | None = None,
-          rates: RateCurve | bool | None = None) -> pd.DataFrame:
+          rates: RateCurve | bool | None = None, *, ranks_per_node: int | None = None) -> pd.DataFrame:
     """Budget x policy -> fits, predicted step time, peak, bytes moved, pinned bytes, stall time.
 
     ``policies``: by default every policy that plans in seconds (not ``optimal``'s solver: name it to include it).
+    ``ranks_per_node`` as for ``plan``.
     """
     policies = quick_policies() if policies is None else policies
-    cost = cost_model(graph, hardware, profile, rates)
+    cost = cost_model(graph, hardware, profile, rates, ranks_per_node)
     rows = []
     for budget in budgets:
         budget_bytes = parse_bytes(budget)

@@ -52,8 +52,9 @@ def train(model: torch.nn.Module, batches: Iterable, optimizer: torch.optim.Opti
 
     ``parallel``: a DDP or FSDP spec; the run takes ``world_size`` processes started here, one per rank, each
     training on its share of every batch (its size must be a multiple of ``world_size``), and the trained
-    weights come back into ``model`` (training_ranks.py says how). ``plan`` is then one Plan for every rank or
-    a list of one per rank; rows carry each rank's peak as ``peak_bytes_rank<r>``.
+    weights come back into ``model`` and the optimizer's state into ``optimizer`` (training_ranks.py says how).
+    ``plan`` is then one Plan for every rank or a list of one per rank; rows carry each rank's peak as
+    ``peak_bytes_rank<r>``.
     """
     options = StepOptions(precision or precision_of(model), grad_accumulation, clip_grad_norm)
     check_weights(model, options)

@@ -17,8 +17,9 @@ NOTE [rank protocol]
   callback returning False, the steps or batches running out) ends every rank at the same step boundary, the
   one a single process would stop at; the cost is one round trip through the queues per step. Only one step's
   batches are ever in flight, whatever the iterable holds.
-  Ranks answer on one shared queue: ('row', rank, row) per step; after None, rank 0 writes the full state dict
-  to a file and says ('weights', path); every rank then says ('done', rank, pinned bytes) and leaves. A rank that
+  Ranks answer on one shared queue: ('row', rank, row) per step; after None, rank 0 writes the full state dicts
+  of the model and the optimizer to a file (_rank_state.py; under FSDP2 every rank takes part in gathering them)
+  and says ('state', rank); every rank then says ('done', rank, pinned bytes) and leaves. A rank that
   raises says ('error', rank, traceback text). The parent ends every rank that is still alive, whatever happens
   (an error, a rank that died silently, KeyboardInterrupt), before it returns or raises. Ranks ignore SIGINT:
   Ctrl-C in a terminal reaches the whole process group, and the parent alone decides.
@@ -28,7 +29,10 @@ Plan for every rank; rank r runs its steps under an OffloadRuntime of its own pl
 
 Rows: rank 0's row, with ``loss`` the mean of the ranks' losses (the global batch's loss for a loss that averages
 over examples) and ``peak_bytes_rank<r>`` each rank's peak (``peak_bytes`` is rank 0's). The trained weights come
-back into the user's model; the optimizer state stays in the ranks (the user's optimizer is not stepped).
+back into the user's model and the optimizer's state (Adam's step and moments, SGD's momentum buffers, whole
+tensors, gathered from the shards under FSDP2) into the user's optimizer, keyed to the user's own parameters: what
+single-process training on the whole batches leaves there, so training can go on in this process. The ranks start
+from the state the user's optimizer holds (_rank_state.py), so a run also goes on from earlier training.
 """
 
 from __future__ import annotations
@@ -51,7 +55,6 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
 from udnn_lab.analysis.step import grad_scaler, map_tensors, same_optimizer
@@ -59,6 +62,7 @@ from udnn_lab.devices import device_name, model_device
 from udnn_lab.errors import RankFailed
 from udnn_lab.graph.plan_ir import Plan
 from udnn_lab.parallel import DDP, Parallel, check_spec, describe
+from udnn_lab.runtime._rank_state import full_model_state, full_optimizer_state, load_optimizer_state
 from udnn_lab.runtime._step_loop import STEP_COLUMNS, Run, groups, on_device, one_step, progress_bar
 from udnn_lab.runtime.offload import OffloadRuntime
 from udnn_lab.units import format_bytes
@@ -79,7 +83,7 @@ class RankJob:
     options: StepOptions
     track: bool
     backend: str  # 'gloo' or 'nccl'
-    folder: str  # the rendezvous file and the weights rank 0 writes
+    folder: str  # the rendezvous file and the state rank 0 writes
 
 
 def plans_per_rank(plan: Plan | Sequence[Plan] | None, world_size: int) -> tuple[Plan | None, ...]:
@@ -123,7 +127,10 @@ def train_ranks(model: torch.nn.Module, batches: Iterable, optimizer: torch.opti
         finally:
             bar.close()
             ranks.end(wait=finished)
-        model.load_state_dict(torch.load(Path(folder, "weights.pt"), weights_only=True))
+        state = torch.load(Path(folder, "state.pt"), weights_only=True)
+        model.load_state_dict(state["model"])
+        if optimizer is not None:
+            optimizer.load_state_dict(state["optimizer"])
     plan_names = sorted({p.policy for p in plans if p is not None})
     return Run(model_name=name or type(model).__name__, device=device.type, device_name=device_name(device),
                policy=", ".join(plan_names) or "none", fused_optimizer=False,
@@ -132,7 +139,8 @@ def train_ranks(model: torch.nn.Module, batches: Iterable, optimizer: torch.opti
                stopped=stopped, pinned_bytes=pinned_bytes, options=options,
                notes=(f"{describe(spec).split(' of ', 1)[1]}, {backend}: every rank trained on 1/{world} of each "
                       f"batch; rows are rank 0's, loss the mean over ranks, peak_bytes_rank<r> each rank's peak",
-                      "the weights came back from rank 0; the optimizer state stayed in the ranks",
+                      "the weights and the optimizer's state came back from rank 0 (whole, gathered from the shards "
+                      "under FSDP2)",
                       *_peak_caveat(spec, device), *_warm_up_note(plans)))
 
 
@@ -281,7 +289,7 @@ def _drive(ranks: _Ranks, feed: _Feed, first: list[bytes] | None, callbacks: lis
             done[message[1]] = message[2]
             continue
         if message[0] != "row":
-            continue  # 'weights': rank 0 wrote them, the caller reads them
+            continue  # 'state': rank 0 wrote it, the caller reads it
         _, rank, row = message
         waiting.setdefault(row["step"], {})[rank] = row
         if len(waiting[row["step"]]) < world:
@@ -333,10 +341,14 @@ def _train_rank(rank: int, job: RankJob, device: torch.device, inbox, outbox) ->
     spec = replace(job.spec, rank=rank)
     wrapped = spec.apply(model)
     inner = wrapped.module if isinstance(wrapped, DistributedDataParallel) else wrapped
-    if optimizer is not None:  # the same groups and settings, over the wrapped (for FSDP, sharded) parameters
+    order = []  # the parameters' names in the order of the optimizer's groups: the user's optimizer's positions
+    if optimizer is not None:  # the same groups, settings and state, over the wrapped (for FSDP, sharded) parameters
+        order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
         now = dict(inner.named_parameters())
-        optimizer = same_optimizer(optimizer, [{**group, "params": [now[names[id(p)]] for p in group["params"]]}
-                                               for group in optimizer.param_groups])
+        users = optimizer
+        optimizer = same_optimizer(users, [{**group, "params": [now[names[id(p)]] for p in group["params"]]}
+                                           for group in users.param_groups])
+        load_optimizer_state(wrapped, optimizer, users.state_dict(), spec, order)
     runtime = OffloadRuntime(job.plans[rank])
     without_plan = OffloadRuntime(None)
     warm_up = warm_up_steps(job.plans[rank])
@@ -350,10 +362,11 @@ def _train_rank(rank: int, job: RankJob, device: torch.device, inbox, outbox) ->
             outbox.put(("row", rank, one_step(index, wrapped, micro_batches, device, step, optimizer, acting,
                                               job.track)))
             index += 1
-        state = _full_state_dict(wrapped, inner, spec)
+        state = {"model": full_model_state(wrapped, inner, spec),
+                 "optimizer": None if optimizer is None else full_optimizer_state(wrapped, optimizer, spec, order)}
         if rank == 0:
-            torch.save(state, Path(job.folder, "weights.pt"))
-            outbox.put(("weights", rank))
+            torch.save(state, Path(job.folder, "state.pt"))
+            outbox.put(("state", rank))
         return runtime.pool.capacity_bytes if runtime.pool is not None else 0
     finally:
         runtime.release()
@@ -369,10 +382,3 @@ def _next_message(inbox) -> bytes | None:
         except queue.Empty:
             if parent is not None and not parent.is_alive():
                 return None
-
-
-def _full_state_dict(wrapped: torch.nn.Module, inner: torch.nn.Module, spec: Parallel) -> dict[str, Any]:
-    """The whole model's state on the host, as rank 0 holds it (FSDP2 gathers it: every rank takes part)."""
-    if isinstance(spec, DDP):
-        return {k: v.detach().cpu() for k, v in inner.state_dict().items()}
-    return get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

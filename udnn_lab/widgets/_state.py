@@ -101,20 +101,20 @@ class LabSession:
     def workload(self, setting: Setting, device: str) -> Workload:
         """The step on ``device`` ('meta' to trace without weights, 'cpu' to run it)."""
         optimizer = None if setting.optimizer == "none" else setting.optimizer
+        parallel = spec_of(setting.parallel, setting.world_size)
         if setting.network == self.custom_name:
             assert self.model is not None  # custom_name is set only with a model
             # the zoo checks that your module is in the precision's dtype, and says how to convert it if not
             return zoo.get(self.model, batch=setting.batch, input_shape=self.input_shape, optimizer=optimizer,
-                           precision=setting.precision)
+                           precision=setting.precision, parallel=parallel)
         name, small = zoo_request(setting.network)
         return zoo.get(name, batch=setting.batch, image_size=self.image_size, device=device, optimizer=optimizer,
                        precision=setting.precision, small=small, seq_len=setting.seq_len,
-                       lora_rank=setting.lora_rank, attn_implementation=setting.attn_implementation)
+                       lora_rank=setting.lora_rank, attn_implementation=setting.attn_implementation, parallel=parallel)
 
     def graph(self, setting: Setting) -> Graph:
-        parallel = spec_of(setting.parallel, setting.world_size)
-        return self._graphs.get_or_make(
-            setting, lambda: trace(self.workload(setting, "meta"), device=setting.device, parallel=parallel))
+        """The step the setting describes (one rank of it, with ranks set), traced for the profile's device."""
+        return self._graphs.get_or_make(setting, lambda: trace(self.workload(setting, "meta"), device=setting.device))
 
     def min_budget(self, setting: Setting, policy: str, hardware: str) -> int:
         key = (setting, policy, hardware)

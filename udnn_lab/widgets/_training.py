@@ -58,10 +58,12 @@ class TrainingPanel:
               parallel: Parallel | None = None) -> threading.Thread:
         """Plan ``work``'s step on this machine and train it ``steps`` steps in a background thread.
 
-        ``parallel``: train ``parallel.world_size`` ranks (processes) on this machine instead, each on ``work``'s
-        batch (the run's batch is that many times larger), each rank under the plan of its own step."""
+        ``parallel`` (by default ``work.parallel``): train ``parallel.world_size`` ranks (processes) on this machine
+        instead, each on ``work``'s batch (the run's batch is that many times larger), each rank under the plan of
+        its own step."""
         if self.running:
             raise RuntimeError("a training run is already going: press Stop first")
+        parallel = parallel if parallel is not None else work.parallel
         device = model_device(work.model)
         hardware = _local_hardware(device, fallback_hardware)
         if parallel is not None and hardware.gpus_per_node is None:

@@ -34,7 +34,7 @@ from udnn_lab.widgets._budget import BudgetControl
 from udnn_lab.widgets._drill import DrillPanel
 from udnn_lab.widgets._hf_controls import HFControls
 from udnn_lab.widgets._networks import offered
-from udnn_lab.widgets._parallel_controls import ParallelControls, spec_of
+from udnn_lab.widgets._parallel_controls import ParallelControls
 from udnn_lab.widgets._state import LabSession, MeasuredStep, Setting
 from udnn_lab.widgets._training import TrainingPanel
 from udnn_lab.workload import precision_of
@@ -316,10 +316,8 @@ class MemoryLab(widgets.AppLayout):
         try:
             work = self.session.trainable(self.setting)
             self._show_status("planning for this machine and starting …")
-            setting = self.setting
             thread = self.training.start(work, self.policy.value, self.budget_bytes, steps or self.training.steps.value,
-                                         self.session.hardware(self.hardware.value),
-                                         spec_of(setting.parallel, setting.world_size))
+                                         self.session.hardware(self.hardware.value))
             if wait:
                 thread.join()
         except Exception as error:

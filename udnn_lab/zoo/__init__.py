@@ -28,7 +28,7 @@ import importlib.util
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,9 @@ from udnn_lab.errors import MissingDependency, ModelFactoryError, UnknownModelEr
 from udnn_lab.vocabulary import AttentionImplementation, Precision
 from udnn_lab.workload import COMPUTE_DTYPES, StepOptions, Workload, precision_of
 from udnn_lab.zoo import hf, hf_configs
+
+if TYPE_CHECKING:
+    from udnn_lab.parallel import Parallel
 from udnn_lab.zoo.published import PublishedPeak as PublishedPeak
 from udnn_lab.zoo.published import published_fine_tune_peaks as published_fine_tune_peaks
 
@@ -255,7 +258,7 @@ def get(name_or_model: str | nn.Module, batch: int = 8, *, image_size: int | Non
         seq_len: int | None = None, small: bool = False, config_overrides: dict[str, Any] | None = None,
         attn_implementation: AttentionImplementation | None = None, lora_rank: int | None = None,
         lora_alpha: float | None = None, lora_target_modules: str | Sequence[str] | None = None,
-        precision: Precision | None = None) -> Workload:
+        precision: Precision | None = None, parallel: Parallel | None = None) -> Workload:
     """A Workload: the model (random weights) on ``device``, a random batch, cross-entropy, an optimizer.
 
     ``name_or_model``: a zoo name, or your own ``nn.Module`` or 'package.module:factory' (then
@@ -274,6 +277,8 @@ def get(name_or_model: str | nn.Module, batch: int = 8, *, image_size: int | Non
     ``lora_rank`` wraps the model in PEFT adapters, ``lora_alpha`` and ``lora_target_modules`` (default: PEFT's
     choice for the architecture) go to ``peft.LoraConfig``; the optimizer then holds the adapters alone.
     The name says which attention runs and the LoRA rank: 'hf:llama-3-8b (sdpa attention, LoRA r=16)'.
+    ``parallel`` (``ul.DDP(n)``, ``ul.FSDP(n)``): the step is one rank of n; ``ul.trace`` traces that rank, and
+    ``batch`` is each rank's.
     """
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be a positive int, got {batch!r}")
@@ -292,7 +297,7 @@ def get(name_or_model: str | nn.Module, batch: int = 8, *, image_size: int | Non
         label = hf_configs.spec(name_or_model).name + ("-small" if small else "")
         label += hf.variant(model)
         return Workload(model, inputs, None, hf.output_loss, _optimizer(kind, model), hf_configs.PREFIX + label, batch,
-                        precision=options.precision)
+                        precision=options.precision, parallel=parallel)
     if seq_len is not None or small or config_overrides is not None:
         raise ValueError("seq_len, small and config_overrides are for Hugging Face models ('hf:<name>'); "
                          "for the others use input_shape")
@@ -312,7 +317,7 @@ def get(name_or_model: str | nn.Module, batch: int = 8, *, image_size: int | Non
         model = name_or_model
         example = _random((batch, *input_shape), options.weights_dtype, device, generator_seed)
         return Workload(model, example, None, None, _optimizer(optimizer, model), type(model).__name__, batch,
-                        precision=options.precision)
+                        precision=options.precision, parallel=parallel)
     found = entry(name_or_model)
     with torch.device(device):
         torch.manual_seed(seed)
@@ -326,7 +331,7 @@ def get(name_or_model: str | nn.Module, batch: int = 8, *, image_size: int | Non
         example = _random((batch, *shape), options.weights_dtype, device, generator_seed)
     target = torch.randint(found.num_classes, (batch,), generator=generator_seed).to(device)
     return Workload(model, example, target, classification_loss, _optimizer(optimizer, model), found.name, batch,
-                    precision=options.precision)
+                    precision=options.precision, parallel=parallel)
 
 
 def _precision(precision: Precision | None, dtype: torch.dtype | None) -> Precision:

@@ -1,0 +1,51 @@
+"""plan() and min_budget() for one rank of several: priced on the links its collectives cross."""
+
+from dataclasses import replace
+
+import pytest
+
+import udnn_lab as ul
+from udnn_lab.simulation.simulator import cost_model
+
+H100 = ul.Hardware.load("h100-sxm")  # 8 GPUs to a node: NVLink inside, one NIC per GPU between nodes
+
+
+@pytest.fixture(scope="module")
+def rank() -> ul.Graph:
+    """Rank 0 of FSDP2 over 8: its all-gathers and reduce-scatters span 8 ranks."""
+    return ul.trace(ul.zoo.get("transformer", batch=8, optimizer="adam", device="meta", parallel=ul.FSDP(8)),
+                    device="cuda")
+
+
+def test_a_plan_for_a_rank_of_a_multi_node_job_is_simulated_on_the_nodes_network(rank):
+    budget = int(0.7 * rank.cuda_peak_bytes)
+    one_node = ul.plan(rank, budget, hardware=H100, ranks_per_node=8)
+    spread = ul.plan(rank, budget, hardware=H100, ranks_per_node=1)
+    inside = ul.simulate(rank, one_node, H100, ranks_per_node=8)
+    across = ul.simulate(rank, spread, H100, ranks_per_node=1)
+    assert inside.fits and across.fits
+    # the same bytes over the NIC (50 GB/s) instead of NVLink (450 GB/s)
+    assert across.communication_time_s > 5 * inside.communication_time_s
+    assert across.step_time_s > inside.step_time_s
+
+
+def test_the_plan_itself_follows_the_ranks_per_node_it_is_priced_with(rank):
+    # a node whose host memory feeds one PCIe link's worth of copies: its 8 ranks' offloads share it
+    shared_host = replace(H100, host_memory_bytes_per_s=H100.bandwidth_bytes_per_s("h2d", True))
+    budget = int(0.68 * rank.cuda_peak_bytes)
+    alone, crowded = (ul.plan(rank, budget, hardware=shared_host, ranks_per_node=n) for n in (1, 8))
+    assert (alone.offloads, alone.recomputes) != (crowded.offloads, crowded.recomputes)
+    assert ul.plan(rank, budget, hardware=shared_host) == crowded  # the profile's 8 GPUs to a node by default
+    for planned, per_node in ((alone, 1), (crowded, 8)):
+        assert ul.simulate(rank, planned, shared_host, ranks_per_node=per_node).fits
+
+
+def test_min_budget_takes_ranks_per_node_or_a_cost_model_that_carries_it(rank):
+    assert ul.min_budget(rank, "vdnn-all", H100, ranks_per_node=1) == \
+        ul.min_budget(rank, "vdnn-all", cost=cost_model(rank, H100, ranks_per_node=1))
+    with pytest.raises(ValueError, match="ranks_per_node is how many ranks share a node"):
+        ul.min_budget(rank, "vdnn-all", H100, ranks_per_node=0)
+    with pytest.raises(ValueError, match="ranks_per_node is how many ranks share a node"):
+        ul.plan(rank, None, "keep-all", H100, ranks_per_node=0)
+    with pytest.raises(ValueError, match="either cost or ranks_per_node"):
+        ul.min_budget(rank, "vdnn-all", cost=cost_model(rank, H100), ranks_per_node=8)
