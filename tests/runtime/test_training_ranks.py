@@ -86,10 +86,11 @@ def _assert_same_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Mod
         assert state.keys() == expected.keys() and state, name
         for key, value in state.items():
             assert value.device == param.device and (key == "step" or value.shape == param.shape), (name, key)
-            # scaled to the largest: Adam's second moments, squares of small gradients, lie far below TOLERANCE's atol
+            # scaled to the largest: Adam's second moments, squares of small gradients, lie far below TOLERANCE's atol;
+            # a state sums gradients that ranks reduce in another order than one process: within 1e-5 of the largest
             scale = expected[key].abs().max()
             assert scale > 0, (name, key)
-            torch.testing.assert_close(value / scale, expected[key] / scale, **TOLERANCE,
+            torch.testing.assert_close(value / scale, expected[key] / scale, rtol=1e-4, atol=1e-5,
                                        msg=lambda m, n=f"{name}/{key}": f"{n}: {m}")
 
 
