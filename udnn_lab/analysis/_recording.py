@@ -207,7 +207,7 @@ def _freeze(recorder: StepRecorder, model_name: str, device: str, fake: bool, no
             forward_uses.append(record.producer)
         tensors.append(TensorInfo(
             id=record.sid, name=name, nbytes=record.nbytes, dtype=record.dtype, shape=record.shape,
-            device=device if cpu_stands_for_device and record.fake else record.device,
+            device=_device_of(record, device, cpu_stands_for_device),
             category=_category(record, recorder),
             producer=record.producer, consumers=tuple(record.consumers), saved=bool(record.saved_nodes),
             saved_by=tuple(saved_by), alloc_step=record.alloc_step, free_step=record.free_step,
@@ -226,6 +226,12 @@ def _freeze(recorder: StepRecorder, model_name: str, device: str, fake: bool, no
     saved = () if cpu_stands_for_device else tuple(HookEvent(*event) for event in recorder.hook_events)
     return Graph(model_name=model_name, device=device, ops=frozen_ops, tensors=tuple(tensors), module_calls=calls,
                  fake=fake, torch_version=torch.__version__, notes=tuple(notes), hook_events=saved)
+
+
+def _device_of(record: StorageRecord, device: str, cpu_stands_for_device: bool) -> str:
+    if record.on_host:  # NOTE [host storages]
+        return "cpu"
+    return device if cpu_stands_for_device and record.fake else record.device
 
 
 def _category(record: StorageRecord, recorder: StepRecorder) -> Category:
