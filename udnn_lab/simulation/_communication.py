@@ -49,12 +49,12 @@ NOTE [collectives]
      whose input is on one side and output on the other (``host_copies``). A shard's copy runs on the
      host-to-device stream and, being issued on FSDP2's copy-in stream, as a copy-in does (NOTE 4): the copy-in
      starts once it is done, and so does compute where it reads it. A gradient's copy runs on the
-     device-to-host stream once the reduce-scatter (or the op after it) has written it; the optimizer waits for
-     it (finalize_backward synchronizes on the copies). Both are timed as offload copies are (pinned: FSDP2 pins
-     the host's shards), the node's host memory shared as in 6. Ops that touch host tensors only (the optimizer
-     step) run on the host: bytes read and written over the node's host memory bandwidth shared by its ranks
-     (``host_memory_bytes_per_s``; their FLOPs, elementwise, are not what limits them), on the compute lane,
-     since the step waits for them.
+     device-to-host stream once the reduce-scatter (or the op after it) has written it; the optimizer step
+     starts once every gradient is on the host (finalize_backward synchronizes on each copy). Both are timed
+     as offload copies are (pinned: FSDP2 pins the host's shards), the node's host memory shared as in 6. Ops
+     that touch host tensors only (the optimizer step) run on the host: bytes read and written over the node's
+     host memory bandwidth shared by its ranks (``host_memory_bytes_per_s``; their FLOPs, elementwise, are not
+     what limits them), on the compute lane, since the step waits for them.
 """
 
 from __future__ import annotations

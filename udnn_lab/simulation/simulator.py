@@ -159,6 +159,7 @@ class _Run:
         self.copies, casts, on_host = memo[key]
         self.copy_in_casts = casts if self.comm is not None else set()
         self.copied: dict[int, float] = {}  # a copy's (or its cast's) output -> when it is done
+        self.gradients_home = 0.0  # when the last gradient copied to the host is there
         ranks_on_node = self.comm.ranks_on_node if self.comm is not None else 1
         for i in on_host:
             self.times[i] = host_op_time_s(self.graph.ops[i], self.cost.hardware, ranks_on_node)
@@ -320,6 +321,7 @@ class _Run:
             start = max([self.d2h_free, clock, *written])
             end = self.d2h_free = start + self._transfer_time_s(made.nbytes, "d2h", True)
             self.d2h_bytes += made.nbytes
+            self.gradients_home = end
             row = ("d2h", "gradient_to_host", start, end, i, op.name, op.module, made.name, made.nbytes)
         else:
             issued = self.comm.copy_in_ready(op) if self.comm is not None else clock
@@ -350,7 +352,7 @@ class _Run:
             self.counted += self.own[i] - self.gone[i]
             return start
         if self.copied:
-            fed = max(start, self._fed(op))
+            fed = max(start, self._fed(op), self.gradients_home if op.phase == "optimizer" else 0.0)
             self._stall(start, fed, i, "stall_sync" if op.phase == "optimizer" else "stall_prefetch")
             start = fed
         if self.comm is not None:
