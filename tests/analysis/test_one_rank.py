@@ -106,8 +106,6 @@ def test_a_wrapping_function_of_ones_own_picks_the_blocks(mlp):
 def test_what_a_parallel_trace_cannot_do_is_refused_with_what_to_do_instead(mlp):
     with pytest.raises(ValueError, match="leave fake=True"):
         ul.trace(mlp, parallel=ul.DDP(2), fake=False)
-    with pytest.raises(ValueError, match="offload_params=True"):  # test_one_rank_offload.py: the rest of it
-        ul.trace(mlp, device="cuda", parallel=ul.FSDP(1, offload_params=True))
     with pytest.raises(TypeError, match="parallel is ul.DDP"):
         ul.trace(mlp, parallel=2)
     with fake_process_group(2):

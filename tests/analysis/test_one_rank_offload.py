@@ -124,7 +124,38 @@ def test_a_trace_counted_on_the_cpu_keeps_one_memory(mlp):
     assert offloaded.peak_bytes == kept.peak_bytes and offloaded.host_peak_bytes == 0
 
 
-def test_what_is_not_traced_is_refused_with_what_to_do(mlp):
-    for spec in (ul.FSDP(1, offload_params=True), ul.FSDP(2, replicate=2, offload_params=True)):
-        with pytest.raises(ValueError, match="one rank per shard group"):
-            ul.trace(mlp, device="cuda", parallel=spec)
+@pytest.mark.parametrize("spec", [ul.FSDP(1, offload_params=True), ul.FSDP(2, replicate=2, offload_params=True)])
+def test_a_shard_group_of_one_rank_copies_its_whole_parameters_across(mlp, spec):
+    """FSDP2 then copies each shard into the unsharded parameter itself, and the reduce-scatter's input into its
+    output: the whole model goes to the device for each gather and its gradients to the host."""
+    graph = ul.trace(mlp, device="cuda", parallel=spec)
+    whole = sum(_shards(mlp, 1).values())
+    host = graph.breakdown()["host_bytes"]
+    assert host["parameter"] == host["parameter_gradient"] == whole
+    simulation = ul.simulate(graph, hardware="h100-sxm")
+    assert simulation.d2h_bytes == whole and simulation.h2d_bytes == 2 * whole  # forward and backward
+
+
+def test_gradients_of_several_micro_batches_accumulate_on_the_host(mlp):
+    graph = ul.trace(mlp, device="cuda", parallel=ul.FSDP(2, offload_params=True), grad_accumulation=2)
+    shards = sum(_shards(mlp, 2).values())
+    accumulated = [op for op in graph.ops if op.phase == "backward" and op.name == "aten.add_.Tensor"]
+    assert accumulated and all(graph.tensors[t].device == "cpu" for op in accumulated for t in op.inputs)
+    assert graph.breakdown()["host_bytes"]["parameter_gradient"] == shards
+    assert ul.simulate(graph, hardware="h100-sxm").d2h_bytes == 2 * shards  # each micro-batch's gradients
+
+
+def test_a_small_gpt2_rank_keeps_its_shards_on_the_host_and_gathers_all_but_the_roots_twice():
+    work = zoo.get("hf:gpt2", batch=2, small=True, seq_len=64, optimizer="adamw")
+    kept = ul.trace(work, device="cuda", parallel=ul.FSDP(4))
+    offloaded = ul.trace(work, device="cuda", parallel=ul.FSDP(4, offload_params=True))
+    shards = _shards(work, 4)
+    in_blocks = sum(size for name, size in shards.items() if name.startswith("transformer.h."))
+    host = offloaded.breakdown()["host_bytes"]
+    assert host["parameter"] == host["parameter_gradient"] == sum(shards.values())
+    assert kept.baseline_bytes - offloaded.baseline_bytes == 3 * sum(shards.values())  # AdamW: two moments
+    assert offloaded.peak_bytes < kept.peak_bytes
+    simulation = ul.simulate(offloaded, hardware="h100-sxm")
+    # the root (embeddings, final norm; the head is tied to the embedding) keeps its parameters to backward
+    assert simulation.h2d_bytes == sum(shards.values()) + in_blocks
+    assert simulation.d2h_bytes == sum(shards.values())

@@ -15,7 +15,8 @@ NOTE [host storages]
      whose inputs ``foreach_all_gather`` holds until it has issued the all-gather). A gradient is copied by a
      post-accumulate-grad hook on each sharded parameter, which ``foreach_reduce`` calls right after it sets
      the gradient, the point its own copy would have been made: the gradient's local tensor, a view of the
-     reduce-scatter's output (or of its cast to the parameters' dtype), is replaced by its copy on the host,
+     reduce-scatter's output (or of its cast to the parameters' dtype; a shard group of one rank copies the
+     reduce-scatter's input into that output instead), is replaced by its copy on the host,
      and the output goes when ``foreach_reduce`` lets go of it. (Copying in place of the ``as_strided`` view
      would not do: autograd marks what a view op returns as a view of its input, and that keeps the output
      alive.) When a gradient accumulates (micro-batches), its ``add_`` reads the view's copy on the host.
@@ -27,8 +28,7 @@ NOTE [host storages]
   4. Fake tensors cannot be pinned (fake mode has no kernel for it): ``PinnedCopies`` runs a pin as the copy
      it is, so FSDP2 runs its pinning code; pinning changes which host memory holds the bytes, not how many.
   5. A trace counted on the CPU itself leaves FSDP2 as it is: there host and device are one memory and FSDP2's
-     copies are no-ops for real. A shard group of one rank is refused: FSDP2 then copies instead of
-     reduce-scattering, and the gradient's view is not told apart from any other.
+     copies are no-ops for real.
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ from udnn_lab.units import format_bytes
 _PIN = torch.ops.aten._pin_memory.default
 _CAST = torch.ops.aten._to_copy.default  # a copy across devices, or to another dtype
 _ADD_ = torch.ops.aten.add_.Tensor
+_COPY_ = torch.ops.aten.copy_.default
+_CHUNK_CAT = torch.ops.fsdp.chunk_cat.default
 _COPY_IN = torch.ops.fsdp.all_gather_copy_in.default
 _REDUCE_SCATTERS = (torch.ops.c10d._reduce_scatter_base_.default,
                     torch.ops._c10d_functional.reduce_scatter_tensor.default)
@@ -69,8 +71,15 @@ def offloaded_shards(model: nn.Module) -> list[OffloadedShard]:
     found = []
     for module in fsdp_modules(model):
         for group in module._get_fsdp_state()._fsdp_param_groups:  # type: ignore[operator]
-            found += [OffloadedShard(param._sharded_param_data, param._param_fqn)
-                      for param in group.fsdp_params if param.offload_to_cpu]
+            for param in group.fsdp_params:
+                if not param.offload_to_cpu:
+                    continue
+                if hasattr(param._sharded_local_tensor, "fsdp_pre_all_gather"):
+                    raise ValueError(
+                        f"parameter {param._param_fqn!r} is a {type(param._sharded_local_tensor).__name__}, which "
+                        "FSDP2 all-gathers through its own fsdp_pre_all_gather: with offload_params its copies to "
+                        "the device are not traced. Trace it without offload_params")
+                found.append(OffloadedShard(param._sharded_param_data, param._param_fqn))
     return found
 
 
@@ -87,6 +96,7 @@ class HostCopies(TorchDispatchMode):
         self.shards = shards
         self.observer = None  # the StepRecorder (record_step sets it)
         self.reduced: set[int] = set()  # ids of reduce-scatter outputs and their casts, while they live
+        self.scattered: set[int] = set()  # ids of reduce-scatter inputs, while they live
         self.copies: dict[int, str] = {}  # id of a device copy's storage -> its name, while it lives
         self._held: list[torch.Tensor] = []  # a copy-in's device copies, until the all-gather has run
         self._hold_for = 0
@@ -109,6 +119,10 @@ class HostCopies(TorchDispatchMode):
         if func is _CAST and not optimizer and _storage_id(args[0]) in self.copies:  # mixed precision's cast
             self._place(out, False, f"{self.copies[_storage_id(args[0])]}, {str(out.dtype).removeprefix('torch.')}")
         elif func in _REDUCE_SCATTERS:
+            self._reduced(args[0])
+        elif func is _CHUNK_CAT:  # the reduce-scatter's input, which a shard group of one rank copies out instead
+            self._reduced(kwargs["out"], self.scattered)
+        elif func is _COPY_ and _storage_id(args[1]) in self.scattered:
             self._reduced(args[0])
         elif func is _CAST and "dtype" in kwargs and _storage_id(args[0]) in self.reduced:
             self._reduced(out)  # the reduced gradients cast to the parameters' dtype
@@ -138,11 +152,12 @@ class HostCopies(TorchDispatchMode):
         self._place(copy, True, None)
         return copy
 
-    def _reduced(self, tensor: torch.Tensor) -> None:
+    def _reduced(self, tensor: torch.Tensor, into: set[int] | None = None) -> None:
         storage = tensor.untyped_storage()
         key = id(storage)
-        self.reduced.add(key)
-        weakref.finalize(storage, self.reduced.discard, key)  # ids are reused once a storage is gone
+        found = self.reduced if into is None else into
+        found.add(key)
+        weakref.finalize(storage, found.discard, key)  # ids are reused once a storage is gone
 
     def _place(self, tensor: torch.Tensor, on_host: bool, name: str | None) -> None:
         if name is not None:

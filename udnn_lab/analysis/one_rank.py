@@ -44,11 +44,6 @@ def trace_one_rank(work: Workload, parallel: Parallel, counted_as: str, fast_pat
     device = torch.device("cpu")  # the fake group's mesh is a CPU one; counted as ``counted_as``
     substituted = counted_as != device.type
     offloads = isinstance(spec, FSDP) and spec.offload_params
-    if isinstance(spec, FSDP) and offloads and substituted and spec.world_size == spec.replicate:
-        raise ValueError("FSDP(offload_params=True) with one rank per shard group (world_size == replicate) is not "
-                         "traced: FSDP2 then copies gradients instead of reduce-scattering them, and the trace cannot "
-                         "tell where they go to the host (NOTE [host storages] 5). Trace it with more ranks per shard "
-                         "group, or without offload_params")
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     shape, names = (spec.mesh_shape, spec.mesh_dim_names) if isinstance(spec, FSDP) else (None, None)
     with fake_process_group(spec.world_size, spec.rank, shape, names) as mesh, CompletedCollectives(), \

@@ -95,12 +95,13 @@ def has_collectives(graph: Graph) -> bool:
 
 
 def host_copies(graph: Graph) -> dict[int, str]:
-    """Op index -> 'h2d' or 'd2h', for each op that copies a storage from one side to the other (NOTE 8)."""
+    """Op index -> 'h2d' or 'd2h', for each op that copies a storage from one side to the other (NOTE 8): its one
+    output, new, is on the other side of its one input (a storage FSDP2 refills at the op may come with it)."""
     found = {}
     for op in graph.ops:
-        if len(op.inputs) != 1 or len(op.allocated) != 1:
+        if len(op.inputs) != 1 or len(op.outputs) != 1 or op.outputs[0] not in op.allocated:
             continue
-        source, made = graph.tensors[op.inputs[0]], graph.tensors[op.allocated[0]]
+        source, made = graph.tensors[op.inputs[0]], graph.tensors[op.outputs[0]]
         if graph.on_host(source) and graph.on_device(made):
             found[op.index] = "h2d"
         elif graph.on_device(source) and graph.on_host(made):

@@ -152,7 +152,7 @@ class _Run:
         key = ("host_copies", id(graph), graph.fingerprint)
         if key not in memo:
             copies = host_copies(graph)
-            made = {graph.ops[i].allocated[0] for i, way in copies.items() if way == "h2d"}
+            made = {graph.ops[i].outputs[0] for i, way in copies.items() if way == "h2d"}
             casts = {op.index for op in graph.ops if op.index not in copies and op.inputs and op.allocated
                      and all(t in made for t in op.inputs)}  # mixed precision's cast of a shard's copy
             memo[key] = (copies, casts, host_ops(graph) if copies else [])
@@ -314,7 +314,7 @@ class _Run:
         """A shard's copy to the device (or its cast, on the copy-in stream), or a gradient's to the host (NOTE
         [collectives] 8); compute goes on."""
         i = op.index
-        made = self.graph.tensors[op.allocated[0]]
+        made = self.graph.tensors[op.outputs[0]]
         way = self.copies.get(i)
         if way == "d2h":
             written = [self.comm.written.get(t, 0.0) for t in op.inputs] if self.comm is not None else []
