@@ -68,6 +68,8 @@ def trace(model: torch.nn.Module | Workload, example_input: Any = None, loss_fn:
     spread over ``world_size`` ranks, traced from this process (NOTE [one rank of N]): DDP's or FSDP2's own code
     runs on a copy of the model (yours stays as it is), with its gradient buckets, sharded parameters,
     gradients and optimizer state, and all-gather and reduce-scatter buffers ("communication" in the breakdown).
+    With ``FSDP(..., offload_params=True)`` what the rank keeps in host memory is the breakdown's ``host_bytes``
+    (NOTE [host storages]).
     """
     work = as_workload(model, example_input, loss_fn=loss_fn, optimizer=optimizer, target=target, name=name,
                        precision=precision, grad_accumulation=grad_accumulation, clip_grad_norm=clip_grad_norm)
