@@ -169,9 +169,12 @@ class HostCopies(TorchDispatchMode):
             self.observer.place(tensor, on_host, None if on_host else "communication", name)
 
 
-def _storage_id(tensor: torch.Tensor) -> int | None:
+def _storage_id(value: object) -> int | None:
+    """The id of a tensor's storage; None for anything else (an op's scalar argument)."""
+    if not isinstance(value, torch.Tensor):
+        return None
     try:
-        return id(tensor.untyped_storage())
+        return id(value.untyped_storage())
     except (RuntimeError, NotImplementedError):
         return None
 
