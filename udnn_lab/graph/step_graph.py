@@ -224,8 +224,8 @@ class Graph:
     @property
     def host_peak_bytes(self) -> Bytes:
         """Most bytes this step holds in host memory at once, besides the device's: an FSDP2 rank that offloads its
-        parameters keeps its shards, their gradients and the optimizer's state there, and steps there; 0 for a
-        step that keeps everything on its device."""
+        parameters keeps its shards, their gradients and the optimizer's state there, and steps there. A step that
+        keeps everything on its device has only what PyTorch itself keeps on the host (Adam's step counters)."""
         return Bytes(self._host_live.peak_bytes)
 
     def layers(self) -> pd.DataFrame:
