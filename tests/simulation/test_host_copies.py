@@ -5,6 +5,8 @@ import dataclasses
 import math
 
 import pytest
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import udnn_lab as ul
 from udnn_lab import zoo
@@ -85,3 +87,16 @@ def test_offloading_trades_device_memory_for_copies(mlp):
     offloaded = ul.simulate(_offloaded(mlp, 2), hardware=H100)
     assert offloaded.peak_bytes < kept.peak_bytes
     assert kept.h2d_bytes == kept.d2h_bytes == 0 and offloaded.h2d_bytes > 0
+
+
+def test_gathering_in_bfloat16_casts_each_copy_on_the_copy_in_stream(mlp):
+    spec = ul.FSDP(2, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16), offload_params=True)
+    graph = ul.trace(mlp, device="cuda", parallel=spec)
+    rows = ul.simulate(graph, hardware=H100).timeline
+    casts = {t.producer for t in graph.tensors if t.name.endswith("(device copy), bfloat16")}
+    on_copy_in = rows[rows.op.isin(casts)]
+    assert len(on_copy_in) == len(casts) and set(on_copy_in.stream) == {"comm_copy_in"}
+    copies = rows[rows.kind == "shard_to_device"].set_index("op")
+    for cast in on_copy_in.itertuples():  # each cast after its copy
+        (source,) = graph.ops[cast.op].inputs
+        assert cast.start_s >= copies.loc[graph.tensors[source].producer, "end_s"] - 1e-15

@@ -28,7 +28,8 @@ def record_step(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwa
 
     ``runtime``: an OffloadRuntime to run the step under (or FSDP2's offload copies, NOTE [host
     storages] 2); it is entered inside the recorder, so the recorder sees the step's ops as the
-    runtime lets them run, and is told (as the runtime's ``observer``) of the storages it allocates. ``options`` and ``scaler``: as ``run_step`` takes them.
+    runtime lets them run, and is told (as the runtime's ``observer``) of the storages it allocates.
+    ``options`` and ``scaler``: as ``run_step`` takes them.
     """
     named = dict(model.named_parameters())
     recorder.name_parameters(named)
