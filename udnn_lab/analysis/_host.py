@@ -12,14 +12,16 @@ NOTE [host storages]
      mode sees them. Outside the optimizer step nothing but that copy reads a shard, so an op reading a shard
      (the all-gather's copy-in, or mixed precision's cast) reads its device copy, made by an ``aten._to_copy``
      just before it and dropped when FSDP2 drops it (right after the cast; after the all-gather for a copy-in,
-     whose inputs ``foreach_all_gather`` holds until it has issued the all-gather). A gradient is copied by a
-     post-accumulate-grad hook on each sharded parameter, which ``foreach_reduce`` calls right after it sets
-     the gradient, the point its own copy would have been made: the gradient's local tensor, a view of the
-     reduce-scatter's output (or of its cast to the parameters' dtype; a shard group of one rank copies the
-     reduce-scatter's input into that output instead), is replaced by its copy on the host,
-     and the output goes when ``foreach_reduce`` lets go of it. (Copying in place of the ``as_strided`` view
-     would not do: autograd marks what a view op returns as a view of its input, and that keeps the output
-     alive.) When a gradient accumulates (micro-batches), its ``add_`` reads the view's copy on the host.
+     whose inputs ``foreach_all_gather`` holds until it has issued the all-gather). FSDP2 makes a copy-in's
+     copies just before it allocates the all-gather's buffer, not after: the same bytes are live at the
+     copy-in. A gradient is copied by a post-accumulate-grad hook on each sharded parameter, which
+     ``foreach_reduce`` calls right after it sets the gradient, the point its own copy would have been made:
+     the gradient's local tensor, a view of the reduce-scatter's output (or of its cast to the parameters'
+     dtype; a shard group of one rank copies the reduce-scatter's input into that output instead), is replaced
+     by its copy on the host, and the output goes when ``foreach_reduce`` lets go of it. (Copying in place of
+     the ``as_strided`` view would not do: autograd marks what a view op returns as a view of its input, and
+     that keeps the output alive.) When a gradient accumulates (micro-batches), its ``add_`` reads the view's
+     copy on the host.
   3. The recorder knows each storage's side: the shards and the optimizer's state are on the host when the
      step starts; a copy lives where ``HostCopies`` says; any other op's new storages live on the host when
      everything it reads does, and on the device otherwise (an op runs where its operands are), except that the
