@@ -53,8 +53,9 @@ NOTE [collectives]
      starts once every gradient is on the host (finalize_backward synchronizes on each copy). Both are timed
      as offload copies are (pinned: FSDP2 pins the host's shards), the node's host memory shared as in 6. Ops
      that touch host tensors only (the optimizer step) run on the host: bytes read and written over the node's
-     host memory bandwidth shared by its ranks (``host_memory_bytes_per_s``; their FLOPs, elementwise, are not
-     what limits them), on the compute lane, since the step waits for them.
+     host memory bandwidth shared by its ranks (``host_memory_bytes_per_s``), on the compute lane, since the
+     step waits for them. That is a lower bound: it leaves out the CPU's arithmetic and how many cores the
+     ranks' optimizer threads get, which can make a real host step slower.
 """
 
 from __future__ import annotations
