@@ -47,6 +47,8 @@ def test_specs_are_frozen_and_public_and_say_what_they_are():
     assert ul.DDP is DDP and ul.FSDP is FSDP
     assert describe(spec) == "rank 0 of FSDP2 over 8 ranks (reshard after forward, parameters gathered in bfloat16)"
     assert describe(DDP(4, rank=2)) == "rank 2 of DDP over 4 ranks (25 MiB buckets)"
+    assert describe(FSDP(8, offload_params=True)) == \
+        "rank 0 of FSDP2 over 8 ranks (reshard after forward, parameters offloaded to the host)"
     hsdp = FSDP(64, replicate=8)
     assert hsdp.mesh_shape == (8, 8) and hsdp.mesh_dim_names == ("replicate", "shard") and spec.mesh_shape == (8,)
     assert describe(hsdp) == "rank 0 of HSDP over 64 ranks (8 replicas x 8 shards, reshard after forward)"

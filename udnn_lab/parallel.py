@@ -207,6 +207,7 @@ def describe(spec: Parallel) -> str:
         reshard = f"reshard onto {spec.reshard_after_forward} ranks after forward"
     dtype = spec.mp_policy.param_dtype if spec.mp_policy is not None else None
     gathered = f", parameters gathered in {str(dtype).removeprefix('torch.')}" if dtype is not None else ""
+    gathered += ", parameters offloaded to the host" if spec.offload_params else ""
     if spec.replicate > 1:
         shard = spec.world_size // spec.replicate
         return (f"rank {spec.rank} of HSDP over {spec.world_size} ranks ({spec.replicate} replicas x {shard} "

@@ -117,8 +117,6 @@ def test_a_workload_made_with_a_spec_is_traced_as_that_rank_and_a_spec_given_to_
 def test_what_a_parallel_trace_cannot_do_is_refused_with_what_to_do_instead(mlp):
     with pytest.raises(ValueError, match="leave fake=True"):
         ul.trace(mlp, parallel=ul.DDP(2), fake=False)
-    with pytest.raises(ValueError, match="offload_params=True"):
-        ul.trace(mlp, parallel=ul.FSDP(2, offload_params=True))
     with pytest.raises(TypeError, match="parallel is ul.DDP"):
         ul.trace(mlp, parallel=2)
     with fake_process_group(2):

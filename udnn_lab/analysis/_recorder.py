@@ -86,6 +86,7 @@ class StorageRecord:
     alloc_step: int
     fake: bool = False  # a fake tensor's storage (a real one may sit beside it, e.g. a step counter)
     communicated: bool = False  # a collective (all-reduce, all-gather, ...) read or wrote it
+    on_host: bool = False  # in host memory while the step's kernels stand in for the device's (NOTE [host storages])
     role: Category | None = None  # preset category: parameter, buffer, input, optimizer_state, ...
     name: str | None = None
     free_step: int | None = None
@@ -154,6 +155,7 @@ class StepRecorder(TorchDispatchMode):
         self._last_sequence = torch._C._autograd._get_sequence_nr()
         self._param_paths: dict[int, str] = {}  # id(parameter) -> name, for AccumulateGrad nodes
         self.hook_events: list[tuple] = []  # HookEvent fields, in the order the hooks were called
+        self.tracks_host = False  # some storages live on the host: follow each one's side (NOTE [host storages] 3)
 
     # -- storages ------------------------------------------------------------------------
     def sid_of(self, tensor: torch.Tensor, produced: bool = False) -> int | None:
@@ -203,6 +205,29 @@ class StepRecorder(TorchDispatchMode):
             if record.role is None or role in ("parameter_gradient", "optimizer_state"):
                 record.role, record.name = role, name
         return sid
+
+    def starts_on_host(self, tensor: torch.Tensor) -> None:
+        """A tensor that exists before the step and lives on the host (NOTE [host storages] 3); call before it."""
+        sid = self.sid_of(tensor)
+        if sid is not None:
+            self.storages[sid].on_host = True
+
+    def is_on_host(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s storage is one the recorder knows on the host (NOTE [host storages] 3)."""
+        sid = self._live.get(id(_innermost(tensor).untyped_storage()))
+        return sid is not None and self.storages[sid].on_host
+
+    def place(self, tensor: torch.Tensor, on_host: bool, role: Category | None = None,
+              name: str | None = None) -> None:
+        """The side (and role) of a copy the op just recorded made, whatever its inputs (NOTE [host storages] 2)."""
+        if not self.recording:
+            return
+        sid = self.sid_of(tensor, produced=True)
+        if sid is not None:
+            record = self.storages[sid]
+            record.on_host = on_host
+            if role is not None:
+                record.role, record.name = role, name
 
     def adopt(self, tensor: torch.Tensor) -> None:
         """A storage allocated at the current op by something other than an op (an offload runtime's prefetch)."""
@@ -291,6 +316,9 @@ class StepRecorder(TorchDispatchMode):
             shapes.append(tuple(t.shape))
             if storages[sid].producer == index:
                 allocated.append(sid)
+                if self.tracks_host:  # NOTE [host storages] 3
+                    storages[sid].on_host = all(storages[i].on_host for i in inputs) if inputs \
+                        else self.phase == "optimizer"
         if self._refilled:  # NOTE [resized storages] 2: refilled for this op
             allocated += [sid for sid in self._refilled if sid not in allocated]
             self._refilled.clear()

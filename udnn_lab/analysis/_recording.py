@@ -26,9 +26,10 @@ def record_step(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwa
                 runtime=None, options: StepOptions = DEFAULT_STEP, scaler: torch.amp.GradScaler | None = None) -> None:
     """Run one training step with ``recorder`` watching; roles of pre-existing tensors are registered first.
 
-    ``runtime``: an OffloadRuntime to run the step under; it is entered inside the recorder,
-    so the recorder sees the step's ops as the runtime lets them run, and is told of the
-    storages the runtime allocates. ``options`` and ``scaler``: as ``run_step`` takes them.
+    ``runtime``: an OffloadRuntime to run the step under (or FSDP2's offload copies, NOTE [host
+    storages] 2); it is entered inside the recorder, so the recorder sees the step's ops as the
+    runtime lets them run, and is told (as the runtime's ``observer``) of the storages it allocates.
+    ``options`` and ``scaler``: as ``run_step`` takes them.
     """
     named = dict(model.named_parameters())
     recorder.name_parameters(named)
@@ -207,7 +208,7 @@ def _freeze(recorder: StepRecorder, model_name: str, device: str, fake: bool, no
             forward_uses.append(record.producer)
         tensors.append(TensorInfo(
             id=record.sid, name=name, nbytes=record.nbytes, dtype=record.dtype, shape=record.shape,
-            device=device if cpu_stands_for_device and record.fake else record.device,
+            device=_device_of(record, device, cpu_stands_for_device),
             category=_category(record, recorder),
             producer=record.producer, consumers=tuple(record.consumers), saved=bool(record.saved_nodes),
             saved_by=tuple(saved_by), alloc_step=record.alloc_step, free_step=record.free_step,
@@ -226,6 +227,12 @@ def _freeze(recorder: StepRecorder, model_name: str, device: str, fake: bool, no
     saved = () if cpu_stands_for_device else tuple(HookEvent(*event) for event in recorder.hook_events)
     return Graph(model_name=model_name, device=device, ops=frozen_ops, tensors=tuple(tensors), module_calls=calls,
                  fake=fake, torch_version=torch.__version__, notes=tuple(notes), hook_events=saved)
+
+
+def _device_of(record: StorageRecord, device: str, cpu_stands_for_device: bool) -> str:
+    if record.on_host:  # NOTE [host storages]
+        return "cpu"
+    return device if cpu_stands_for_device and record.fake else record.device
 
 
 def _category(record: StorageRecord, recorder: StepRecorder) -> Category:

@@ -23,6 +23,7 @@ from udnn_lab.analysis._fake.attention import CudaAttentionKernels
 from udnn_lab.analysis._fake.tensors import fake_inputs, fake_replica, meta_replica
 from udnn_lab.analysis._fake_group import CompletedCollectives, fake_process_group, rebuild_buckets
 from udnn_lab.analysis._holders import forward_releases
+from udnn_lab.analysis._host import HostCopies, PinnedCopies, offloaded_shards, with_host_note
 from udnn_lab.analysis._local_shards import LocalShardSteps, steps_on_shards
 from udnn_lab.analysis._recorder import StepRecorder
 from udnn_lab.analysis._recording import graph_from_recording, raise_explained, record_step
@@ -40,16 +41,13 @@ STREAMS_NOTE = ("one rank's memory as its tensors hold it (memory_allocated): on
 def trace_one_rank(work: Workload, parallel: Parallel, counted_as: str, fast_paths: bool) -> Graph:
     """The Graph of rank ``parallel.rank`` of ``parallel.world_size`` running ``work``'s step (the module's doc)."""
     spec = check_spec(parallel)
-    if isinstance(spec, FSDP) and spec.offload_params:
-        raise ValueError("FSDP(offload_params=True) is not traced yet: its shards live in pinned host memory, "
-                         "which a trace on CPU kernels cannot tell from the device's. Trace without it: the device "
-                         "then holds what it holds with offload, plus the sharded parameters, gradients and "
-                         "optimizer state (the breakdown's rows of those)")
     device = torch.device("cpu")  # the fake group's mesh is a CPU one; counted as ``counted_as``
     substituted = counted_as != device.type
+    offloads = isinstance(spec, FSDP) and spec.offload_params
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     shape, names = (spec.mesh_shape, spec.mesh_dim_names) if isinstance(spec, FSDP) else (None, None)
-    with fake_process_group(spec.world_size, spec.rank, shape, names) as mesh, CompletedCollectives():
+    with fake_process_group(spec.world_size, spec.rank, shape, names) as mesh, CompletedCollectives(), \
+            PinnedCopies() if offloads else nullcontext():  # NOTE [host storages] 4
         model = _wrapped(work.model, spec, mesh, fake_mode, device)
         recorder = StepRecorder(fake_mode=fake_mode, fast_paths=fast_paths)
         optimizer = _optimizer_over(work, model, counted_as)
@@ -65,13 +63,34 @@ def trace_one_rank(work: Workload, parallel: Parallel, counted_as: str, fast_pat
             _warm_up(recorder, model, args, kwargs, target, work, optimizer, scaler)
             if isinstance(spec, FSDP) and optimizer is not None and not isinstance(optimizer, LocalShardSteps):
                 _warm_up(recorder, model, args, kwargs, target, work, optimizer, scaler)  # [local shard steps] 6
+            copies = _host_copies(recorder, model, optimizer) if offloads and substituted else None
             record_step(recorder, model, args, kwargs, target, work.loss_fn, optimizer, track_saved=True,
-                        options=options, scaler=scaler)
+                        options=options, scaler=scaler, runtime=copies)
             holders = forward_releases(model, args, kwargs, target, work.loss_fn, recorder.run_op,  # [forward holders]
-                                       options, scaler)
+                                       options, scaler, runtime=copies)
             notes = [describe(spec), STREAMS_NOTE, *substitution_notes(substituted, options, attention)]
-            return graph_from_recording(recorder, work.name, counted_as, fake=True, notes=notes,
-                                        cpu_stands_for_device=substituted, holders=holders)
+            graph = graph_from_recording(recorder, work.name, counted_as, fake=True, notes=notes,
+                                         cpu_stands_for_device=substituted, holders=holders)
+    return with_host_note(graph) if offloads and substituted else graph
+
+
+def _host_copies(recorder: StepRecorder, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | None) -> HostCopies:
+    """The shards, and the optimizer's state of their parameters, start the step on the host; FSDP2's copies
+    across are made as on the device (NOTE [host storages] 2, 3). Call after the warm-up: its lazy init makes
+    the shards anew."""
+    recorder.tracks_host = True
+    shards = offloaded_shards(model)
+    for shard in shards:
+        recorder.starts_on_host(shard.tensor)
+    for state in (optimizer.state.values() if optimizer is not None else ()):
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                recorder.starts_on_host(value)
+    copies = HostCopies({id(shard.tensor.untyped_storage()): shard.name for shard in shards})
+    for param in model.parameters():  # the sharded parameters, FSDP2's own
+        param.register_post_accumulate_grad_hook(copies.gradient_to_host)
+    return copies
 
 
 def _wrapped(model: torch.nn.Module, spec: Parallel, mesh: DeviceMesh, fake_mode: FakeTensorMode,

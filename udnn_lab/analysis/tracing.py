@@ -71,6 +71,8 @@ def trace(model: torch.nn.Module | Workload, example_input: Any = None, loss_fn:
     A Workload made with ``parallel=`` (``ul.zoo.get(..., parallel=ul.FSDP(8))``) is traced as that rank without
     being told again; a ``parallel`` given here wins over the Workload's (to trace its step in one process,
     ``dataclasses.replace(work, parallel=None)``).
+    With ``FSDP(..., offload_params=True)`` what the rank keeps in host memory is the breakdown's ``host_bytes``
+    (NOTE [host storages]).
     """
     work = as_workload(model, example_input, loss_fn=loss_fn, optimizer=optimizer, target=target, name=name,
                        precision=precision, grad_accumulation=grad_accumulation, clip_grad_norm=clip_grad_norm,

@@ -13,6 +13,7 @@ KIND_COLORS = {
     "prefetch_cancelled": "#bab0ac", "stall_memory": "#d62728", "stall_prefetch": "#a50f15", "stall_sync": "#fb6a4a",
     "stall_communication": "#e7298a", "all_gather": "#17becf", "reduce_scatter": "#9467bd", "all_reduce": "#8c564b",
     "all_to_all": "#bcbd22", "point_to_point": "#7f7f7f", "collective": "#c49c94",
+    "shard_to_device": "#72b7b2", "gradient_to_host": "#f58518",
 }
 _LANE_TITLES = {"compute": "compute", "d2h": "device → host", "h2d": "host → device", "comm": "collectives",
                 "comm_copy_in": "all-gather copy-in"}

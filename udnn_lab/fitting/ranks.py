@@ -152,14 +152,17 @@ def _row(graph: Graph, spec: Parallel, budget_bytes: int, policy: str, *, profil
          per_node: int, host_budget: int | None) -> dict[str, Any]:
     traced = int(graph.cuda_peak_bytes if profile.device_type == "cuda" else graph.peak_bytes)
     at_peak = graph.breakdown()["bytes_at_peak"]
+    # FSDP2's offloaded shards, gradients and optimizer state, and the optimizer's scratch, on every rank of a node
+    offloaded = int(graph.host_peak_bytes) * per_node if isinstance(spec, FSDP) and spec.offload_params else 0
     row: dict[str, Any] = {"spec": _describe(spec), "budget_bytes": budget_bytes, "traced_peak_bytes": traced,
                            "communication_at_peak_bytes": int(at_peak.get("communication", 0)), "policy": policy,
-                           "offloads": 0, "recomputes": 0, "host_bytes_per_node": 0, "why": ""}
+                           "offloads": 0, "recomputes": 0, "host_bytes_per_node": offloaded, "why": ""}
     if policy == "keep-all" or (policy == "auto" and traced <= budget_bytes):  # auto's fastest then keeps all
         simulation = simulate(graph, None, profile, ranks_per_node=per_node)
-        fits = traced <= budget_bytes
-        return {**row, **_timing(simulation), "fits": fits, "peak_bytes": traced,
-                "why": "" if fits else f"needs {format_bytes(traced)}"}
+        on_host = host_budget is None or offloaded <= host_budget
+        why = f"needs {format_bytes(traced)}" if traced > budget_bytes else "" if on_host else \
+            f"the node's {per_node} ranks keep {format_bytes(offloaded)} of offloaded parameters in host memory"
+        return {**row, **_timing(simulation), "fits": not why, "peak_bytes": traced, "why": why}
     floor = floor_bytes(graph)
     if floor > budget_bytes:  # no plan of any policy goes under it: not worth planning
         return {**row, "fits": False, "peak_bytes": floor, "step_time_s": float("nan"),
@@ -173,9 +176,10 @@ def _row(graph: Graph, spec: Parallel, budget_bytes: int, policy: str, *, profil
                 "communication_s": float("nan"), "exposed_communication_s": float("nan"),
                 "why": f"{policy}'s plans need {format_bytes(error.minimum_bytes)}"}
     simulation = simulate(graph, chosen, profile, ranks_per_node=per_node)
-    host = chosen.host_pool_bytes * per_node
+    host = chosen.host_pool_bytes * per_node + offloaded
     fits = simulation.fits and (host_budget is None or host <= host_budget)
-    why = "" if fits else (f"the node's {per_node} pinned pools need {format_bytes(host)} of host memory"
+    pools = "pinned pools and offloaded parameters" if offloaded else "pinned pools"
+    why = "" if fits else (f"the node's {per_node} {pools} need {format_bytes(host)} of host memory"
                            if simulation.fits else f"its plan peaks at {format_bytes(simulation.peak_bytes)}")
     return {**row, **_timing(simulation), "fits": fits, "peak_bytes": int(simulation.peak_bytes),
             "offloads": len(chosen.offloads), "recomputes": len(chosen.recomputes), "host_bytes_per_node": host,

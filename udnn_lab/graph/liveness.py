@@ -72,9 +72,20 @@ class OpTable:
 
 @per_graph
 def op_table(graph: Graph) -> OpTable:
+    """The device's table: the tensors that count toward the graph's device memory."""
+    return _table(graph, tuple(graph.on_device(t) for t in graph.tensors))
+
+
+@per_graph
+def host_table(graph: Graph) -> OpTable:
+    """The host's table: the tensors a rank keeps in host memory (NOTE [host storages] in analysis/_host.py);
+    its ``on_device`` says which tensors it counts (those on the host)."""
+    return _table(graph, tuple(graph.on_host(t) for t in graph.tensors))
+
+
+def _table(graph: Graph, on_device: tuple[bool, ...]) -> OpTable:
     n_ops, n_cat = len(graph.ops), len(CATEGORY_ORDER)
     column = {c: i for i, c in enumerate(CATEGORY_ORDER)}
-    on_device = tuple(graph.on_device(t) for t in graph.tensors)
     exact = tuple(t.nbytes for t in graph.tensors)
     block = tuple(cuda_block_bytes(n) for n in exact)
     category = tuple(column[t.category] for t in graph.tensors)
@@ -102,8 +113,9 @@ def op_table(graph: Graph) -> OpTable:
                    baseline_block, gone_at_start, gone_at_start_block)
 
 
-def live_bytes(graph: Graph) -> LiveCurve:
-    table = op_table(graph)
+def live_bytes(graph: Graph, table: OpTable | None = None) -> LiveCurve:
+    """Live bytes per op of ``table``'s tensors (by default the device's)."""
+    table = op_table(graph) if table is None else table
     delta = table.alloc.copy()
     cuda_delta = table.alloc_block.copy()
     if len(delta):
@@ -138,7 +150,9 @@ def memory_curve(graph: Graph, live: LiveCurve) -> pd.DataFrame:
     return frame
 
 
-def breakdown(graph: Graph, live: LiveCurve) -> pd.DataFrame:
+def breakdown(graph: Graph, live: LiveCurve, host: LiveCurve) -> pd.DataFrame:
+    """The device's bytes per category at its peak and each category's own most; ``host_bytes``: each category's
+    most in host memory (0 unless the graph has tensors there)."""
     step = live.peak_step
     at_peak = live.baseline_per_category if step < 0 else live.per_category[step]
     most = np.maximum(live.per_category.max(axis=0, initial=0), live.baseline_per_category)
@@ -154,11 +168,12 @@ def breakdown(graph: Graph, live: LiveCurve) -> pd.DataFrame:
             "share_at_peak": at_peak / peak,
             "max_bytes": most,
             "tensors": [counts[c] for c in CATEGORY_ORDER],
+            "host_bytes": np.maximum(host.per_category.max(axis=0, initial=0), host.baseline_per_category),
         }
     )
     total = pd.DataFrame(
         [{"category": "total", "bytes_at_peak": live.peak_bytes, "share_at_peak": 1.0,
-          "max_bytes": live.peak_bytes, "tensors": sum(counts.values())}]
+          "max_bytes": live.peak_bytes, "tensors": sum(counts.values()), "host_bytes": host.peak_bytes}]
     )
     frame = pd.concat([frame, total], ignore_index=True).set_index("category")
     frame.attrs["peak_step"] = step

@@ -61,7 +61,7 @@ class TensorInfo:
     nbytes: int  # exact bytes of the storage
     dtype: str
     shape: tuple[int, ...]  # shape of the first tensor seen on this storage
-    device: str  # 'cpu' or 'cuda'
+    device: str  # 'cpu' or 'cuda'; 'cpu' in a CUDA graph: host memory (an offloaded parameter shard, ...)
     category: Category
     producer: int | None  # op that allocated it; None if it existed before the step
     consumers: tuple[int, ...]  # ops that read it, in execution order
@@ -213,8 +213,20 @@ class Graph:
         return liveness.memory_curve(self, self._live)
 
     def breakdown(self) -> pd.DataFrame:
-        """Bytes per category at the peak, with each category's own maximum over the step."""
-        return liveness.breakdown(self, self._live)
+        """Bytes per category at the peak, with each category's own maximum over the step, and its most in host
+        memory (``host_bytes``: an FSDP2 rank that offloads its parameters keeps them there)."""
+        return liveness.breakdown(self, self._live, self._host_live)
+
+    @cached_property
+    def _host_live(self):
+        return liveness.live_bytes(self, liveness.host_table(self))
+
+    @property
+    def host_peak_bytes(self) -> Bytes:
+        """Most bytes this step holds in host memory at once, besides the device's: an FSDP2 rank that offloads its
+        parameters keeps its shards, their gradients and the optimizer's state there, and steps there. A step that
+        keeps everything on its device has only what PyTorch itself keeps on the host (Adam's step counters)."""
+        return Bytes(self._host_live.peak_bytes)
 
     def layers(self) -> pd.DataFrame:
         """One row per module: execution order, calls, output bytes, saved bytes, parameters."""
@@ -255,6 +267,10 @@ class Graph:
     def on_device(self, tensor: TensorInfo) -> bool:
         """Whether ``tensor`` counts toward this graph's device memory."""
         return tensor.device == self.device
+
+    def on_host(self, tensor: TensorInfo) -> bool:
+        """Whether ``tensor`` lives in host memory beside a device's (a CPU step's tensors are its device's)."""
+        return tensor.device == "cpu" and self.device != "cpu"
 
     def tensors_frame(self) -> pd.DataFrame:
         """Every tensor as one row (ids, bytes, category, producer, uses, life)."""

@@ -44,6 +44,18 @@ NOTE [collectives]
      collectives' own staging uses, and the links' contention between collectives and offload copies.
   7. Memory is counted by op as for any op (NOTE [simulated streams] 4): buffers live from the op the trace
      allocated them at, whatever stream runs it; an op moved off compute does not wait for the budget.
+  8. A rank that offloads its parameters (FSDP2's CPUOffloadPolicy; NOTE [host storages] in analysis/_host.py)
+     copies each shard to the device before its all-gather and each reduced gradient shard to the host: ops
+     whose input is on one side and output on the other (``host_copies``). A shard's copy runs on the
+     host-to-device stream and, being issued on FSDP2's copy-in stream, as a copy-in does (NOTE 4): the copy-in
+     starts once it is done, and so does compute where it reads it. A gradient's copy runs on the
+     device-to-host stream once the reduce-scatter (or the op after it) has written it; the optimizer step
+     starts once every gradient is on the host (finalize_backward synchronizes on each copy). Both are timed
+     as offload copies are (pinned: FSDP2 pins the host's shards), the node's host memory shared as in 6. Ops
+     that touch host tensors only (the optimizer step) run on the host: bytes read and written over the node's
+     host memory bandwidth shared by its ranks (``host_memory_bytes_per_s``), on the compute lane, since the
+     step waits for them. That is a lower bound: it leaves out the CPU's arithmetic and how many cores the
+     ranks' optimizer threads get, which can make a real host step slower.
 """
 
 from __future__ import annotations
@@ -81,6 +93,36 @@ def span(op: OpInfo) -> int:
 
 def has_collectives(graph: Graph) -> bool:
     return any(op.ranks > 1 for op in graph.ops)
+
+
+def host_copies(graph: Graph) -> dict[int, str]:
+    """Op index -> 'h2d' or 'd2h', for each op that copies a storage from one side to the other (NOTE 8): its one
+    output, new, is on the other side of its one input (a storage FSDP2 refills at the op may come with it)."""
+    found = {}
+    for op in graph.ops:
+        if len(op.inputs) != 1 or len(op.outputs) != 1 or op.outputs[0] not in op.allocated:
+            continue
+        source, made = graph.tensors[op.inputs[0]], graph.tensors[op.outputs[0]]
+        if graph.on_host(source) and graph.on_device(made):
+            found[op.index] = "h2d"
+        elif graph.on_device(source) and graph.on_host(made):
+            found[op.index] = "d2h"
+    return found
+
+
+def host_ops(graph: Graph) -> list[int]:
+    """The ops that touch host tensors only: they run on the host (NOTE 8)."""
+    return [op.index for op in graph.ops if (op.inputs or op.outputs)
+            and all(graph.on_host(graph.tensors[t]) for t in (*op.inputs, *op.outputs))]
+
+
+def host_op_time_s(op: OpInfo, hardware: Hardware, ranks_on_node: int) -> float:
+    """An op run on the host: its bytes over the node's host memory, shared by the ranks on it (NOTE 8)."""
+    if hardware.host_memory_bytes_per_s is None:
+        raise ValueError(f"this graph's optimizer steps on the host (FSDP2 offloading its parameters), and hardware "
+                         f"profile {hardware.name!r} has no host_memory_bytes_per_s to time it with: simulate it on "
+                         f"a profile with one (e.g. 'h100-sxm', 'a100'), or add it, with its source, to a copy")
+    return (op.bytes_read + op.bytes_written) / (hardware.host_memory_bytes_per_s / ranks_on_node)
 
 
 def ring(name: str, ranks: int) -> tuple[str, float, int]:
@@ -165,13 +207,18 @@ class Communication:
         host = self.links.host_memory_bytes_per_s
         return bandwidth if host is None else min(bandwidth, host / self.ranks_on_node)
 
-    def run_off_compute(self, op: OpInfo, clock: float) -> tuple:
-        """Schedule a collective or a copy-in on its stream; the timeline row it makes."""
+    def copy_in_ready(self, op: OpInfo) -> float:
+        """When the copy-in stream may start ``op`` (NOTE [collectives] 4, 8)."""
+        if op.phase != "forward" and self.forward_copy_out is not None:  # the root's post-forward
+            self.gate, self.forward_copy_out = max(self.gate, self.forward_copy_out), None
+        return max(self.copy_in_free, self.gate)
+
+    def run_off_compute(self, op: OpInfo, clock: float, fed_s: float = 0.0) -> tuple:
+        """Schedule a collective or a copy-in on its stream, not before ``fed_s`` (its inputs' copies to the
+        device); the timeline row it makes."""
         i = op.index
         if i in self.copy_ins:
-            if op.phase != "forward" and self.forward_copy_out is not None:  # the root's post-forward
-                self.gate, self.forward_copy_out = max(self.gate, self.forward_copy_out), None
-            start = max(self.copy_in_free, self.gate)
+            start = max(self.copy_in_ready(op), fed_s)
             end = self.copy_in_free = start + self.times[i]
             for tensor in op.outputs:
                 self.written[tensor] = self.ready[tensor] = end

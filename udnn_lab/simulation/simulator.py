@@ -39,7 +39,7 @@ from udnn_lab.graph.liveness import op_table
 from udnn_lab.graph.plan_ir import Offload, Plan, Recompute
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware.profiles import Hardware
-from udnn_lab.simulation._communication import Communication, has_collectives
+from udnn_lab.simulation._communication import Communication, has_collectives, host_copies, host_op_time_s, host_ops
 from udnn_lab.simulation._result import Simulation
 from udnn_lab.simulation._tables import StepRecord, compute_time_s, counted_peak_bytes
 from udnn_lab.units import Bytes
@@ -142,7 +142,27 @@ class _Run:
         self.not_before: dict[int, int] = {}  # offloaded tensor -> the first op before which forward lets it go
         self.held: set[int] = set()  # copies done, tensors forward still holds
         self.comm = Communication(graph, cost, self.times) if has_collectives(graph) else None
+        self._index_host_copies()
         self._index_actions()
+
+    def _index_host_copies(self) -> None:
+        """An offloading rank's copies across, what else runs on the copy-in stream, and its host ops (NOTE
+        [collectives] 8)."""
+        graph, memo = self.graph, self.cost.memo
+        key = ("host_copies", id(graph), graph.fingerprint)
+        if key not in memo:
+            copies = host_copies(graph)
+            made = {graph.ops[i].outputs[0] for i, way in copies.items() if way == "h2d"}
+            casts = {op.index for op in graph.ops if op.index not in copies and op.inputs and op.allocated
+                     and all(t in made for t in op.inputs)}  # mixed precision's cast of a shard's copy
+            memo[key] = (copies, casts, host_ops(graph) if copies else [])
+        self.copies, casts, on_host = memo[key]
+        self.copy_in_casts = casts if self.comm is not None else set()
+        self.copied: dict[int, float] = {}  # a copy's (or its cast's) output -> when it is done
+        self.gradients_home = 0.0  # when the last gradient copied to the host is there
+        ranks_on_node = self.comm.ranks_on_node if self.comm is not None else 1
+        for i in on_host:
+            self.times[i] = host_op_time_s(self.graph.ops[i], self.cost.hardware, ranks_on_node)
 
     def _index_actions(self) -> None:
         on_device = self.static.on_device
@@ -253,6 +273,9 @@ class _Run:
 
     def _step(self, op, clock: float) -> tuple[float, float]:
         i = op.index
+        if i in self.copies or i in self.copy_in_casts:  # NOTE [collectives] 8
+            self._host_copy(op, clock)
+            return clock, clock
         if i not in self.action_ops:
             if self.comm is not None and i in self.comm.off_compute:  # NOTE [collectives] 7
                 return clock, self._run_op(op, clock)
@@ -287,12 +310,51 @@ class _Run:
             self._offload(offload, end, i)
         return ready, end
 
+    def _host_copy(self, op, clock: float) -> None:
+        """A shard's copy to the device (or its cast, on the copy-in stream), or a gradient's to the host (NOTE
+        [collectives] 8); compute goes on."""
+        i = op.index
+        made = self.graph.tensors[op.outputs[0]]
+        way = self.copies.get(i)
+        if way == "d2h":
+            written = [self.comm.written.get(t, 0.0) for t in op.inputs] if self.comm is not None else []
+            start = max([self.d2h_free, clock, *written])
+            end = self.d2h_free = start + self._transfer_time_s(made.nbytes, "d2h", True)
+            self.d2h_bytes += made.nbytes
+            self.gradients_home = end
+            row = ("d2h", "gradient_to_host", start, end, i, op.name, op.module, made.name, made.nbytes)
+        else:
+            issued = self.comm.copy_in_ready(op) if self.comm is not None else clock
+            start = max(issued, self._fed(op))
+            if way == "h2d":
+                start = max(start, self.h2d_free)
+                end = self.h2d_free = start + self._transfer_time_s(made.nbytes, "h2d", True)
+                self.h2d_bytes += made.nbytes
+                row = ("h2d", "shard_to_device", start, end, i, op.name, op.module, made.name, made.nbytes)
+            else:
+                end = start + self.times[i]
+                row = ("comm_copy_in", "op", start, end, i, op.name, op.module, "", 0)
+            if self.comm is not None:
+                self.comm.copy_in_free = end
+        for tensor in op.allocated:
+            self.copied[tensor] = end
+        self.counted += self.own[i] - self.gone[i]
+        self.timeline.append(row)
+
+    def _fed(self, op) -> float:
+        """When the copies across that ``op`` reads are done (0 for none)."""
+        return max([self.copied[t] for t in op.inputs if t in self.copied], default=0.0)
+
     def _run_op(self, op, start: float) -> float:
         i = op.index
         if self.comm is not None and i in self.comm.off_compute:  # on its own stream: compute goes on
-            self.timeline.append(self.comm.run_off_compute(op, start))
+            self.timeline.append(self.comm.run_off_compute(op, start, self._fed(op)))
             self.counted += self.own[i] - self.gone[i]
             return start
+        if self.copied:
+            fed = max(start, self._fed(op), self.gradients_home if op.phase == "optimizer" else 0.0)
+            self._stall(start, fed, i, "stall_sync" if op.phase == "optimizer" else "stall_prefetch")
+            start = fed
         if self.comm is not None:
             ready = self.comm.ready_for(op, start)
             if ready > start:
