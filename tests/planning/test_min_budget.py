@@ -29,7 +29,7 @@ def test_auto_reaches_the_exact_planner_s_least_budget(name, batch):
     below = auto_least - int(graph.cuda_peak_bytes * RESOLUTION) - 1
     assert graph.cuda_baseline_bytes < below < auto_least
     def fits(budget: int) -> bool:
-        return simulate_with(graph, exact_plan(graph, cost, budget, time_limit_s=60.0, must_prove=False).plan,
+        return simulate_with(graph, exact_plan(graph, cost, budget, time_limit_s=10.0, must_prove=False).plan,
                              cost).fits
 
     assert fits(auto_least)  # the exact planner finds what auto found
