@@ -6,7 +6,10 @@ tensors, the model on the meta device: no GPU, no weights) and simulates it on t
 are predictions, the seconds are measured here. Batch 1 per rank, 4096 tokens, bf16-mixed, AdamW. Prints the
 table and writes JSON.
 
-    python benchmarks/world_size_sweep.py [--worlds 1 2 4 ... 1024] [--out data/benchmarks/world_size_sweep.json]
+    python benchmarks/world_size_sweep.py [--worlds 1 2 4 ... 1024] [--workers N] [--out data/benchmarks/...json]
+
+The ranks are traced in up to one process per core (NOTE [sweep processes]); the table's trace and plan seconds
+are each rank's own, so on several processes they add up to more than the sweep took.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 import udnn_lab as ul
 from udnn_lab.devices import device_name
+from udnn_lab.fitting._sweep_processes import processes_for
 
 MODEL, BATCH, SEQ_LEN, PRECISION, HARDWARE = "hf:llama-3-8b", 1, 4096, "bf16-mixed", "h100-sxm"
 BUDGETS = ("80GB", "40GiB")
@@ -31,6 +35,8 @@ SETUPS = ("DDP", "FSDP2", "FSDP2+offload")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2 ** k for k in range(11)])
+    parser.add_argument("--workers", type=int, default=None,
+                        help="processes tracing ranks, this one included (default: one per core)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "data" / "benchmarks"
                         / "world_size_sweep.json")
     args = parser.parse_args()
@@ -39,12 +45,15 @@ def main() -> None:
     budgets = [hardware.memory_bytes if b == "80GB" else ul.parse_bytes(b) for b in BUDGETS]
     work = ul.zoo.get(MODEL, batch=BATCH, seq_len=SEQ_LEN, device="meta", precision=PRECISION, optimizer="adamw")
     start = time.perf_counter()
-    table = ul.sweep(work, budgets, world_sizes=args.worlds, hardware=hardware, setups=list(SETUPS), progress=True)
+    table = ul.sweep(work, budgets, world_sizes=args.worlds, hardware=hardware, setups=list(SETUPS), progress=True,
+                     workers=args.workers)
     total_s = time.perf_counter() - start
     traces = table[table.trace_s > 0].drop_duplicates(["world_size", "spec"])  # DDP ranks of 2+ are traced once
+    processes = processes_for(len(traces), args.workers)
     print(f"{MODEL}, batch {BATCH} x {SEQ_LEN} tokens per rank, {PRECISION}, AdamW, on {HARDWARE} (predicted); "
           f"{len(traces)} traces ({traces.trace_s.sum():.1f} s), {int((table.plan_s > 0).sum())} plans "
-          f"({table.plan_s.sum():.1f} s): the whole sweep {total_s:.1f} s on this machine")
+          f"({table.plan_s.sum():.1f} s) in up to {processes} processes: the whole sweep {total_s:.1f} s on this "
+          "machine")
     print(f"{'world':>6} {'setup':<14} {'budget':>10} {'fits':>5} {'peak/rank':>11} {'step':>9} {'collectives':>11} "
           f"{'exposed':>8} {'trace':>6} {'plan':>6}")
     for row in table.itertuples():
@@ -59,7 +68,7 @@ def main() -> None:
                 "machine": {"python": platform.python_version(), "torch": torch.__version__,
                             "cpu": device_name("cpu"), "threads": torch.get_num_threads()},
                 "model": MODEL, "batch": BATCH, "seq_len": SEQ_LEN, "precision": PRECISION, "hardware": HARDWARE,
-                "predicted": True, "sweep_s": total_s, "traces": len(traces),
+                "predicted": True, "sweep_s": total_s, "traces": len(traces), "processes": processes,
                 "rows": json.loads(table.to_json(orient="records"))}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(document, indent=1))
