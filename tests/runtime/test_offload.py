@@ -24,7 +24,8 @@ INSTANT = dataclasses.replace(CPU, **{f"{d}_{m}_{k}": (1e18 if k == "bytes_per_s
                                       for k in ("bytes_per_s", "latency_s")})
 
 ZOO = [("alexnet", {"image_size": 64}), ("vgg11", {"image_size": 32}), ("vgg16", {"image_size": 32}),
-       ("vgg19", {"image_size": 32}), ("googlenet", {"image_size": 64}), ("inception_v3", {}), ("inception_v4", {"image_size": 80}),
+       ("vgg19", {"image_size": 32}), ("googlenet", {"image_size": 64}), ("inception_v3", {}),
+       ("inception_v4", {"image_size": 80}),
        ("resnet18", {"image_size": 32}), ("resnet34", {"image_size": 32}), ("resnet50", {"image_size": 32}),
        ("resnet101", {"image_size": 32}), ("resnet152", {"image_size": 32}), ("densenet121", {"image_size": 32}),
        ("densenet201", {"image_size": 32}), ("resnet164", {}), ("resnet1001", {}), ("mlp5", {}), ("lstm", {}),
