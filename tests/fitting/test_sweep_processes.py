@@ -106,3 +106,11 @@ def test_an_error_in_a_worker_is_raised_here_with_where_it_happened(monkeypatch)
         ul.sweep("mlp3", "1GiB", workers=2, setups=["ZeRO"], world_sizes=[2], batch=4)
     with pytest.raises(ValueError, match="workers is how many processes"):
         ul.sweep("mlp3", "1GiB", workers=0, world_sizes=[2], batch=4)
+
+
+def test_real_weights_above_the_limit_are_not_sent_to_workers(monkeypatch):
+    monkeypatch.setattr(_sweep_processes, "WORKER_COPY_BYTES", 1024)  # mlp3 built on the CPU holds more
+    with pytest.warns(UserWarning, match=r"weights are real .*device='meta'"):
+        table = ul.sweep("mlp3", "1GiB", workers=2, world_sizes=[2, 4], setups=["FSDP2"], progress=False, batch=4,
+                         device="cpu")
+    assert len(table) == 2 and table.fits.all()

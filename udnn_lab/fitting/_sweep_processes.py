@@ -10,7 +10,9 @@ NOTE [sweep processes]
      ``__main__`` is not run again. Starting one costs seconds of imports, so they start only once the first
      rank, traced here, says the rest would take longer than that; ``workers=`` given starts them at once.
   3. The job reaches them pickled. A worker that cannot rebuild it (a model class defined in a notebook or a
-     script) exits before it claims anything, and this process traces what it would have.
+     script) exits before it claims anything, and this process traces what it would have. A model whose weights
+     are real and above WORKER_COPY_BYTES is not sent at all (every worker would hold a copy; a trace needs only
+     their shapes, so a model built on the meta device costs nothing to send).
   4. A result is written under a temporary name and renamed: a result file seen is whole. A rank claimed by a
      worker that ended without its result is traced here.
   5. Workers are ended on the way out, whatever happened (Ctrl-C, an error): none outlives the sweep.
@@ -31,9 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from udnn_lab.fitting._rank_jobs import RankJob, Traced
+from udnn_lab.units import format_bytes
 
 WORKER_START_S = 4.0  # a fresh interpreter importing torch, transformers and udnn_lab: 2.5-3.6 s measured here
 POLL_S = 0.05
+WORKER_COPY_BYTES = 256 << 20  # real weights sent to each worker, at most (NOTE [sweep processes] 3)
 CANNOT_REBUILD = 3  # a worker's exit status when the job does not unpickle there (NOTE [sweep processes] 3)
 
 
@@ -134,10 +138,17 @@ class _Workers:
 
     def __init__(self, folder: Path, job: RankJob, count: int, asked: bool = False) -> None:
         self.folder, self.count, self.processes, self.asked = folder, 0, [], asked
+        model = job.work.model
+        real = sum(t.nbytes for t in (*model.parameters(), *model.buffers()) if t.device.type != "meta")
+        if real > WORKER_COPY_BYTES:
+            self._told(f"the model's weights are real ({format_bytes(real)}) and each worker would hold a copy; "
+                       "build the workload on the meta device (device='meta') for workers")
+            return
         try:
             (folder / "job.pkl").write_bytes(pickle.dumps(job))
         except Exception as error:  # a job that does not pickle (a lambda as loss): traced here, one after another
-            self._told(f"the workload does not pickle ({type(error).__name__}: {error})")
+            self._told(f"the workload does not pickle ({type(error).__name__}: {error}; define the model, loss and "
+                       "optimizer at a module's top level for workers)")
             return
         env = {**os.environ, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
@@ -156,13 +167,14 @@ class _Workers:
             return True
         if any(process.returncode == CANNOT_REBUILD for process in self.processes):
             log = (self.folder / "worker0.log").read_text(errors="replace").strip().splitlines()
-            self._told(log[-1] if log else "a worker could not rebuild the workload")
+            self._told((log[-1] if log else "a worker could not rebuild the workload")
+                       + " (define the model, loss and optimizer at a module's top level for workers)")
         return False
 
     def _told(self, why: str) -> None:
         if self.asked:
-            warnings.warn(f"workers= asked for worker processes, but {why}: the ranks are traced in this process "
-                          "(define the model, loss and optimizer at a module's top level for workers)", stacklevel=4)
+            warnings.warn(f"workers= asked for worker processes, but {why}: the ranks are traced in this process",
+                          stacklevel=4)
             self.asked = False
 
     def collect(self, results: dict[int, Traced], on_done: Callable[[Traced, int], None]) -> None:
