@@ -116,7 +116,7 @@ def run_ranks(job: RankJob, workers: int | None, on_done: Callable[[Traced, int]
                 if pool is None and most > 1 and remaining >= 2 and \
                         remaining * (time.perf_counter() - start) * (1 - 1 / most) > WORKER_START_S:
                     pool = _Workers(folder, job, min(most - 1, remaining))
-                if pool and pool.running():
+                if pool:
                     pool.collect(results, on_done)
             while pool and len(results) < tasks:
                 pool.collect(results, on_done)
@@ -163,13 +163,7 @@ class _Workers:
         return bool(self.processes)
 
     def running(self) -> bool:
-        if any(process.poll() is None for process in self.processes):
-            return True
-        if any(process.returncode == CANNOT_REBUILD for process in self.processes):
-            log = (self.folder / "worker0.log").read_text(errors="replace").strip().splitlines()
-            self._told((log[-1] if log else "a worker could not rebuild the workload")
-                       + " (define the model, loss and optimizer at a module's top level for workers)")
-        return False
+        return any(process.poll() is None for process in self.processes)
 
     def _told(self, why: str) -> None:
         if self.asked:
@@ -185,7 +179,10 @@ class _Workers:
                 on_done(results[index], 1 + self.count)
 
     def end(self) -> None:
-        self.running()  # tells of a worker that could not rebuild the job
+        if any(process.poll() == CANNOT_REBUILD for process in self.processes):
+            log = (self.folder / "worker0.log").read_text(errors="replace").strip().splitlines()
+            self._told((log[-1] if log else "a worker could not rebuild the workload")
+                       + " (define the model, loss and optimizer at a module's top level for workers)")
         for process in self.processes:
             if process.poll() is None:
                 process.kill()
