@@ -104,8 +104,8 @@ class TrainingPanel:
             self.report(f"{reason}: training stopped" if reason else "training stopped")
         self._view += 1
         self.rows = []
+        self.progress.value, self.progress.description = 0, ""  # before the chart: a browser sees it go first
         self.chart.chart = None
-        self.progress.value, self.progress.description = 0, ""
 
     def _train(self, work, batches, chosen, steps: int, budget_bytes, predicted: int, view: int,
                parallel: Parallel | None) -> None:
