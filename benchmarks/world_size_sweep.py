@@ -9,7 +9,9 @@ table and writes JSON.
     python benchmarks/world_size_sweep.py [--worlds 1 2 4 ... 1024] [--workers N] [--out data/benchmarks/...json]
 
 The ranks are traced in up to one process per core (NOTE [sweep processes]); the table's trace and plan seconds
-are each rank's own, so on several processes they add up to more than the sweep took.
+are each rank's own, so on several processes they add up to more than the sweep took. A rank made from traced ones
+rather than traced (DDP at every size from one; FSDP2 where the traced sizes' shard rows span its own: NOTE [FSDP
+ranks across world sizes]) shows a trace of 0 s.
 """
 
 from __future__ import annotations
@@ -48,10 +50,13 @@ def main() -> None:
     table = ul.sweep(work, budgets, world_sizes=args.worlds, hardware=hardware, setups=list(SETUPS), progress=True,
                      workers=args.workers)
     total_s = time.perf_counter() - start
-    traces = table[table.trace_s > 0].drop_duplicates(["world_size", "spec"])  # DDP ranks of 2+ are traced once
-    processes = processes_for(len(traces), args.workers)
+    ranks = table.drop_duplicates(["world_size", "spec"])
+    traces, made = ranks[ranks.trace_s > 0], ranks[ranks.trace_s == 0]  # made: from traced ranks, not traced
+    processes = processes_for(len(ranks), args.workers)
     print(f"{MODEL}, batch {BATCH} x {SEQ_LEN} tokens per rank, {PRECISION}, AdamW, on {HARDWARE} (predicted); "
-          f"{len(traces)} traces ({traces.trace_s.sum():.1f} s), {int((table.plan_s > 0).sum())} plans "
+          f"{len(traces)} traces ({traces.trace_s.sum():.1f} s), {len(made)} ranks made from them (DDP: "
+          f"{', '.join(map(str, made[made.setup == 'DDP'].world_size))}; FSDP2: "
+          f"{', '.join(map(str, made[made.setup == 'FSDP2'].world_size))}), {int((table.plan_s > 0).sum())} plans "
           f"({table.plan_s.sum():.1f} s) in up to {processes} processes: the whole sweep {total_s:.1f} s on this "
           "machine")
     print(f"{'world':>6} {'setup':<14} {'budget':>10} {'fits':>5} {'peak/rank':>11} {'step':>9} {'collectives':>11} "
@@ -68,7 +73,8 @@ def main() -> None:
                 "machine": {"python": platform.python_version(), "torch": torch.__version__,
                             "cpu": device_name("cpu"), "threads": torch.get_num_threads()},
                 "model": MODEL, "batch": BATCH, "seq_len": SEQ_LEN, "precision": PRECISION, "hardware": HARDWARE,
-                "predicted": True, "sweep_s": total_s, "traces": len(traces), "processes": processes,
+                "predicted": True, "sweep_s": total_s, "traces": len(traces), "made_from_traces": len(made),
+                "processes": processes,
                 "rows": json.loads(table.to_json(orient="records"))}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(document, indent=1))

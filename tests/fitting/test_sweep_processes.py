@@ -16,7 +16,7 @@ from udnn_lab.fitting import _sweep_processes, ranks
 from udnn_lab.fitting._rank_jobs import RankJob
 
 TIMES = ["trace_s", "plan_s"]
-SWEEP = dict(world_sizes=[1, 2, 4, 8], setups=["DDP", "FSDP2", "FSDP2+offload"], progress=False)
+SWEEP = dict(world_sizes=[1, 2, 4, 8, 16, 32], setups=["DDP", "FSDP2", "FSDP2+offload"], progress=False)
 
 
 def _children() -> set[int]:
@@ -32,7 +32,9 @@ def test_workers_give_the_rows_this_process_gives_and_end_with_the_sweep():
     assert _children() == before
     assert shared.drop(columns=TIMES).equals(alone.drop(columns=TIMES))
     traced = shared[shared.trace_s > 0].drop_duplicates(["world_size", "spec"])
-    assert len(traced) == 2 + 4  # DDP 1 and 2 (4 and 8 are made from 2), FSDP2 1, 2, 4 and 8
+    # DDP 2 (the others are made from it); FSDP2 1 to 16, and 32 made from 2 to 16 (8 and 16 split mlp3's 10-row
+    # layer unevenly, each in a new way: NOTE [FSDP ranks across world sizes])
+    assert len(traced) == 1 + 5 and set(shared[shared.trace_s == 0].world_size) == {1, 4, 8, 16, 32}
 
 
 def _waiting_for(tmp_path, monkeypatch, pattern: str, workers_end: bool = False) -> None:
@@ -41,13 +43,13 @@ def _waiting_for(tmp_path, monkeypatch, pattern: str, workers_end: bool = False)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     run = RankJob.run
 
-    def after_the_worker(job, index):  # this process only: a worker runs the real one
+    def after_the_worker(job, index, done):  # this process only: a worker runs the real one
         deadline = time.monotonic() + 60
         while not any(path.stat().st_size for path in tmp_path.glob(pattern)) and time.monotonic() < deadline:
             time.sleep(0.05)
         while workers_end and _children() and time.monotonic() < deadline:
             time.sleep(0.05)
-        return run(job, index)
+        return run(job, index, done)
 
     monkeypatch.setattr(RankJob, "run", after_the_worker)
 
@@ -96,8 +98,11 @@ def test_a_job_a_worker_cannot_rebuild_is_traced_here(tmp_path, monkeypatch):
 def test_a_job_that_does_not_pickle_is_traced_here():
     with pytest.warns(UserWarning, match="the workload does not pickle"):
         table = ul.sweep(_local_work(lambda out: out.sum()), "1GiB", workers=2, hardware="cpu-amd-epyc-2cpu",
-                         **SWEEP)
+                         **{**SWEEP, "world_sizes": [1, 2, 4, 8]})
     assert len(table) == 4 * 3 and table.fits.all()
+    with pytest.raises(ValueError, match="has no inter-node figures: give ranks_per_node of at least 16"):
+        ul.sweep(_local_work(), "1GiB", hardware="cpu-amd-epyc-2cpu", world_sizes=[16], setups=["DDP"],
+                 progress=False)
 
 
 def test_an_error_in_a_worker_is_raised_here_with_where_it_happened(monkeypatch):

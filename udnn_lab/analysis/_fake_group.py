@@ -23,6 +23,7 @@ NOTE [one rank of N]
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -48,11 +49,13 @@ def fake_process_group(world_size: int, rank: int = 0, mesh_shape: tuple[int, ..
         raise RuntimeError(
             "a parallel trace runs one rank of a fake process group of its own, and this process already has a "
             "process group: trace before torch.distributed.init_process_group, or in a process without one")
+    hook = sys.excepthook  # init_process_group wraps it to prefix "[rank0]: " and destroying the group leaves it
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield init_device_mesh("cpu", mesh_shape or (world_size,), mesh_dim_names=mesh_dim_names)
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 class CompletedCollectives(TorchDispatchMode):

@@ -190,10 +190,13 @@ class PinnedCopies(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+HOST_NOTE_START = "parameters offloaded (FSDP2's CPUOffloadPolicy)"
+
+
 def with_host_note(graph: Graph) -> Graph:
     """``graph`` with a note of what the rank keeps in host memory (NOTE [host storages])."""
     host = graph.breakdown()["host_bytes"]
-    note = (f"parameters offloaded (FSDP2's CPUOffloadPolicy): this rank's host memory holds "
+    note = (f"{HOST_NOTE_START}: this rank's host memory holds "
             f"{format_bytes(host['parameter'])} of sharded parameters, {format_bytes(host['parameter_gradient'])} "
             f"of gradients and {format_bytes(host['optimizer_state'])} of optimizer state, "
             f"{format_bytes(graph.host_peak_bytes)} at most with the optimizer step's scratch (the breakdown's "

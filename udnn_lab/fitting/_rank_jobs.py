@@ -10,9 +10,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from udnn_lab.analysis import trace
+from udnn_lab.fitting._fsdp_ranks import TracedSizes, derivable, family, plan_traces, sharded_rows
 from udnn_lab.graph import Graph
 from udnn_lab.hardware import Hardware
-from udnn_lab.parallel import DDP, Parallel, describe
+from udnn_lab.parallel import DDP, FSDP, Parallel, describe
 from udnn_lab.workload import Workload
 
 RowMaker = Callable[[Graph, Parallel, int, str], dict[str, Any]]  # graph, spec, budget, policy -> a row's columns
@@ -20,19 +21,20 @@ RowMaker = Callable[[Graph, Parallel, int, str], dict[str, Any]]  # graph, spec,
 
 @dataclass(frozen=True)
 class Traced:
-    """One traced rank: its rows (every setup that uses its spec, x budgets x policies) and, for the DDP rank
-    that other DDP ranks are made from, its graph."""
+    """One rank, traced or made from traced ones: its rows (every setup that uses its spec, x budgets x
+    policies) and, for a traced rank that others are made from, its graph."""
 
     spec: Parallel
     graph: Graph | None
-    trace_s: float
+    trace_s: float  # 0: made from traced ranks
     rows: tuple[dict[str, Any], ...]
     pid: int = field(default_factory=os.getpid)  # the process that traced it (NOTE [sweep processes])
 
 
 @dataclass(frozen=True)
 class RankJob:
-    """What a sweep traces and how it turns each rank into rows."""
+    """What a sweep traces, what it makes from traced ranks, and how it turns each rank into rows. Its tasks are
+    the ranks to trace, then those made from them (``needs`` says from which)."""
 
     work: Workload
     profile: Hardware
@@ -40,12 +42,37 @@ class RankJob:
     policies: list[str]
     specs: dict[tuple[str, int], Parallel]  # (setup, world size) -> the rank's spec
     make_row: RowMaker
-    traced: list[Parallel] = field(init=False)
+    tasks: list[Parallel] = field(init=False)  # traced ones first
+    traced: int = field(init=False)  # how many of the tasks are traced
+    _families: dict[Parallel, TracedSizes] = field(init=False, default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         distinct = list(dict.fromkeys(self.specs.values()))  # HSDP within one node is FSDP2: traced once
         base = next((spec for spec in distinct if isinstance(spec, DDP) and spec.world_size >= 2), None)
-        object.__setattr__(self, "traced", [spec for spec in distinct if not made_from(spec, base)])
+        made = {spec for spec in distinct if made_from(spec, base)}
+        rows = sharded_rows(self.work.model)
+        for kin in dict.fromkeys(family(spec) for spec in distinct if derivable(spec)):
+            sizes = [spec.world_size for spec in distinct if derivable(spec) and family(spec) == kin]
+            _, derived = plan_traces(sizes, rows)  # NOTE [FSDP ranks across world sizes] 4
+            if derived:
+                made |= {replace(kin, world_size=size) for size in derived}
+                self._families[kin] = TracedSizes(rows or ())
+        traced = [spec for spec in distinct if spec not in made]
+        object.__setattr__(self, "tasks", traced + [spec for spec in distinct if spec in made])
+        object.__setattr__(self, "traced", len(traced))
+
+    def needs(self, index: int) -> list[int]:
+        """The traced tasks that task ``index`` is made from (none for a traced one)."""
+        if index < self.traced:
+            return []
+        spec = self.tasks[index]
+        if isinstance(spec, DDP):
+            return [i for i in range(self.traced) if made_from(spec, self.tasks[i])]
+        return [i for i in range(self.traced) if derivable(self.tasks[i]) and family(self.tasks[i]) == family(spec)]
+
+    def is_base(self, index: int) -> bool:
+        """Whether another task is made from this one (its graph then comes back with its rows)."""
+        return any(index in self.needs(other) for other in range(self.traced, len(self.tasks)))
 
     def setups_of(self, spec: Parallel) -> list[str]:
         return [setup for (setup, _), other in self.specs.items() if other == spec]
@@ -54,18 +81,34 @@ class RankJob:
         offloads = sum(setup.endswith("+offload") for setup in self.setups_of(spec))
         return offloads * len(self.budgets) * len(self.policies)
 
-    def run(self, index: int) -> Traced:
-        spec = self.traced[index]
+    def run(self, index: int, done: Callable[[list[int]], list[Traced]]) -> Traced:
+        """Task ``index``'s rows; ``done(indices)`` gives the traced tasks it is made from (waiting for them)."""
+        spec = self.tasks[index]
+        if index >= self.traced:
+            return self._derived(spec, done(self.needs(index)))
+        return self._traced(spec, keep=self.is_base(index))
+
+    def _traced(self, spec: Parallel, keep: bool) -> Traced:
         start = time.perf_counter()
         graph = trace(self.work, device=self.profile.device_type, parallel=spec)
         seconds = time.perf_counter() - start
-        return Traced(spec, graph if isinstance(spec, DDP) else None, seconds, self.rows(spec, graph, seconds))
+        return Traced(spec, graph if keep else None, seconds, self.rows(spec, graph, seconds))
 
-    def derived(self, spec: Parallel, found: dict[Parallel, Traced]) -> Traced:
-        """The rows of a DDP rank not traced itself, from the DDP rank that was (``same_ddp_rank``)."""
-        done = next(done for done in found.values() if made_from(spec, done.spec))
-        assert done.graph is not None  # a traced DDP rank keeps its graph
-        return Traced(spec, None, 0.0, self.rows(spec, same_ddp_rank(spec, done.spec, done.graph), 0.0))
+    def _derived(self, spec: Parallel, bases: list[Traced]) -> Traced:
+        """A DDP rank from the DDP rank traced (``same_ddp_rank``); an FSDP2 rank from the same rank at other
+        world sizes (NOTE [FSDP ranks across world sizes]), or, where that cannot be exact after all, traced."""
+        if isinstance(spec, DDP):
+            done = bases[0]
+            assert done.graph is not None  # a base keeps its graph
+            return Traced(spec, None, 0.0, self.rows(spec, same_ddp_rank(spec, done.spec, done.graph), 0.0))
+        assert isinstance(spec, FSDP)
+        sizes = self._families[family(spec)]
+        for done in bases:
+            assert done.graph is not None and isinstance(done.spec, FSDP)
+            sizes.add(done.spec, done.graph)
+        graph = sizes.derive(spec)
+        return self._traced(spec, keep=False) if graph is None else Traced(spec, None, 0.0,
+                                                                           self.rows(spec, graph, 0.0))
 
     def rows(self, spec: Parallel, graph: Graph, trace_s: float) -> tuple[dict[str, Any], ...]:
         rows = []
@@ -81,14 +124,15 @@ class RankJob:
 
 def made_from(spec: Parallel, traced: Parallel | None) -> bool:
     """Whether ``spec``'s rank is made from ``traced``'s rather than traced (``same_ddp_rank``)."""
-    return isinstance(spec, DDP) and isinstance(traced, DDP) and spec != traced and spec.world_size >= 2 \
-        and traced.world_size >= 2 and replace(traced, world_size=spec.world_size) == spec
+    return isinstance(spec, DDP) and isinstance(traced, DDP) and spec != traced and traced.world_size >= 2 \
+        and replace(traced, world_size=spec.world_size) == spec
 
 
 def same_ddp_rank(spec: Parallel, traced: Parallel, graph: Graph) -> Graph:
-    """A DDP rank's step at this world size from one traced at another. Every DDP rank of a world of two or more
-    holds and runs the same (whole replicas, the same buckets; the gradients' division by the world size is one
-    op whatever its value): only the collectives' group differs. Checked in tests/fitting/test_ranks.py."""
+    """A DDP rank's step at this world size from one traced at another of two or more ranks. Every DDP rank holds
+    and runs the same (whole replicas, the same buckets; the gradients' division by the world size is one op
+    whatever its value; DDP over one rank still all-reduces, in a group of one): only the collectives' group
+    differs. Checked in tests/fitting/test_ranks.py."""
     ops = tuple(replace(op, ranks=spec.world_size) if op.ranks == traced.world_size else op for op in graph.ops)
     notes = tuple(describe(spec) if note == describe(traced) else note for note in graph.notes)
     return replace(graph, ops=ops, notes=notes)

@@ -15,7 +15,11 @@ NOTE [sweep processes]
      their shapes, so a model built on the meta device costs nothing to send).
   4. A result is written under a temporary name and renamed: a result file seen is whole. A rank claimed by a
      worker that ended without its result is traced here.
-  5. Workers are ended on the way out, whatever happened (Ctrl-C, an error): none outlives the sweep.
+  5. Workers are ended on the way out, whatever happened (Ctrl-C, an error): none outlives the sweep. A worker
+     whose sweep process is gone (killed outright) ends itself.
+  6. Ranks made from traced ones (``RankJob.needs``) come after every traced rank, so whoever claims one finds
+     what it needs claimed already and waits for it. A traced rank that others need is written to its result
+     file by whichever process traced it, this one too, with its graph; each process reads it once.
 """
 
 from __future__ import annotations
@@ -69,19 +73,28 @@ class Claims:
     def claim(self) -> int | None:
         for index in range(self.tasks):
             try:
-                os.close(os.open(self.folder / str(index), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                claim = os.open(self.folder / str(index), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             except FileExistsError:
                 continue
+            os.write(claim, str(os.getpid()).encode())
+            os.close(claim)
             return index
         return None
 
     def taken(self) -> int:
         return len(os.listdir(self.folder))
 
+    def claimant(self, index: int) -> int | None:
+        """The pid of the process that claimed ``index`` (None: unclaimed, or a claim being written)."""
+        try:
+            return int((self.folder / str(index)).read_text() or "x")
+        except (FileNotFoundError, ValueError):
+            return None
 
-def run_one(job: RankJob, index: int) -> Traced | Failed:
+
+def run_one(job: RankJob, index: int, done: Callable[[list[int]], list[Traced]]) -> Traced | Failed:
     try:
-        return job.run(index)
+        return job.run(index, done)
     except Exception as error:  # sent back whole when it pickles, as its type and message when it does not
         where = traceback.format_exc()
         try:
@@ -98,39 +111,64 @@ def write_result(folder: Path, index: int, result: Traced | Failed) -> None:
 
 
 def run_ranks(job: RankJob, workers: int | None, on_done: Callable[[Traced, int], None]) -> list[Traced]:
-    """Every rank of ``job``, traced here and in workers (NOTE [sweep processes]); ``on_done(rank, processes)``
+    """Every task of ``job``, run here and in workers (NOTE [sweep processes]); ``on_done(rank, processes)``
     as each one is done."""
-    tasks = len(job.traced)
-    most = processes_for(tasks, workers)
-    results: dict[int, Traced] = {}
+    most = processes_for(len(job.tasks), workers)
     with tempfile.TemporaryDirectory(prefix="udnn-lab-sweep-") as name:
-        folder = Path(name)
-        claims = Claims(folder, tasks)
-        pool = _Workers(folder, job, most - 1, asked=True) if workers is not None and most > 1 else None
+        run = _Run(job, Path(name), on_done)
+        if workers is not None and most > 1:
+            run.pool = _Workers(run.folder, job, most - 1, asked=True)
         try:
-            while (index := claims.claim()) is not None:
-                start = time.perf_counter()
-                results[index] = _returned(run_one(job, index))
-                on_done(results[index], 1 + (pool.count if pool else 0))
-                remaining = tasks - claims.taken()
-                if pool is None and most > 1 and remaining >= 2 and \
-                        remaining * (time.perf_counter() - start) * (1 - 1 / most) > WORKER_START_S:
-                    pool = _Workers(folder, job, min(most - 1, remaining))
-                if pool:
-                    pool.collect(results, on_done)
-            while pool and len(results) < tasks:
-                pool.collect(results, on_done)
-                if not pool.running():
-                    for index in range(tasks):  # NOTE [sweep processes] 4: claimed by a worker that ended
-                        if index not in results and not (folder / f"{index}.result").exists():
-                            results[index] = _returned(run_one(job, index))
-                            on_done(results[index], 1)
-                    pool.collect(results, on_done)
-                time.sleep(POLL_S)
+            while (index := run.claims.claim()) is not None:
+                seconds = run.here(index)
+                to_trace = job.traced - run.claims.taken()  # ranks made from them are quicker: not counted
+                if run.pool is None and most > 1 and to_trace >= 2 and \
+                        to_trace * seconds * (1 - 1 / most) > WORKER_START_S:
+                    run.pool = _Workers(run.folder, job, min(most - 1, len(job.tasks) - run.claims.taken()))
+                if run.pool:
+                    run.pool.collect(run.results, on_done)
+            return run.wait_for(list(range(len(job.tasks))))
         finally:
-            if pool:
-                pool.end()
-    return [results[index] for index in range(tasks)]
+            if run.pool:
+                run.pool.end()
+
+
+class _Run:
+    """This process's side of one sweep's tasks."""
+
+    def __init__(self, job: RankJob, folder: Path, on_done: Callable[[Traced, int], None]) -> None:
+        self.job, self.folder, self.on_done = job, folder, on_done
+        self.claims = Claims(folder, len(job.tasks))
+        self.results: dict[int, Traced] = {}
+        self.pool: _Workers | None = None
+
+    def here(self, index: int) -> float:
+        """Run task ``index`` in this process; the seconds it took."""
+        start = time.perf_counter()
+        result = run_one(self.job, index, self.wait_for)
+        if self.job.is_base(index):  # NOTE [sweep processes] 6
+            write_result(self.folder, index, result)
+        self.results[index] = returned(result)
+        self.on_done(self.results[index], 1 + (self.pool.count if self.pool else 0))
+        return time.perf_counter() - start
+
+    def wait_for(self, indices: list[int]) -> list[Traced]:
+        """The results of tasks ``indices``, claimed already: collected from workers as they come, run here when
+        the worker that claimed one has ended without it (NOTE [sweep processes] 4)."""
+        while missing := [index for index in indices if index not in self.results]:
+            if self.pool:
+                self.pool.collect(self.results, self.on_done)
+            ended = [index for index in missing if index not in self.results and not self._running(index)
+                     and not (self.folder / f"{index}.result").exists()]
+            for index in ended:
+                self.here(index)
+            if not ended:
+                time.sleep(POLL_S)
+        return [self.results[index] for index in indices]
+
+    def _running(self, index: int) -> bool:
+        pid = self.claims.claimant(index)
+        return pid is None or (self.pool is not None and self.pool.alive(pid))
 
 
 class _Workers:
@@ -162,8 +200,8 @@ class _Workers:
     def __bool__(self) -> bool:
         return bool(self.processes)
 
-    def running(self) -> bool:
-        return any(process.poll() is None for process in self.processes)
+    def alive(self, pid: int) -> bool:
+        return any(process.pid == pid and process.poll() is None for process in self.processes)
 
     def _told(self, why: str) -> None:
         if self.asked:
@@ -175,7 +213,7 @@ class _Workers:
         for path in self.folder.glob("*.result"):
             index = int(path.stem)
             if index not in results:
-                results[index] = _returned(pickle.loads(path.read_bytes()))
+                results[index] = returned(pickle.loads(path.read_bytes()))
                 on_done(results[index], 1 + self.count)
 
     def end(self) -> None:
@@ -190,7 +228,7 @@ class _Workers:
             process.wait()
 
 
-def _returned(result: Traced | Failed) -> Traced:
+def returned(result: Traced | Failed) -> Traced:
     if isinstance(result, Failed):
         result.error.add_note(f"raised in a sweep worker process:\n{result.where}")
         raise result.error

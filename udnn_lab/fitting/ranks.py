@@ -1,8 +1,9 @@
 """How many GPUs, and which sharding, make a step fit: per-rank peak and step time against world size.
 
-``sweep_ranks`` traces one rank of the workload's step under DDP, FSDP2 and HSDP at each world size asked for
-(``ul.trace(..., parallel=...)``: from this process, a fake process group, no GPU), simulates it on the hardware
-profile, and for the "+offload" setups plans the rank's step under the budget. ``min_world_size`` finds the
+``sweep_ranks`` has one rank of the workload's step under DDP, FSDP2 and HSDP at each world size asked for,
+traced (``ul.trace(..., parallel=...)``: from this process, a fake process group, no GPU) or made exactly from the
+ranks traced (DDP ranks from one; FSDP2 ranks where NOTE [FSDP ranks across world sizes] allows), simulates it on
+the hardware profile, and for the "+offload" setups plans the rank's step under the budget. ``min_world_size`` finds the
 smallest world size at which one setup fits. The workload's batch is each rank's batch (data parallel: the
 global batch grows with the world).
 """
@@ -93,20 +94,20 @@ def sweep_ranks(work: Workload | str, world_sizes: Iterable[int] = DEFAULT_WORLD
     specs = {(setup, size): parallel_spec(setup, size, per_node, fsdp_options) for size in sizes for setup in chosen}
     job = RankJob(work, profile, budget_list, planners, specs,
                   partial(_row, profile=profile, per_node=per_node, host_budget=host_bytes))
-    bar = tqdm(total=sum(1 + job.plans_of(spec) for spec in job.traced), desc=f"one rank of {work.name}",
+    bar = tqdm(total=sum(1 + job.plans_of(spec) for spec in job.tasks), desc=f"one rank of {work.name}",
                unit="step", leave=False, disable=progress is False, delay=0 if progress else PROGRESS_SECONDS)
 
     def finished(rank: Traced, processes: int) -> None:
-        bar.set_postfix_str(f"{describe(rank.spec)} done" + (f"; {processes} processes" if processes > 1 else ""))
+        how = "done" if rank.trace_s else "made from the ranks traced"
+        bar.set_postfix_str(f"{describe(rank.spec)} {how}" + (f"; {processes} processes" if processes > 1 else ""))
         bar.update(1 + job.plans_of(rank.spec))
 
     with bar:
-        bar.set_postfix_str(f"tracing and planning {len(job.traced)} ranks")
+        bar.set_postfix_str(f"tracing {job.traced} ranks, making {len(job.tasks) - job.traced} from them")
         found = {rank.spec: rank for rank in run_ranks(job, workers, finished)}
     rows = []
     for (setup, _), spec in specs.items():
-        done = found.get(spec) or job.derived(spec, found)
-        rows += [row for row in done.rows if row["setup"] == setup]
+        rows += [row for row in found[spec].rows if row["setup"] == setup]
     return pd.DataFrame(rows, columns=COLUMNS)
 
 

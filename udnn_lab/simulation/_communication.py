@@ -173,6 +173,10 @@ class Links:
         inside = span(op) <= self.ranks_per_node
         bandwidth = self.intra_bytes_per_s if inside else self.inter_bytes_per_s
         latency = self.intra_latency_s if inside else self.inter_latency_s
+        if not bandwidth:  # a CPU profile's ranks share one machine: it has no figures across machines
+            raise ValueError(f"a collective of {op.ranks} ranks ({op.name}) crosses nodes of {self.ranks_per_node} "
+                             "ranks, and this hardware profile has no inter-node figures: give ranks_per_node of at "
+                             f"least {span(op)} (ranks on one machine), or use a GPU profile with them")
         return steps * latency + share * nbytes / bandwidth
 
 
