@@ -160,7 +160,8 @@ def _parts(graph: Graph, world_size: int, own_note: str) -> tuple[tuple, tuple[i
         for shape in op.output_shapes:
             numbers.extend(shape)
         ops.append(replace(op, flops=0, bytes_read=0, bytes_written=0, ranks=-1 if op.ranks == world_size else op.ranks,
-                           output_shapes=tuple((0,) * len(shape) for shape in op.output_shapes)))
+                           output_shapes=tuple((0,) * len(shape) for shape in op.output_shapes),
+                           released=tuple(sorted(op.released))))  # in the order their last references went
     events = []
     for event in graph.hook_events:
         numbers.extend(event.shape)

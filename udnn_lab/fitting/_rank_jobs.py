@@ -48,8 +48,12 @@ class RankJob:
 
     def __post_init__(self) -> None:
         distinct = list(dict.fromkeys(self.specs.values()))  # HSDP within one node is FSDP2: traced once
-        base = next((spec for spec in distinct if isinstance(spec, DDP) and spec.world_size >= 2), None)
-        made = {spec for spec in distinct if made_from(spec, base)}
+        bases: dict[Parallel, Parallel] = {}  # the traced rank that more replicas of it are made from
+        for spec in distinct:
+            key = replicas_of(spec)
+            if key is not None and key not in bases and (not isinstance(spec, DDP) or spec.world_size >= 2):
+                bases[key] = spec
+        made = {spec for spec in distinct if made_from(spec, bases.get(replicas_of(spec)))}  # type: ignore[arg-type]
         rows = sharded_rows(self.work.model)
         for kin in dict.fromkeys(family(spec) for spec in distinct if derivable(spec)):
             sizes = [spec.world_size for spec in distinct if derivable(spec) and family(spec) == kin]
@@ -66,7 +70,7 @@ class RankJob:
         if index < self.traced:
             return []
         spec = self.tasks[index]
-        if isinstance(spec, DDP):
+        if replicas_of(spec) is not None:
             return [i for i in range(self.traced) if made_from(spec, self.tasks[i])]
         return [i for i in range(self.traced) if derivable(self.tasks[i]) and family(self.tasks[i]) == family(spec)]
 
@@ -95,12 +99,13 @@ class RankJob:
         return Traced(spec, graph if keep else None, seconds, self.rows(spec, graph, seconds))
 
     def _derived(self, spec: Parallel, bases: list[Traced]) -> Traced:
-        """A DDP rank from the DDP rank traced (``same_ddp_rank``); an FSDP2 rank from the same rank at other
-        world sizes (NOTE [FSDP ranks across world sizes]), or, where that cannot be exact after all, traced."""
-        if isinstance(spec, DDP):
+        """A DDP or HSDP rank from the one traced with other replicas (``same_replica_rank``); an FSDP2 rank from
+        the same rank at other world sizes (NOTE [FSDP ranks across world sizes]), or, where that cannot be
+        exact after all, traced."""
+        if replicas_of(spec) is not None:
             done = bases[0]
             assert done.graph is not None  # a base keeps its graph
-            return Traced(spec, None, 0.0, self.rows(spec, same_ddp_rank(spec, done.spec, done.graph), 0.0))
+            return Traced(spec, None, 0.0, self.rows(spec, same_replica_rank(spec, done.spec, done.graph), 0.0))
         assert isinstance(spec, FSDP)
         sizes = self._families[family(spec)]
         for done in bases:
@@ -122,17 +127,36 @@ class RankJob:
         return tuple(rows)
 
 
+def replicas_of(spec: Parallel) -> Parallel | None:
+    """What ranks that differ only in how many replicas there are share: a DDP spec, or an HSDP rank 0 with its
+    shard group; None for other specs."""
+    if isinstance(spec, DDP):
+        return replace(spec, world_size=1)
+    if spec.replicate > 1 and spec.rank == 0:
+        return replace(spec, world_size=spec.world_size // spec.replicate, replicate=1)
+    return None
+
+
 def made_from(spec: Parallel, traced: Parallel | None) -> bool:
-    """Whether ``spec``'s rank is made from ``traced``'s rather than traced (``same_ddp_rank``)."""
-    return isinstance(spec, DDP) and isinstance(traced, DDP) and spec != traced and traced.world_size >= 2 \
-        and replace(traced, world_size=spec.world_size) == spec
+    """Whether ``spec``'s rank is made from ``traced``'s rather than traced (``same_replica_rank``)."""
+    if traced is None or spec == traced or replicas_of(spec) is None or replicas_of(spec) != replicas_of(traced):
+        return False
+    return not isinstance(traced, DDP) or traced.world_size >= 2
 
 
-def same_ddp_rank(spec: Parallel, traced: Parallel, graph: Graph) -> Graph:
-    """A DDP rank's step at this world size from one traced at another of two or more ranks. Every DDP rank holds
-    and runs the same (whole replicas, the same buckets; the gradients' division by the world size is one op
-    whatever its value; DDP over one rank still all-reduces, in a group of one): only the collectives' group
-    differs. Checked in tests/fitting/test_ranks.py."""
-    ops = tuple(replace(op, ranks=spec.world_size) if op.ranks == traced.world_size else op for op in graph.ops)
+def same_replica_rank(spec: Parallel, traced: Parallel, graph: Graph) -> Graph:
+    """A rank's step with more or fewer replicas, from one traced with two or more. Every DDP rank holds and runs
+    the same (whole replicas, the same buckets; the gradients' division by the world size is one op whatever its
+    value; DDP over one rank still all-reduces, in a group of one), and so does rank 0 of HSDP over any number of
+    replicas of one shard group (its gradients' all-reduce across the replicas aside): only the group of the
+    collectives across replicas differs. Checked in tests/fitting/test_ranks.py and test_fsdp_ranks.py."""
+    if isinstance(spec, DDP):
+        assert isinstance(traced, DDP)
+        ops = tuple(replace(op, ranks=spec.world_size) if op.ranks == traced.world_size else op for op in graph.ops)
+    else:
+        assert isinstance(spec, FSDP) and isinstance(traced, FSDP)
+        stride = traced.world_size // traced.replicate  # the replicate group's ranks are a shard group apart
+        ops = tuple(replace(op, ranks=spec.replicate) if op.ranks == traced.replicate and op.rank_stride == stride
+                    else op for op in graph.ops)
     notes = tuple(describe(spec) if note == describe(traced) else note for note in graph.notes)
     return replace(graph, ops=ops, notes=notes)
