@@ -268,7 +268,9 @@ def _plan(work: ul.Workload) -> ul.Plan:
     (dict(fuse_optimizer=True), ValueError, "leave fuse_optimizer off"),
     (dict(loss_fn=lambda output, target: output.sum()), TypeError, "does not pickle"),
     (dict(parallel="ddp"), TypeError, "ul.DDP(world_size"),
-], ids=["indivisible batch", "plans for another world size", "fused optimizer", "lambda loss", "not a spec"])
+    (dict(parallel=ul.FSDP(2, offload_params=True)), ValueError, "train them without offload_params here"),
+], ids=["indivisible batch", "plans for another world size", "fused optimizer", "lambda loss", "not a spec",
+        "parameters offloaded from a CPU"])
 def test_a_bad_request_is_a_clear_error_before_any_rank_starts(change, error, message):
     work = zoo.get("mlp3", batch=8, seed=0)
     if change.get("plan") == "three plans":

@@ -166,3 +166,28 @@ def test_train_with_ranks_starts_them_here_and_charts_rank_0s_steps():
     lab.world_size.value = 64
     lab.train(steps=1, wait=True)
     assert "lower the world size to train here" in lab.status.value
+
+
+def test_fsdp_parameters_on_the_host_are_a_switch_of_sharded_ranks_and_the_summary_says_how_much():
+    lab = MemoryLab("mlp5", batch=8, optimizer="adam", policy="keep-all", hardware="h100-sxm", debounce_s=0,
+                    parallel="DDP", world_size=4)
+    assert lab.offload_params.disabled and not lab.setting.offload_params
+    lab.offload_params.value = True  # DDP has no such policy: the step is the same
+    assert not lab.setting.offload_params and "host memory" not in lab.summary.value
+    on_device = peak_of(lab)
+    lab.ranks.value = "FSDP2"
+    assert not lab.offload_params.disabled and lab.setting.offload_params
+    work = ul.zoo.get("mlp5", batch=8, optimizer="adam", device="meta")
+    expected = ul.trace(work, device="cuda", parallel=ul.FSDP(4, offload_params=True))
+    assert peak_of(lab) == expected.cuda_peak_bytes < on_device
+    assert f"host memory <b>{ul.format_bytes(expected.host_peak_bytes)}</b>" in lab.summary.value
+    assert ", parameters on host" in title(lab)
+    lab.world_size.value = 2
+    lab.train(steps=1, wait=True)  # this machine's ranks run on its CPU, which is the host
+    assert "train them without offload_params here" in lab.status.value
+    lab.world_size.value = 4
+    lab.offload_params.value = False
+    assert peak_of(lab) == ul.trace(work, device="cuda", parallel=ul.FSDP(4)).cuda_peak_bytes
+    assert "host memory" not in lab.summary.value
+    with pytest.raises(ValueError, match="offload_params is True or False"):
+        MemoryLab("mlp5", parallel="FSDP2", offload_params="yes")

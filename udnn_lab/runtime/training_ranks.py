@@ -61,7 +61,7 @@ from udnn_lab.analysis.step import grad_scaler, map_tensors, same_optimizer
 from udnn_lab.devices import device_name, model_device
 from udnn_lab.errors import RankFailed
 from udnn_lab.graph.plan_ir import Plan
-from udnn_lab.parallel import DDP, Parallel, check_spec, describe
+from udnn_lab.parallel import DDP, FSDP, Parallel, check_spec, describe
 from udnn_lab.runtime._rank_state import full_model_state, full_optimizer_state, load_optimizer_state
 from udnn_lab.runtime._step_loop import STEP_COLUMNS, Run, groups, on_device, one_step, progress_bar
 from udnn_lab.runtime.offload import OffloadRuntime
@@ -110,6 +110,7 @@ def train_ranks(model: torch.nn.Module, batches: Iterable, optimizer: torch.opti
     plans = plans_per_rank(plan, world)
     device = model_device(model)
     backend = _backend(device, world)
+    check_offload(spec, device)
     callbacks = list(callbacks)
     feed = _Feed(groups(iter(batches), options.grad_accumulation), world, steps)
     first = feed.next()  # a batch that does not split is an error before any rank starts
@@ -171,6 +172,14 @@ def _peak_caveat(spec: Parallel, device: torch.device) -> tuple[str, ...]:
     return ("gloo's reduce-scatter copies its input into a buffer of its own (NCCL does not), and its worker thread "
             "lets go of finished buffers on its own schedule: an FSDP2 rank's CPU peak may read above its prediction "
             "by about one such buffer",)
+
+
+def check_offload(spec: Parallel, device: torch.device) -> None:
+    """Refuse FSDP2's parameter offload for ranks that run on the CPU: there is no other memory to move them to."""
+    if device.type == "cpu" and isinstance(spec, FSDP) and spec.offload_params:
+        raise ValueError("offload_params moves a GPU rank's parameters to host memory (FSDP2's CPUOffloadPolicy, "
+                         "which pins them), and these ranks run on the CPU, the host itself: train them without "
+                         "offload_params here (ul.trace(..., parallel=spec) predicts a GPU rank with it)")
 
 
 def _backend(device: torch.device, world: int) -> str:

@@ -45,6 +45,7 @@ class Setting:
     attn_implementation: AttentionImplementation | None = None  # of an hf: network
     parallel: str | None = None  # 'DDP', 'FSDP2' or 'HSDP': the step is one rank of world_size; None: one GPU
     world_size: int = 1
+    offload_params: bool = False  # FSDP2's CPUOffloadPolicy (FSDP2 and HSDP only)
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ class LabSession:
     def workload(self, setting: Setting, device: str) -> Workload:
         """The step on ``device`` ('meta' to trace without weights, 'cpu' to run it)."""
         optimizer = None if setting.optimizer == "none" else setting.optimizer
-        parallel = spec_of(setting.parallel, setting.world_size)
+        parallel = spec_of(setting.parallel, setting.world_size, setting.offload_params)
         if setting.network == self.custom_name:
             assert self.model is not None  # custom_name is set only with a model
             # the zoo checks that your module is in the precision's dtype, and says how to convert it if not

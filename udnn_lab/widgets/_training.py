@@ -25,6 +25,7 @@ from udnn_lab.devices import model_device
 from udnn_lab.parallel import Parallel
 from udnn_lab.planning.budget import plan
 from udnn_lab.runtime.training import Run, train
+from udnn_lab.runtime.training_ranks import check_offload
 from udnn_lab.simulation.simulator import resolve_hardware, simulate
 from udnn_lab.units import format_bytes, format_seconds
 
@@ -143,6 +144,7 @@ def policy_of(chosen) -> str:
 
 
 def _check_ranks_here(parallel: Parallel, device: torch.device) -> None:
+    check_offload(parallel, device)
     if device.type == "cpu" and parallel.world_size > MAX_CPU_RANKS:
         raise ValueError(f"Train starts {parallel.world_size} rank processes on this machine's CPU, more than "
                          f"{MAX_CPU_RANKS}: lower the world size to train here (the prediction stays of the world "

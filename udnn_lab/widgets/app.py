@@ -86,17 +86,19 @@ class MemoryLab(widgets.AppLayout):
     ``precision``: PyTorch Lightning's names, '32-true' by default (your module's own dtype for
     your module). ``seq_len``, ``lora_rank`` (0: a full fine-tune) and ``attn_implementation``
     apply to hf: networks. ``parallel`` ('DDP', 'FSDP2', 'HSDP'; None: one GPU) and ``world_size``: the
-    charts are of one rank of that many. ``hardware``: a profile name or a Hardware (e.g. from
-    ``ul.Hardware.measure()``). The step is traced with fake tensors for the profile's device;
-    "Measure" runs it for real on this machine, under the same policy and budget planned again
-    for the device it runs on, and charts it beside that device's prediction.
+    charts are of one rank of that many; ``offload_params``: FSDP2 keeps the rank's parameters, gradients and
+    optimizer state in host memory (its ``CPUOffloadPolicy``; the summary says how much). ``hardware``: a
+    profile name or a Hardware (e.g. from ``ul.Hardware.measure()``). The step is traced with fake tensors for
+    the profile's device; "Measure" runs it for real on this machine, under the same policy and budget planned
+    again for the device it runs on, and charts it beside that device's prediction.
     """
 
     def __init__(self, model: str | nn.Module = "resnet50", *, input_shape: tuple[int, ...] | None = None,
                  batch: int = 32, precision: Precision | None = None, optimizer: str = "sgd",
                  hardware: str | Hardware = "h100-sxm", policy: str = "auto", image_size: int | None = None,
                  seq_len: int = 512, lora_rank: int = 0, attn_implementation: AttentionImplementation = "sdpa",
-                 parallel: str | None = None, world_size: int = 8, debounce_s: float = 0.3,
+                 parallel: str | None = None, world_size: int = 8, offload_params: bool = False,
+                 debounce_s: float = 0.3,
                  points: int = frames.DEFAULT_POINTS) -> None:
         extra = {hardware.name: hardware} if isinstance(hardware, Hardware) else {}
         custom = model if isinstance(model, nn.Module) else None
@@ -105,8 +107,8 @@ class MemoryLab(widgets.AppLayout):
         self.session = LabSession(custom, input_shape, image_size, extra)
         self.hf = HFControls(seq_len, lora_rank, attn_implementation, "290px")
         self.seq_len, self.lora_rank, self.attention = self.hf.controls
-        self.ranks_controls = ParallelControls(parallel, world_size, "290px")
-        self.ranks, self.world_size = self.ranks_controls.controls
+        self.ranks_controls = ParallelControls(parallel, world_size, "290px", offload_params)
+        self.ranks, self.world_size, self.offload_params = self.ranks_controls.controls
         self.points = points
         self._dirty = -1
         self._measured: MeasuredStep | None = None
@@ -183,9 +185,10 @@ class MemoryLab(widgets.AppLayout):
     def setting(self) -> Setting:
         device = self.session.hardware(self.hardware.value).device_type
         network = str(self.network.value).strip()
-        parallel, world_size = self.ranks_controls.setup()
+        parallel, world_size, offload_params = self.ranks_controls.setup()
         return Setting(network, int(self.batch.value), self.precision.value, self.optimizer.value, device,
-                       **self.hf.options(network), parallel=parallel, world_size=world_size)
+                       **self.hf.options(network), parallel=parallel, world_size=world_size,
+                       offload_params=offload_params)
 
     @property
     def budget_bytes(self) -> int:
@@ -258,7 +261,7 @@ class MemoryLab(widgets.AppLayout):
             self.drill.show(measured.graph, measured.prediction, _peak_op(measured.prediction))
         self._drawing = drawing
         self._draw()
-        self.summary.value = _summary(sim)
+        self.summary.value = _summary(sim, graph.host_peak_bytes if setting.offload_params else 0)
 
     def _draw(self) -> None:
         drawing = self._drawing
@@ -329,6 +332,7 @@ def _step_named(graph: Graph, setting: Setting) -> str:
     tokens = f", {setting.seq_len} tokens" if setting.seq_len is not None else ""
     precision = f", {setting.precision}" if setting.precision != "32-true" else ""
     ranks = f", one rank of {setting.parallel} x {setting.world_size}" if setting.parallel is not None else ""
+    ranks += ", parameters on host" if setting.offload_params else ""
     return f"{graph.model_name}, batch {setting.batch}{tokens}{precision}{ranks}"
 
 
@@ -349,10 +353,12 @@ def _wrapping(text: str) -> str:
     return f"<div style='white-space:normal;overflow-wrap:anywhere;line-height:1.4'>{text}</div>"
 
 
-def _summary(sim: Simulation) -> str:
+def _summary(sim: Simulation, host_bytes: int = 0) -> str:
     budget = format_bytes(sim.budget_bytes) if sim.budget_bytes is not None else "none"
     fits = "<span style='color:#2ca02c'>fits</span>" if sim.fits else "<span style='color:#d62728'>does not fit</span>"
+    # FSDP2's offloaded parameters: the rank's host memory, beside the device memory the chart shows
+    host = f" · host memory <b>{format_bytes(host_bytes)}</b> at most" if host_bytes else ""
     return _wrapping(f"peak <b>{format_bytes(sim.peak_bytes)}</b> of budget {budget} ({fits}) · step "
                      f"<b>{format_seconds(sim.step_time_s)}</b>, stalled {format_seconds(sim.stall_time_s)} · copied "
-                     f"{format_bytes(sim.d2h_bytes)} out, {format_bytes(sim.h2d_bytes)} back · "
+                     f"{format_bytes(sim.d2h_bytes)} out, {format_bytes(sim.h2d_bytes)} back{host} · "
                      f"policy {html.escape(sim.policy)}")
