@@ -69,6 +69,34 @@ def test_ranks_are_shared_between_this_process_and_a_worker(tmp_path, monkeypatc
     assert sorted(rank.spec.world_size for rank in seen) == [2, 4, 8]
 
 
+@pytest.mark.skipif(_sweep_processes.processes_for(2, None) < 2, reason="one core: no workers are started")
+def test_workers_start_while_this_process_traces_once_that_has_taken_long_enough(tmp_path, monkeypatch):
+    monkeypatch.setattr(_sweep_processes, "WORKER_START_S", 0.01)  # the first rank's 0.1 s is then long enough
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    run, found = RankJob.run, []
+
+    def after_a_workers_result(job, index, done):  # this process's first rank waits until a worker has traced one
+        deadline = time.monotonic() + 60
+        while not found and time.monotonic() < deadline:
+            found.extend(path for path in tmp_path.glob("*/*.result") if path.stat().st_size)
+            time.sleep(0.05)
+        assert found, "no worker started while this process's first rank ran"
+        return run(job, index, done)
+
+    monkeypatch.setattr(RankJob, "run", after_a_workers_result)
+    seen: list = []
+
+    def kept(job, workers, on_done):
+        seen.extend(_sweep_processes.run_ranks(job, workers, on_done))
+        return seen
+
+    before = _children()
+    monkeypatch.setattr(ranks, "run_ranks", kept)
+    table = ul.sweep("mlp3", "1GiB", world_sizes=[2, 4, 8], setups=["FSDP2"], progress=False, batch=4)
+    assert len(table) == 3 and table.fits.all() and _children() == before
+    assert {rank.pid for rank in seen} - {os.getpid()}, "no worker was started"
+
+
 class _Local(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -7,8 +7,9 @@ NOTE [sweep processes]
      rank that no one started.
   2. Workers are fresh interpreters (``python -m udnn_lab.fitting._sweep_worker``): not forked (a forked child
      of a process that has run a backward cannot run one, PyTorch's autograd-and-fork rule), and the user's
-     ``__main__`` is not run again. Starting one costs seconds of imports, so they start only once the first
-     rank, traced here, says the rest would take longer than that; ``workers=`` given starts them at once.
+     ``__main__`` is not run again. Starting one costs seconds of imports, so they start only once a rank traced
+     here has run long enough to say the rest would take longer than that (a timer, while it runs);
+     ``workers=`` given starts them at once.
   3. The job reaches them pickled. A worker that cannot rebuild it (a model class defined in a notebook or a
      script) exits before it claims anything, and this process traces what it would have. A model whose weights
      are real and above WORKER_COPY_BYTES is not sent at all (every worker would hold a copy; a trace needs only
@@ -29,11 +30,13 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from udnn_lab.fitting._rank_jobs import RankJob, Traced
@@ -61,6 +64,7 @@ class Failed:
 
     error: BaseException
     where: str
+    pid: int = field(default_factory=os.getpid)  # the process it raised in
 
 
 class Claims:
@@ -120,17 +124,37 @@ def run_ranks(job: RankJob, workers: int | None, on_done: Callable[[Traced, int]
             run.pool = _Workers(run.folder, job, most - 1, asked=True)
         try:
             while (index := run.claims.claim()) is not None:
-                seconds = run.here(index)
-                to_trace = job.traced - run.claims.taken()  # ranks made from them are quicker: not counted
-                if run.pool is None and most > 1 and to_trace >= 2 and \
-                        to_trace * seconds * (1 - 1 / most) > WORKER_START_S:
-                    run.pool = _Workers(run.folder, job, min(most - 1, len(job.tasks) - run.claims.taken()))
+                with _starting_workers(run, most):
+                    run.here(index)
                 if run.pool:
                     run.pool.collect(run.results, on_done)
             return run.wait_for(list(range(len(job.tasks))))
         finally:
             if run.pool:
                 run.pool.end()
+
+
+@contextmanager
+def _starting_workers(run: _Run, most: int) -> Iterator[None]:
+    """Start the workers while this process runs a task, as soon as the task has taken long enough that the ranks
+    left to trace would take longer than starting them (NOTE [sweep processes] 2); ranks made from traced ones
+    are quicker and not counted."""
+    to_trace = run.job.traced - run.claims.taken()
+    if run.pool is not None or most < 2 or to_trace < 2:
+        yield
+        return
+
+    def start() -> None:
+        run.pool = _Workers(run.folder, run.job, min(most - 1, len(run.job.tasks) - run.claims.taken()))
+
+    timer = threading.Timer(WORKER_START_S / (to_trace * (1 - 1 / most)), start)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        timer.join()  # a pool being started is there to be ended
 
 
 class _Run:
@@ -142,15 +166,13 @@ class _Run:
         self.results: dict[int, Traced] = {}
         self.pool: _Workers | None = None
 
-    def here(self, index: int) -> float:
-        """Run task ``index`` in this process; the seconds it took."""
-        start = time.perf_counter()
+    def here(self, index: int) -> None:
+        """Run task ``index`` in this process."""
         result = run_one(self.job, index, self.wait_for)
         if self.job.is_base(index):  # NOTE [sweep processes] 6
             write_result(self.folder, index, result)
         self.results[index] = returned(result)
         self.on_done(self.results[index], 1 + (self.pool.count if self.pool else 0))
-        return time.perf_counter() - start
 
     def wait_for(self, indices: list[int]) -> list[Traced]:
         """The results of tasks ``indices``, claimed already: collected from workers as they come, run here when
@@ -230,6 +252,7 @@ class _Workers:
 
 def returned(result: Traced | Failed) -> Traced:
     if isinstance(result, Failed):
-        result.error.add_note(f"raised in a sweep worker process:\n{result.where}")
+        if result.pid != os.getpid():  # its traceback is of this process's frames only
+            result.error.add_note(f"raised in a sweep worker process:\n{result.where}")
         raise result.error
     return result
