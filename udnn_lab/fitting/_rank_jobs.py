@@ -72,7 +72,8 @@ class RankJob:
         spec = self.tasks[index]
         if replicas_of(spec) is not None:
             return [i for i in range(self.traced) if made_from(spec, self.tasks[i])]
-        return [i for i in range(self.traced) if derivable(self.tasks[i]) and family(self.tasks[i]) == family(spec)]
+        return [i for i in range(self.traced) if derivable(self.tasks[i]) and family(self.tasks[i]) == family(spec)
+                and self.tasks[i].world_size < spec.world_size]  # NOTE [FSDP ranks across world sizes] 3
 
     def is_base(self, index: int) -> bool:
         """Whether another task is made from this one (its graph then comes back with its rows)."""
