@@ -32,11 +32,12 @@ def _bytes(graph: ul.Graph, category: str, *, before_the_step: bool = True) -> i
 
 def test_the_users_model_and_optimizer_are_left_as_they_were_and_no_process_group_is_left(mlp):
     weights = {name: p.detach().clone() for name, p in mlp.model.named_parameters()}
-    hook = sys.excepthook
+    hook, resize = sys.excepthook, torch.UntypedStorage.resize_
     for spec in (ul.DDP(2), ul.FSDP(2)):
         ul.trace(mlp, parallel=spec)
         assert not dist.is_initialized()
         assert sys.excepthook is hook  # a process group prefixes "[rank0]: " to uncaught errors; it is gone
+        assert torch.UntypedStorage.resize_ is resize  # noted while the step ran (NOTE [resized storages] 4)
         assert not any(isinstance(m, FSDPModule) for m in mlp.model.modules())
         assert all(type(p) is torch.nn.Parameter and torch.equal(p, weights[name])
                    for name, p in mlp.model.named_parameters())

@@ -149,7 +149,8 @@ class StepRecorder(TorchDispatchMode):
         self._names: dict = {}  # op -> its name
         self._kinds: dict = {}  # op -> _SKIP, _RECORD or _COLLECTIVE
         self._wrappers: dict[type, bool] = {}  # tensor type -> wraps other tensors (NOTE [wrapper tensors])
-        self._resizable: list[list] = []  # [weakref to storage, bytes last seen, ResizedStorage]
+        self._resizable: dict[int, list] = {}  # storage id -> [weakref to it, bytes last seen, ResizedStorage]
+        self.resized: set[int] | None = None  # ids of storages resized since the last poll (None: not known)
         self._refilled: list[int] = []  # sids refilled before the op about to be recorded
         self._sequence_to_op: dict[int, int] = {}
         self._last_sequence = torch._C._autograd._get_sequence_nr()
@@ -236,17 +237,22 @@ class StepRecorder(TorchDispatchMode):
 
     def watch_resizes(self, watched: list[ResizedStorage]) -> None:
         """Follow storages that are emptied and refilled in place (NOTE [resized storages]); call before the step."""
-        self._resizable = []
+        self._resizable = {}
         for item in watched:
             storage = _innermost(item.tensor).untyped_storage()
-            self._resizable.append([weakref.ref(storage), storage.nbytes(), item])
+            self._resizable[id(storage)] = [weakref.ref(storage), storage.nbytes(), item]
             if storage.nbytes():
                 self.register(item.tensor, "parameter", item.name)
 
-    def poll_resizes(self) -> None:
+    def poll_resizes(self, every: bool = False) -> None:
         """Release the watched storages found emptied, and count those found refilled as new (NOTE [resized
-        storages] 2)."""
-        for entry in self._resizable:
+        storages] 2); those ``resized`` says were resized, unless it is not known or ``every``."""
+        if every or self.resized is None:
+            entries = list(self._resizable.values())
+        else:
+            entries = [entry for key, entry in self._resizable.items() if key in self.resized]  # in watched order
+            self.resized.clear()
+        for entry in entries:
             storage = entry[0]()
             if storage is None or storage.nbytes() == entry[1]:
                 continue
@@ -271,7 +277,7 @@ class StepRecorder(TorchDispatchMode):
         kind = self._kinds.get(func)
         if kind is None:
             kind = self._kinds[func] = self._classify(func)
-        if self._resizable and kind is not _SKIP and self.recording:
+        if self._resizable and kind is not _SKIP and self.recording and (self.resized is None or self.resized):
             self.poll_resizes()
         out = self.run_op(func, args, kwargs)
         if kind is not _SKIP and self.recording:

@@ -11,7 +11,7 @@ import torch
 
 from udnn_lab.analysis._fake.tensors import FAKE_LIMITS
 from udnn_lab.analysis._recorder import StepRecorder, StorageRecord
-from udnn_lab.analysis._sharded import resized_storages
+from udnn_lab.analysis._sharded import resized_storages, resizes_seen
 from udnn_lab.analysis.step import input_tensors, run_step, scaler_state
 from udnn_lab.errors import ModelInputError
 from udnn_lab.graph.step_graph import Graph, HookEvent, ModuleCall, OpInfo, TensorInfo
@@ -52,12 +52,13 @@ def record_step(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwa
     if runtime is not None:
         runtime.observer = recorder
     modules = recorder.logging_modules() if track_saved else nullcontext()
-    with no_gc(), recorder.watching(model), modules, recorder, saved_hooks, runtime or nullcontext():
-        recorder.recording = True
+    with no_gc(), recorder.watching(model), modules, recorder, saved_hooks, runtime or nullcontext(), \
+            resizes_seen() as resized:
+        recorder.recording, recorder.resized = True, resized
         try:
             run_step(model, args, kwargs, loss_fn=loss_fn, target=target, optimizer=optimizer, options=options,
                      scaler=scaler, mark=mark)
-            recorder.poll_resizes()  # what the step's end released (NOTE [resized storages] 2)
+            recorder.poll_resizes(every=True)  # what the step's end released (NOTE [resized storages] 2)
             for name, param in named.items():
                 if param.grad is not None:
                     recorder.register(param.grad, "parameter_gradient", f"grad:{name}")
@@ -65,7 +66,7 @@ def record_step(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwa
         except Exception as err:
             raise_explained(err, recorder, args, kwargs)
         finally:
-            recorder.recording = False
+            recorder.recording, recorder.resized = False, None
             recorder.module_stack.clear()
             if runtime is not None:
                 runtime.observer = None

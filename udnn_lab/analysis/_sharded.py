@@ -12,11 +12,18 @@ NOTE [resized storages]
      category "parameter".
   3. The tensors are FSDP's private state (as PyTorch's own FSDPMemTracker reads it). Their list exists
      after the first step (FSDP's lazy init), which is why every measured or traced step comes after one.
+  4. Polling every watched storage before every op costs a tenth of a traced step of Llama-3-8B (291
+     storages, 9792 ops). FSDP2 resizes them through the storage's Python ``resize_``, so while a step is
+     recorded that method is wrapped to note which storages were resized (``resizes_seen``), and the poll
+     before an op looks at those alone; the poll at the step's end looks at every one, as before.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -54,3 +61,32 @@ def resized_storages(model: nn.Module) -> list[ResizedStorage]:
                 name = f"{param._param_fqn} (unsharded)"
                 found += [ResizedStorage(t, name) for t in (*param.all_gather_outputs, *param._unsharded_inner_tensors)]
     return found
+
+
+_SEEN: list[set[int]] = []  # one set per recording step, of the ids of the storages resized (NOTE 4)
+_LOCK = threading.Lock()
+_RESIZE = torch.UntypedStorage.resize_
+
+
+def _noted_resize(storage, size):
+    result = _RESIZE(storage, size)
+    for seen in _SEEN:
+        seen.add(id(storage))
+    return result
+
+
+@contextmanager
+def resizes_seen() -> Iterator[set[int]]:
+    """The ids of the storages resized through ``resize_`` while inside (NOTE [resized storages] 4)."""
+    seen: set[int] = set()
+    with _LOCK:
+        if not _SEEN:
+            torch.UntypedStorage.resize_ = _noted_resize  # type: ignore[method-assign]
+        _SEEN.append(seen)
+    try:
+        yield seen
+    finally:
+        with _LOCK:
+            _SEEN.remove(seen)
+            if not _SEEN:
+                torch.UntypedStorage.resize_ = _RESIZE  # type: ignore[method-assign]
