@@ -37,6 +37,18 @@ def test_workers_give_the_rows_this_process_gives_and_end_with_the_sweep():
     assert len(traced) == 1 + 5 and set(shared[shared.trace_s == 0].world_size) == {1, 4, 8, 16, 32}
 
 
+def _sweep_workers() -> set[int]:
+    """This process's sweep workers that run (not its other children: another test's may outlive it)."""
+    found = set()
+    for child in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and "udnn_lab.fitting._sweep_worker" in child.cmdline():
+                found.add(child.pid)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
 def _waiting_for(tmp_path, monkeypatch, pattern: str, workers_end: bool = False) -> None:
     """This process's ranks wait (up to a minute) for a file of the sweep's folder that a worker writes, and with
     ``workers_end`` for the workers to end."""
@@ -47,7 +59,7 @@ def _waiting_for(tmp_path, monkeypatch, pattern: str, workers_end: bool = False)
         deadline = time.monotonic() + 60
         while not any(path.stat().st_size for path in tmp_path.glob(pattern)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        while workers_end and _children() and time.monotonic() < deadline:
+        while workers_end and _sweep_workers() and time.monotonic() < deadline:
             time.sleep(0.05)
         return run(job, index, done)
 
