@@ -68,6 +68,12 @@ class PlanError(UdnnLabError, ValueError):
     """A plan that breaks a rule, or that was made for another graph."""
 
 
+class PlanForAnotherStep(PlanError, PlanMismatch):
+    """A plan given with a step other than the one it was made for: a Graph (refused before anything runs) or the
+    step a runtime is running (refused at its first difference). One check raises it for every consumer of a Plan
+    (graph/plan_ir.py ``check_plan``); it is a PlanError and a PlanMismatch, so either catches it."""
+
+
 class AllocatorModelError(UdnnLabError, ValueError):
     """An event sequence the allocator cannot replay (a double allocation, a free of an unknown block)."""
 
@@ -90,6 +96,10 @@ class UnknownHardwareError(HardwareProfileError):
 
 class HardwareMismatchWarning(UserWarning):
     """A profile made for one device is applied to another."""
+
+
+class ShippedProfileWarning(UserWarning):
+    """No profile measured on this machine could be had: a shipped one stands in (it is named)."""
 
 
 class PublishedDataError(UdnnLabError, ValueError):
@@ -124,3 +134,28 @@ class CapBelowMinimum(UdnnLabError, ValueError):
     def __init__(self, message: str, job: str, cap_bytes: int, minimum_bytes: int) -> None:
         super().__init__(message)
         self.job, self.cap_bytes, self.minimum_bytes = job, cap_bytes, minimum_bytes
+
+
+class BudgetOverDevice(UdnnLabError, ValueError):
+    """A budget larger than the hardware profile's device memory: no plan can promise it."""
+
+    def __init__(self, message: str, budget_bytes: int, memory_bytes: int) -> None:
+        super().__init__(message)
+        self.budget_bytes, self.memory_bytes = budget_bytes, memory_bytes
+
+
+class HostBudgetExceeded(PlanInfeasible):
+    """A plan that fits the device but whose offloads need more host memory than the host budget."""
+
+    def __init__(self, message: str, peak_bytes: int, host_bytes: int, host_budget_bytes: int,
+                 fitting_policy: str | None) -> None:
+        super().__init__(message, peak_bytes, fitting_policy)
+        self.peak_bytes, self.host_bytes, self.host_budget_bytes = peak_bytes, host_bytes, host_budget_bytes
+
+
+class HostMemoryTooSmall(HostMemoryError):
+    """A real try (inputs, tensors or pinned buffers built on this host) would need more host memory than it has."""
+
+    def __init__(self, message: str, needed_bytes: int, available_bytes: int) -> None:
+        super().__init__(message)
+        self.needed_bytes, self.available_bytes = needed_bytes, available_bytes

@@ -9,7 +9,6 @@ import torch
 from udnn_lab.devices import device_name
 from udnn_lab.hardware.measuring import SWEEP_COLUMNS
 from udnn_lab.hardware.profiles import Hardware, HardwareMismatchWarning, HardwareProfileError, UnknownHardwareError
-from udnn_lab.simulation import simulator
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -241,14 +240,6 @@ def test_measure_on_cuda_sweeps_both_directions_and_both_memory_kinds():
     assert (sweep["bytes_per_s"] > 0).all()
     assert profile.memory_bytes == torch.cuda.get_device_properties(0).total_memory
     assert profile.fp16_flops_per_s > 0
-
-
-def test_the_profile_found_for_this_machine_is_a_measured_one_where_there_is_one(monkeypatch):
-    monkeypatch.setattr(simulator, "_cuda_here", lambda: True)
-    monkeypatch.setattr(simulator, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
-    found = simulator.resolve_hardware(None, "cuda")
-    assert found.measured and found.name == "nvidia-h100-80gb-hbm3-measured"
-    assert "NVIDIA H100 80GB HBM3" in Hardware.load("h100-sxm").device_names  # the datasheet profile matches too
 
 
 def test_a_profile_pickles_to_an_equal_one():  # sweeps send it to their worker processes

@@ -4,5 +4,15 @@ May import: devices, units and errors.
 """
 
 from udnn_lab.hardware.profiles import Hardware, HardwareMismatchWarning, HardwareProfileError, UnknownHardwareError
+from udnn_lab.hardware.this_machine import (
+    CACHE_VARIABLE,
+    CHOICES,
+    HARDWARE_VARIABLE,
+    MachineDevice,
+    ShippedProfileWarning,
+    machine_hardware,
+)
 
-__all__ = ["Hardware", "HardwareMismatchWarning", "HardwareProfileError", "UnknownHardwareError"]
+__all__ = ["CACHE_VARIABLE", "CHOICES", "HARDWARE_VARIABLE", "Hardware", "HardwareMismatchWarning",
+           "HardwareProfileError", "MachineDevice", "ShippedProfileWarning", "UnknownHardwareError",
+           "machine_hardware"]

@@ -32,7 +32,7 @@ import torch
 from udnn_lab.devices import as_device, device_name
 from udnn_lab.errors import HardwareMismatchWarning, HardwareProfileError, UnknownHardwareError
 from udnn_lab.hardware.measuring import measure_hardware
-from udnn_lab.units import parse_bytes
+from udnn_lab.units import format_bytes, parse_bytes
 from udnn_lab.vocabulary import DIRECTIONS, memory_kind
 
 _PACKAGE = Path(__file__).resolve().parents[1]
@@ -46,7 +46,7 @@ def _figure(kind: str, **kwargs: Any) -> Any:
     return field(metadata={"kind": kind}, **kwargs)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, repr=False)
 class Hardware:
     """One device: capacity, peak compute, memory and host-link bandwidths, and their sources."""
 
@@ -85,6 +85,12 @@ class Hardware:
         for spec in fields(self):
             object.__setattr__(self, spec.name, _checked(spec.name, spec.metadata["kind"], getattr(self, spec.name)))
         _check_sources(self)
+
+    def __repr__(self) -> str:
+        how = "measured" if self.measured else "datasheet"
+        return (f"Hardware({self.name!r}, {self.title!r}, {how}, memory={format_bytes(self.memory_bytes)}, "
+                f"fp32={self.fp32_flops_per_s / 1e12:.3g} TFLOP/s, "
+                f"h2d pinned={format_bytes(int(self.h2d_pinned_bytes_per_s))}/s)")
 
     # ---- loading and saving -------------------------------------------------------------
 

@@ -42,11 +42,13 @@ class Simulation:
     communication_time_s: float = 0.0
     exposed_communication_s: float = 0.0
     communication_bytes: int = 0
+    hardware: str = ""  # the name of the profile it was simulated on
 
     def __repr__(self) -> str:
         budget = format_bytes(self.budget_bytes) if self.budget_bytes is not None else "none"
         return (f"Simulation({self.model_name!r}, {self.policy}, step={format_seconds(self.step_time_s)}, "
-                f"stall={format_seconds(self.stall_time_s)}, peak={format_bytes(self.peak_bytes)}, budget={budget})")
+                f"stall={format_seconds(self.stall_time_s)}, peak={format_bytes(self.peak_bytes)}, budget={budget}, "
+                f"hardware={self.hardware!r})")
 
     @property
     def fits(self) -> bool:

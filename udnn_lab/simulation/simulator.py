@@ -30,15 +30,12 @@ from __future__ import annotations
 
 import heapq
 
-import torch
-
 from udnn_lab.cost.model import CostModel, RateCurve
 from udnn_lab.cost.profiling import Profile
-from udnn_lab.devices import device_name
 from udnn_lab.graph.liveness import op_table
 from udnn_lab.graph.plan_ir import Offload, Plan, Recompute
 from udnn_lab.graph.step_graph import Graph
-from udnn_lab.hardware.profiles import Hardware
+from udnn_lab.hardware import CHOICES, Hardware, machine_hardware
 from udnn_lab.simulation._communication import Communication, has_collectives, host_copies, host_op_time_s, host_ops
 from udnn_lab.simulation._result import Simulation
 from udnn_lab.simulation._tables import StepRecord, compute_time_s, counted_peak_bytes
@@ -87,25 +84,19 @@ def simulate_with(graph: Graph, plan: Plan, cost: CostModel) -> Simulation:
 
 
 def resolve_hardware(hardware: Hardware | str | None, device: str) -> Hardware:
-    """A Hardware profile from a name, or the profile that matches this machine's ``device`` (a measured one first)."""
+    """A Hardware profile as given, by name or path, or the one for this machine's ``device``.
+
+    None and the choices "auto", "measure" and "shipped" follow NOTE [the profile for this machine]
+    (hardware/this_machine.py): one rule for Python, the CLI, MemoryLab and the report.
+    """
     if isinstance(hardware, Hardware):
         return hardware
+    if hardware is None or isinstance(hardware, str) and hardware.strip() in CHOICES:
+        return machine_hardware(device, hardware)
     if isinstance(hardware, str):
         return Hardware.load(hardware)
-    if hardware is not None:
-        raise TypeError(f"hardware must be a Hardware, a profile name or None, got {type(hardware).__name__}")
-    if device == "cpu" or device == "cuda" and _cuda_here():
-        here = device_name(device)
-        matches = [candidate for candidate in map(Hardware.load, Hardware.names())
-                   if candidate.device_type == device and here in candidate.device_names]
-        if matches:  # a profile measured on this kind of device before one of datasheet figures
-            return next((candidate for candidate in matches if candidate.measured), matches[0])
-    raise ValueError(f"no hardware profile matches this machine's {device}: pass hardware= one of "
-                     f"{Hardware.names()}, or measure it with ul.Hardware.measure() and pass the result")
-
-
-def _cuda_here() -> bool:
-    return torch.cuda.is_available()
+    raise TypeError(f"hardware must be a Hardware, a profile name, one of {list(CHOICES)} or None, "
+                    f"got {type(hardware).__name__}")
 
 
 class _Run:
@@ -437,5 +428,5 @@ class _Run:
             released_before=dict(self.released), device_changes=changes,
             communication_time_s=comm.busy_s if comm is not None else 0.0,
             exposed_communication_s=comm.waited_s + max(0.0, comm.end_s() - clock) if comm is not None else 0.0,
-            communication_bytes=comm.bytes if comm is not None else 0,
+            communication_bytes=comm.bytes if comm is not None else 0, hardware=self.cost.hardware.name,
         )
