@@ -3,9 +3,12 @@
 import re
 from pathlib import Path
 
+import pytest
+
 import udnn_lab as ul
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+DOCS = sorted((README.parent / "docs").glob("*.md"))
 
 
 def python_blocks(text: str) -> list[str]:
@@ -14,7 +17,10 @@ def python_blocks(text: str) -> list[str]:
 
 def test_the_readme_has_python_blocks_to_run():
     blocks = python_blocks(README.read_text())
-    assert len(blocks) >= 2 and "ul.measure(work)" in blocks[0] and "ul.train(" in blocks[-1]
+    assert len(blocks) >= 3 and "ul.trace(model, x" in blocks[0] and "ul.train(" in blocks[0]
+    assert "ul.measure(work)" in blocks[1] and "ul.train(" in blocks[2]
+    text = README.read_text()
+    assert text.startswith("# udnn_lab\n") and text.index("make test") < text.index("## Your own model")
 
 
 def test_the_readmes_python_runs_as_written():
@@ -25,3 +31,11 @@ def test_the_readmes_python_runs_as_written():
     assert isinstance(namespace["hw"], ul.Hardware) and isinstance(namespace["plan"], ul.Plan)
     assert namespace["measured"].summary(namespace["graph"])["peak_relative_error"] <= 0.01
     assert len(namespace["run"].steps) == 3
+    assert namespace["smaller"].budget_bytes == namespace["step"].peak_bytes // 2
+
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda path: path.name)
+def test_the_docs_pages_python_runs_as_written(page):
+    namespace: dict = {}
+    for number, block in enumerate(python_blocks(page.read_text()), start=1):
+        exec(compile(block, f"{page.name} python block {number}", "exec"), namespace)

@@ -13,7 +13,7 @@ from udnn_lab.analysis._fake.tensors import FAKE_LIMITS
 from udnn_lab.analysis._recorder import StepRecorder, StorageRecord
 from udnn_lab.analysis._sharded import resized_storages, resizes_seen
 from udnn_lab.analysis.step import input_tensors, run_step, scaler_state
-from udnn_lab.errors import ModelInputError
+from udnn_lab.errors import ModelInputError, PlanMismatch
 from udnn_lab.graph.step_graph import Graph, HookEvent, ModuleCall, OpInfo, TensorInfo
 from udnn_lab.vocabulary import LOSS_SCOPE, Category, Phase
 from udnn_lab.workload import DEFAULT_STEP, StepOptions
@@ -117,6 +117,8 @@ def explained_error(err: Exception, recorder: StepRecorder, args: tuple, kwargs:
     """Turn a failure inside the model or the loss into an error that names where it happened."""
     if isinstance(err, FAKE_LIMITS):
         return err  # trace() explains these: the model needs real values
+    if isinstance(err, PlanMismatch):
+        return err  # a runtime refusing a step that is not its plan's: it says where and what to do
     given = [tuple(t.shape) for t in input_tensors(args, kwargs)]
     if recorder.phase == "forward" and recorder.module_stack:
         path, kind, shapes = recorder.module_stack[-1]

@@ -2,7 +2,9 @@
 
 Plain data. A Plan names tensors and ops by their index in the Graph it was made for, and
 carries that graph's fingerprint so it cannot be applied to another. ``Plan.validate``
-checks every rule and names the one that is broken.
+checks every rule and names the one that is broken. ``check_plan`` is the one check every
+consumer of a Plan makes first (simulate, the frames, the allocator model, OffloadRuntime and
+so train and measure): a plan for another step is refused everywhere with PlanForAnotherStep.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
-from udnn_lab.errors import PlanError
+from udnn_lab.errors import PlanError, PlanForAnotherStep
 from udnn_lab.graph.hook_points import on_hook_points
 from udnn_lab.graph.step_graph import Graph, HookEvent, op_family, writes_in_place
 from udnn_lab.units import cuda_block_bytes, format_bytes
@@ -111,8 +113,7 @@ class Plan:
         sites = tuple(_site(graph, t) for t in sorted(self._actions))
         followable = on_hooks and graph.hook_events and not self.recomputes
         moved = on_hook_points(graph, self.offloads) if followable else None
-        located = replace(self, sites=sites, op_count=len(graph.ops),
-                          op_families=tuple(op_family(op.name) for op in graph.ops if op.phase != "optimizer"))
+        located = replace(self, sites=sites, op_count=len(graph.ops), op_families=_families(graph))
         if moved is None:
             return replace(located, hook_events=())
         return replace(located, offloads=moved, hook_events=graph.hook_events)
@@ -138,10 +139,8 @@ class Plan:
         return actions
 
     def check_belongs(self, graph: Graph) -> None:
-        if self.graph_fingerprint != graph.fingerprint:
-            raise PlanError(f"this {self.policy!r} plan was made for another graph (fingerprint "
-                            f"{self.graph_fingerprint[:12]}, this graph's is {graph.fingerprint[:12]}); "
-                            f"plan again for {graph.model_name!r}: ul.plan(graph, ...)")
+        """Refuse ``graph`` unless this plan was made for its step (``check_plan``)."""
+        check_plan(self, graph)
 
     def validate(self, graph: Graph) -> None:
         """Raise PlanError naming the first broken rule."""
@@ -158,6 +157,56 @@ class Plan:
             check_recompute(graph, recompute, seen)
         if self.pinned_pool_bytes < 0 or self.size_floor_bytes < 0:
             raise PlanError("pinned_pool_bytes and size_floor_bytes cannot be negative")
+
+
+def check_plan(plan: Plan | None, graph: Graph | None = None) -> Plan | None:
+    """The one check every consumer of a Plan makes before it uses one; returns the plan.
+
+    With ``graph`` (simulate, the frames, the allocator model, measure where it traced the step) the plan
+    must be made for that graph's step. Without one (OffloadRuntime, and so train and measure) a plan that
+    acts must be located; the runtime then meets the step as it runs and refuses another at its first
+    difference with ``other_step`` (NOTE [offload runtime] 1), even a plan that moves nothing, wherever it
+    carries the step's hook events. Either way the error is PlanForAnotherStep.
+    """
+    if plan is None:
+        return None
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a Plan (from ul.plan(graph, ...)), got {type(plan).__name__}")
+    if graph is not None and plan.graph_fingerprint != graph.fingerprint:
+        raise other_step(f"this {plan.policy!r} plan was made for another graph than {graph.model_name}'s: "
+                         f"{_difference(plan, graph)}; plan again for this step: ul.plan(graph, ...)",
+                         f"the plan's graph fingerprint is {plan.graph_fingerprint[:12]}, this graph's "
+                         f"{graph.fingerprint[:12]}",
+                         "a plan names ops and tensors by their place in the step it was traced from, so it "
+                         "acts on that step only")
+    if graph is None and (plan.offloads or plan.recomputes) and not plan.sites:
+        raise ValueError("this plan does not say where its tensors are made: make it with ul.plan(graph, ...) "
+                         "or call plan.located(graph) first")
+    return plan
+
+
+def other_step(first: str, *details: str) -> PlanForAnotherStep:
+    """The error for a plan used with another step: ``first`` is one line (the first difference, what to do),
+    ``details`` go on the lines below it."""
+    return PlanForAnotherStep("\n".join((first, *(f"  {detail}" for detail in details))))
+
+
+def _families(graph: Graph) -> tuple[str, ...]:
+    """The op_family of each forward and backward op of the step, in order: what a runtime checks op by op."""
+    return tuple(op_family(op.name) for op in graph.ops if op.phase != "optimizer")
+
+
+def _difference(plan: Plan, graph: Graph) -> str:
+    """The first difference between the plan's step and the graph's, in words."""
+    if not plan.op_families:
+        return "its step's ops or tensor sizes differ"
+    ours = _families(graph)
+    first = next((i for i, (a, b) in enumerate(zip(ours, plan.op_families)) if a != b), None)
+    if first is not None:
+        return f"op {first} of this step is {ours[first]}, the plan's step's is {plan.op_families[first]}"
+    if len(ours) != len(plan.op_families):
+        return f"this step has {len(ours)} forward and backward ops, the plan's {len(plan.op_families)}"
+    return "the same forward and backward ops, with another optimizer step or other tensor sizes (batch, input size)"
 
 
 def _site(graph: Graph, tensor_id: int) -> TensorSite:

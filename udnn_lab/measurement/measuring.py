@@ -36,6 +36,7 @@ from udnn_lab.analysis.step import (
 from udnn_lab.analysis.tracing import trace
 from udnn_lab.devices import device_name, model_device
 from udnn_lab.errors import LargeMeasurementWarning, TraceMismatch, UdnnLabError
+from udnn_lab.graph.plan_ir import check_plan
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.measurement import nvml
 from udnn_lab.measurement._estimate import PROGRESS_SECONDS, MeasurementEstimate, estimate
@@ -195,13 +196,13 @@ def measure(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
     scaler = grad_scaler(work.step_options, device)
     step = dict(loss_fn=work.loss_fn, target=target, optimizer=work.optimizer, options=work.step_options,
                 scaler=scaler)
-    runtime = OffloadRuntime(plan)
+    runtime = OffloadRuntime(check_plan(plan, graph))  # a graph given: the plan must be its step's
     if graph is None and device.type == "cpu":
         graph = _traced(work)
     cost = _announce(graph, warmup + repeats, device)
     show = progress if progress is not None else cost is not None and cost.seconds > PROGRESS_SECONDS
     bar = tqdm(total=warmup + repeats + 1, desc=f"measuring {work.name}", unit="step", disable=not show, leave=False)
-    per_op = 1 / len(graph.ops) if graph is not None and graph.ops else 0.0
+    ops_shown = _OpsShown(bar, len(graph.ops) if graph is not None else 0)
 
     def one_step() -> None:
         with runtime:

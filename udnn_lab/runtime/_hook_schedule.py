@@ -7,6 +7,7 @@ from collections.abc import Collection
 import torch
 
 from udnn_lab.errors import PlanMismatch
+from udnn_lab.graph.plan_ir import other_step
 from udnn_lab.graph.step_graph import HookEvent
 
 WHOLE_STEP = "the whole step"
@@ -111,12 +112,13 @@ class HookSchedule:
                                                                                    expected.shape)))
         op = max(boundary - 1, 0)  # the call came after this op
         family = f" ({self.op_families[op]})" if op < len(self.op_families) else ""
-        raise PlanMismatch(
+        raise other_step(
             f"this step is not the one the plan was made for: after its op {op}{family} {what}, where the plan's "
-            f"step {planned} (hook call {ordinal}). The model, its mode (train or "
-            "eval), the loss, the optimizer or the input changed since the plan was made: trace this step and plan "
-            "again (ul.plan(ul.trace(...), ...)). If nothing changed, the device's kernels save other tensors than "
-            "the traced ones did: follow the plan op by op with plan.located(graph, on_hooks=False)")
+            f"step {planned}; trace this step and plan again", f"(hook call {ordinal} differs)",
+            "the model, its mode (train or eval), the loss, the optimizer or the input changed since the plan was "
+            "made: plan for this step with ul.plan(ul.trace(...), ...)",
+            "if nothing changed, the device's kernels save other tensors than the traced ones did: follow the plan "
+            "op by op with plan.located(graph, on_hooks=False)")
 
 
 # -- windows (NOTE [hook points] 5) -------------------------------------------------------------

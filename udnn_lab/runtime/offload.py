@@ -81,7 +81,7 @@ from udnn_lab.analysis._fake.memo import flat_tensors
 from udnn_lab.analysis._recorder import records_op
 from udnn_lab.analysis.step import view_replay
 from udnn_lab.errors import PlanMismatch
-from udnn_lab.graph.plan_ir import Offload, Plan, Recompute, TensorSite
+from udnn_lab.graph.plan_ir import Offload, Plan, Recompute, TensorSite, check_plan, other_step
 from udnn_lab.graph.step_graph import op_family
 from udnn_lab.runtime._copies import Copies
 from udnn_lab.runtime._hook_schedule import HookSchedule
@@ -179,11 +179,9 @@ class OffloadRuntime:
 
     def __init__(self, plan: Plan | None = None, *, enabled: bool = True, host_cap_bytes: int | None = None,
                  pool_bytes: int | None = None) -> None:
-        self.plan = plan
-        self.enabled = enabled and plan is not None and bool(plan.offloads or plan.recomputes)
-        if self.enabled and plan is not None and not plan.sites:
-            raise ValueError("this plan does not say where its tensors are made: make it with ul.plan(graph, ...) "
-                             "or call plan.located(graph) first")
+        self.plan = check_plan(plan)
+        # a plan that moves nothing still follows the step by its hooks, where it carries them, to refuse another
+        self.enabled = enabled and plan is not None and bool(plan.offloads or plan.recomputes or plan.hook_events)
         self.host_cap_bytes = host_cap_bytes
         self.pool_bytes = pool_bytes
         self.pool: HostPool | None = None
@@ -451,12 +449,13 @@ class _Step:
 
     def _mismatch(self, index: int, family: str) -> None:
         expected = self.expected[index]
-        raise PlanMismatch(
+        raise other_step(
             f"this step is not the one the plan was made for: its op {index} is {family}, where the plan's step has "
-            f"{expected}. The model, its mode (train or eval), the loss, the optimizer or the input changed since "
-            "the plan was made: trace this step and plan again (ul.plan(ul.trace(...), ...)). A model wrapped in DDP "
-            "or FSDP2 reaches the traced step after two steps (FSDP's lazy initialization in the first, DDP's bucket "
-            "rebuild in the second): run those without the runtime")
+            f"{expected}; trace this step and plan again",
+            "the model, its mode (train or eval), the loss, the optimizer or the input changed since the plan was "
+            "made: plan for this step with ul.plan(ul.trace(...), ...)",
+            "a model wrapped in DDP or FSDP2 reaches the traced step after two steps (FSDP's lazy initialization in "
+            "the first, DDP's bucket rebuild in the second): run those without the runtime")
 
     def _found(self, site, args, out) -> None:
         """The planned tensor is op ``site.producer``'s ``site.position``-th new storage (NOTE [offload runtime] 1)."""
