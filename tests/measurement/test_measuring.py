@@ -1,4 +1,6 @@
 
+import re
+
 import pytest
 import torch
 
@@ -174,3 +176,10 @@ def test_a_loss_that_keeps_its_elementwise_buffer_is_traced_at_its_real_size():
     assert any(t.nbytes == 256 * 128 * 4 and not t.shape for t in graph.tensors)  # the 0-dim loss, at full size
     summary = ul.measure(work, repeats=0).summary(graph)
     assert summary["peak_relative_error"] == 0 and summary["max_step_relative_error"] == 0, summary
+
+
+def test_the_progress_bar_counts_whole_steps_and_names_the_recorded_step_s_ops(capsys):
+    ul.measure(zoo.get("mlp3", batch=2), warmup=1, progress=True)
+    err = capsys.readouterr().err
+    assert re.search(r"\b\d+/2 \[", err) and not re.search(r"\d\.\d+/2\b", err), err  # 1/2, never 1.0185/2
+    assert re.search(r"recording op \d+/\d+", err), err

@@ -163,6 +163,19 @@ def _check_ops(predicted: tuple[str, ...], measured: tuple[str, ...]) -> None:
                         f"trace and measure the same model, input shapes, loss and optimizer")
 
 
+class _OpsShown:
+    """The recorded step's ops, as 'op k/N' beside the bar: the bar itself counts whole steps."""
+
+    def __init__(self, bar, total: int) -> None:
+        self.bar, self.total, self.done = bar, total, 0
+        self.every = max(1, total // 20)  # at most 20 refreshes a step
+
+    def one_more(self) -> None:
+        self.done += 1
+        if self.total and (self.done % self.every == 0 or self.done == self.total):
+            self.bar.set_postfix_str(f"recording op {min(self.done, self.total)}/{self.total}")
+
+
 def measure(model: torch.nn.Module | Workload, example_input: Any = None, loss_fn: Callable | None = None,
             optimizer: torch.optim.Optimizer | None = None, *, target: Any = None, plan=None, warmup: int = 1,
             repeats: int = 0, name: str | None = None, graph: Graph | None = None,
@@ -219,12 +232,12 @@ def measure(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         def recorded_step() -> tuple[StepRecorder, _CudaSampler | None]:
             work.model.zero_grad(set_to_none=True)  # the recorded step starts without gradients (allocator baseline)
             counters = _CudaSampler() if device.type == "cuda" else None
+            ops_shown.done = 0  # a step the GradScaler skipped is recorded again
 
             def after_op() -> None:
                 if counters is not None:
                     counters.sample()
-                if per_op:
-                    bar.update(per_op)
+                ops_shown.one_more()
 
             recorder = StepRecorder(after_op=after_op)
             if counters:
