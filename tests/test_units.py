@@ -81,3 +81,15 @@ def test_sizes_the_api_returns_read_as_sizes():
 def test_a_budget_to_type_reads_as_a_size_and_is_never_under_the_bytes(nbytes, text):
     assert format_budget(nbytes) == text
     assert nbytes <= parse_bytes(text) < nbytes * 1.02 + 1024  # rounded up by at most a tenth of its unit
+
+
+@pytest.mark.parametrize("negative", ["-1GB", "-1", "-0.5 GiB", -5, -2.5])
+def test_a_negative_size_says_a_budget_cannot_be_negative(negative):
+    with pytest.raises(ValueError, match="a budget cannot be negative"):
+        parse_bytes(negative)
+
+
+def test_plan_says_a_negative_budget_cannot_be_one():
+    graph = ul.trace(ul.zoo.get("mlp3", batch=2))
+    with pytest.raises(ValueError, match="a budget cannot be negative, nor any size: got '-1GB'"):
+        ul.plan(graph, "-1GB", hardware="h100-sxm")

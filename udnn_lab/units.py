@@ -11,7 +11,7 @@ import re
 
 _BINARY = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*(-?\s*[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 _ACCEPTED = "an int of bytes or a string like '512', '6 GiB', '6GB', '1.5g', '300 MiB', '80kb'"
 
 
@@ -33,8 +33,9 @@ def parse_bytes(value: int | float | str) -> int:
         number, scale = _parse_size_string(value)
     else:
         raise TypeError(f"a size must be {_ACCEPTED}, got {type(value).__name__}")
-    if number < 0:
-        raise ValueError(f"a size cannot be negative, got {value!r}")
+    if number < 0:  # most sizes typed are budgets: say it in their words
+        raise ValueError(f"a budget cannot be negative, nor any size: got {value!r}; give 0 or more bytes, "
+                         "e.g. '6 GiB'")
     return int(round(number * scale))
 
 
@@ -42,7 +43,7 @@ def _parse_size_string(text: str) -> tuple[float, int]:
     match = _SIZE.match(text)
     if not match:
         raise ValueError(f"cannot read {text!r} as a size: use {_ACCEPTED}")
-    number, unit = float(match.group(1)), match.group(2).lower()
+    number, unit = float(match.group(1).replace(" ", "")), match.group(2).lower()
     scale = _unit_scale(unit.removesuffix("ytes").removesuffix("yte") if unit.endswith(("bytes", "byte")) else unit)
     if scale is None:
         raise ValueError(
