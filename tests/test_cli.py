@@ -96,7 +96,7 @@ def test_report_refuses_a_bad_request_and_writes_nothing(argv, message, tmp_path
     out = tmp_path / "report.html"
     assert main([*argv, "--out", str(out)]) == 1
     err = capsys.readouterr().err
-    assert "checking" in err and f"udnn-lab: error: {message}" in err
+    assert f"udnn-lab: error: {message}" in err and len(err.strip().splitlines()) == 1
     assert not out.exists()
 
 
@@ -210,6 +210,7 @@ def test_train_runs_over_ranks_under_a_plan_and_prints_every_rank_s_peak(capsys)
                  "--policy", "vdnn-all", "--hardware", "cpu-amd-epyc-2cpu"]) == 0
     captured = capsys.readouterr()
     assert "ddp over 2 ranks, plan vdnn-all" in captured.err
+    assert "hardware profile: cpu-amd-epyc-2cpu (" in captured.err
     assert [line.split(":")[0] for line in captured.err.splitlines() if line.startswith("step ")] == ["step 0",
                                                                                                      "step 1"]
     table = captured.out.splitlines()
@@ -221,3 +222,57 @@ def test_train_runs_over_ranks_under_a_plan_and_prints_every_rank_s_peak(capsys)
 def test_train_refuses_a_batch_that_does_not_split_over_the_ranks(capsys):
     assert main(["train", "mlp3", "--batch", "7", "--parallel", "fsdp", "--world-size", "2"]) == 1
     assert "--batch 7 does not split over --world-size 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("error", [MemoryError("the step needs 90 GiB"), RuntimeError("CUDA out of memory.\nmore"),
+                                   ValueError("bad input")])
+def test_any_error_is_one_line_and_the_traceback_comes_with_debug(error, monkeypatch, capsys):
+    import udnn_lab.cli as cli
+
+    def failing(args):
+        raise error
+
+    monkeypatch.setattr(cli, "_zoo", failing)
+    assert main(["zoo"]) == 1
+    err = capsys.readouterr().err
+    first, *more = str(error).splitlines()
+    assert err.strip().splitlines() == [f"udnn-lab: error: {first} (--debug shows "
+                                        f"{'more' if more else 'the traceback'})"]
+    assert main(["zoo", "--debug"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and err.strip().endswith(str(error).splitlines()[-1])
+
+
+@pytest.mark.parametrize("argv", [["train", "mlp3", "--budget", "-1GB", "--hardware", "cpu-amd-epyc-2cpu"],
+                                  ["report", "mlp3", "--budget", "-1GB", "--hardware", "h100-sxm"],
+                                  ["max-seq-len", "hf:gpt2", "--budget", "-1GB", "--hardware", "h100-sxm"],
+                                  ["max-batch", "mlp3", "--budget", "1GiB", "--policy", "vdnn-all", "--limit", "8",
+                                   "--host-budget", "-2GB", "--hardware", "h100-sxm"]])
+def test_a_size_option_takes_a_negative_value_and_says_what_is_wrong_with_it(argv, tmp_path, capsys):
+    assert main([*argv, *(["--out", str(tmp_path / "r.html")] if argv[0] == "report" else [])]) == 1
+    err = capsys.readouterr().err
+    assert "a budget cannot be negative" in err and "expected one argument" not in err
+    assert [line for line in err.splitlines() if line.startswith("udnn-lab: error:")] == err.strip().splitlines()[-1:]
+
+
+def test_the_hardware_options_default_to_this_machine_s_profile():
+    from udnn_lab.cli import _parser
+
+    parser = _parser()
+    for argv in (["report", "mlp3", "--budget", "1GiB"], ["train", "mlp3"], ["max-batch", "mlp3"],
+                 ["max-seq-len", "hf:gpt2"]):
+        assert parser.parse_args(argv).hardware is None, argv
+
+
+def test_report_without_hardware_plans_on_this_machine_s_profile_and_says_which(monkeypatch, tmp_path, capsys):
+    import udnn_lab.cli as cli
+    import udnn_lab.simulation.simulator as simulator
+    from udnn_lab.hardware import Hardware
+
+    asked, written = [], []
+    monkeypatch.setattr(simulator, "resolve_hardware", lambda hardware, device: asked.append((hardware, device))
+                        or Hardware.load("a100"))
+    monkeypatch.setattr("udnn_lab.report.write_report", lambda request, out, **kwargs: written.append(request))
+    assert cli.main(["report", "mlp3", "--budget", "1GiB", "--out", str(tmp_path / "r.html")]) == 0
+    assert asked == [(None, "cuda")] and written[0].hardware == "a100"
+    assert "hardware profile: a100 (" in capsys.readouterr().out

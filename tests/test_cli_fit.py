@@ -13,7 +13,8 @@ def _peak(batch: int) -> int:
 
 
 def test_max_batch_prints_every_probe_and_the_answer(capsys):
-    assert main(["max-batch", "mlp3", "--budget", "40MiB", "--optimizer", "adam", "--multiple-of", "8"]) == 0
+    assert main(["max-batch", "mlp3", "--budget", "40MiB", "--optimizer", "adam", "--multiple-of", "8",
+                 "--hardware", "h100-sxm"]) == 0
     out = capsys.readouterr().out
     found = re.search(r"largest batch size: (\d+) \(mlp3, 40.00 MiB, keep-all on h100-sxm\); batch (\d+) needs", out)
     assert found, out
@@ -22,6 +23,42 @@ def test_max_batch_prints_every_probe_and_the_answer(capsys):
     rows = [line.split() for line in out.splitlines() if line.strip().endswith(("yes", "no"))]
     assert [row[0] for row in rows if row[-1] == "yes"][-1] == str(size)
     assert f"{len(rows)} probes" in out
+    assert "hardware profile: h100-sxm (NVIDIA H100" in out
+    header = next(line for line in out.splitlines() if line.split()[:1] == ["batch"])
+    assert header.split() == ["batch", "peak", "fits"]  # keep-all: the plan's peak is the traced one, shown once
+    assert all(len(row) == 4 for row in rows)  # size, one peak (number and unit), fits
+
+
+def test_under_a_policy_max_batch_shows_the_plan_s_peak_beside_the_one_with_everything_kept(capsys):
+    assert main(["max-batch", "mlp3", "--budget", "40MiB", "--policy", "vdnn-all", "--multiple-of", "8", "--limit",
+                 "16", "--hardware", "h100-sxm", "--host-budget", "none"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.split()[:1] == ["batch"])
+    assert "peak (plan)" in header and "peak (all kept)" in header
+    rows = [line.split() for line in out.splitlines() if line.strip().endswith(("yes", "no"))]
+    assert rows and all(len(row) == 6 for row in rows)  # size, two peaks of two words each, fits
+
+
+def test_without_hardware_the_fit_commands_use_this_machine_s_profile_and_say_which(monkeypatch, capsys):
+    import udnn_lab.simulation.simulator as simulator
+
+    asked = []
+
+    def this_machine(hardware, device):
+        asked.append((hardware, device))
+        return ul.Hardware.load("a100")
+
+    monkeypatch.setattr(simulator, "resolve_hardware", this_machine)
+    assert main(["max-batch", "mlp3", "--budget", "40MiB", "--limit", "8", "--start", "8"]) == 0
+    out = capsys.readouterr().out
+    assert asked == [(None, "cuda")]
+    assert "hardware profile: a100 (" in out and "keep-all on a100)" in out
+
+
+def test_a_negative_budget_is_read_as_one_and_refused_as_one(capsys):
+    assert main(["max-batch", "mlp3", "--budget", "-1GB", "--hardware", "h100-sxm"]) == 1
+    err = capsys.readouterr().err
+    assert "a budget cannot be negative" in err and "expected one argument" not in err
 
 
 def test_max_seq_len_stops_at_its_limit(capsys):

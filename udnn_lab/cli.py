@@ -15,6 +15,7 @@ import re
 import sys
 import time
 import traceback
+import warnings
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from itertools import repeat
@@ -34,6 +35,10 @@ COMMANDS = {
     "train": "train a few steps for real, in one process or over DDP/FSDP ranks, and print each step",
 }
 MODEL_HELP = "a zoo name (see 'udnn-lab zoo') or package.module:factory, a callable returning your nn.Module"
+THIS_GPU = "this machine's GPU's profile, else the closest shipped one, named in a warning"
+SIZE_OPTIONS = ("--budget", "--host-budget")  # their values may start with '-' ('-1GB'): the size says what is wrong
+# errors that end a command with one line (the traceback with --debug): udnn_lab's, bad input, out of memory
+ONE_LINE_ERRORS = (UdnnLabError, ValueError, TypeError, ImportError, MemoryError, RuntimeError)
 
 
 @dataclass(frozen=True)
@@ -48,8 +53,9 @@ class Names:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    with _report_kernel(argv) as kernel:
+    argv = _joined_size_values(sys.argv[1:] if argv is None else list(argv))
+    with _report_kernel(argv) as kernel, warnings.catch_warnings():
+        warnings.showwarning = _show_warning
         parser = _parser(registered_names() if _command_named(argv) else None)
         args = parser.parse_args(argv)
         if args.command is None:
@@ -59,16 +65,42 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return args.run(args)
         except ModelFactoryError as err:  # the user's code failed: one line, the traceback with --debug
-            return _fail(err, args.debug, 2, "" if args.debug else " (--debug shows the traceback)")
-        except (UdnnLabError, ValueError, TypeError, ImportError) as err:
-            return _fail(err, args.debug, 1, "")
+            return _fail(err, args.debug, 2)
+        except ONE_LINE_ERRORS as err:
+            return _fail(err, args.debug, 1)
 
 
-def _fail(err: BaseException, debug: bool, code: int, hint: str) -> int:
+def _fail(err: BaseException, debug: bool, code: int) -> int:
+    """One line: the error's first (its messages say what was wrong and what to do there); all of it with --debug."""
     if debug:
         traceback.print_exception(err)
-    print(f"udnn-lab: error: {err}{hint}", file=sys.stderr)
+        print(f"udnn-lab: error: {err}", file=sys.stderr)
+        return code
+    lines = str(err).strip().splitlines() or [type(err).__name__]
+    print(f"udnn-lab: error: {lines[0]} (--debug shows {'more' if len(lines) > 1 else 'the traceback'})",
+          file=sys.stderr)
     return code
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one line, as errors are."""
+    print(f"udnn-lab: warning: {str(message).strip().splitlines()[0] if str(message).strip() else category.__name__}",
+          file=sys.stderr)
+
+
+def _joined_size_values(argv: list[str]) -> list[str]:
+    """``--budget -1GB`` as ``--budget=-1GB``: argparse takes a value starting with '-' for an option, and the size
+    itself then says what is wrong with it."""
+    joined: list[str] = []
+    words = iter(argv)
+    for word in words:
+        if word in SIZE_OPTIONS:
+            value = next(words, None)
+            negative = value is not None and value.startswith("-") and not value.startswith("--")
+            joined.extend([f"{word}={value}"] if negative else [word] if value is None else [word, value])
+        else:
+            joined.append(word)
+    return joined
 
 
 def _command_named(argv: list[str]) -> str | None:
@@ -169,8 +201,8 @@ def _parser(names: Names | None = None) -> argparse.ArgumentParser:
     report.add_argument("--budget", required=True,
                         help="device memory to fit into, e.g. 6GiB, '300 MiB', 339.7MiB, 4GB or bytes")
     hardware = f" ({', '.join(names.hardware)})" if names else ""
-    report.add_argument("--hardware", default="h100-sxm",
-                        help=f"a hardware profile name{hardware} or a profile .json (default h100-sxm)")
+    report.add_argument("--hardware",
+                        help=f"a hardware profile name{hardware} or a profile .json (default: {THIS_GPU})")
     report.add_argument("--policy", default="auto", choices=names.policies if names else None,
                         help="planning policy (default auto: the fastest that fits)")
     report.add_argument("--out", type=Path, default=Path("report.html"),
@@ -193,8 +225,8 @@ def _parser(names: Names | None = None) -> argparse.ArgumentParser:
                        help="run every step under this planning policy's plan (for --parallel, each rank's own)")
     train.add_argument("--budget", help="device memory the plan fits into, e.g. 6GiB (with --policy; alone it "
                                         "plans with auto)")
-    train.add_argument("--hardware", default="h100-sxm",
-                       help=f"the hardware profile the plan is made for{hardware} (default h100-sxm)")
+    train.add_argument("--hardware", help=f"the hardware profile the plan is made for{hardware} (default: the profile "
+                                          "of this machine's --device)")
     train.set_defaults(run=_train)
 
     listing = commands.add_parser("zoo", parents=[common], help=COMMANDS["zoo"])
@@ -209,8 +241,7 @@ def _add_fit_commands(commands, common: argparse.ArgumentParser, names: Names | 
     fit.add_argument("model", help=MODEL_HELP)
     fit.add_argument("--budget", help="device memory to fit into, e.g. 80GiB or bytes (default: all the hardware's)")
     hardware = f" ({', '.join(names.hardware)})" if names else ""
-    fit.add_argument("--hardware", default="h100-sxm",
-                     help=f"a hardware profile name{hardware} or a profile .json (default h100-sxm)")
+    fit.add_argument("--hardware", help=f"a hardware profile name{hardware} or a profile .json (default: {THIS_GPU})")
     fit.add_argument("--policy", default="keep-all", choices=names.policies if names else None,
                      help="fit with every tensor kept (keep-all, the default) or under a planning policy")
     fit.add_argument("--optimizer", default="default", choices=("default", *names.optimizers) if names else None,
@@ -290,6 +321,8 @@ def _report(args: argparse.Namespace) -> int:
                             dtype=args.dtype, seq_len=args.seq_len, attn_implementation=args.attn_implementation,
                             lora_rank=args.lora_rank, precision=args.precision,
                             grad_accumulation=args.grad_accumulation, clip_grad_norm=args.clip_grad_norm)
+    request.check_names()  # a mistyped name is said before a profile is looked for (or measured)
+    request = replace(request, hardware=_by_name(args.hardware, _hardware(args.hardware, "cuda")))
     write_report(request, args.out, progress=lambda line: print(line, file=sys.stderr), kernel=args.kernel)
     return 0
 
@@ -336,8 +369,9 @@ def _train_plans(args: argparse.Namespace, spec) -> list:
     rank_args = argparse.Namespace(**{**vars(args), "batch": args.batch // world})
     work = _workload(rank_args, device="meta")
     device = "cuda" if args.device.startswith("cuda") else "cpu"
+    profile = _hardware(args.hardware, device, file=sys.stderr)  # with the rest of train's narration
     return [ul.plan(ul.trace(work, device=device, parallel=replace(spec, rank=rank) if spec is not None else None),
-                    args.budget, args.policy or "auto", hardware=args.hardware) for rank in range(world)]
+                    args.budget, args.policy or "auto", hardware=profile) for rank in range(world)]
 
 
 def _print_step(world: int):
@@ -376,16 +410,13 @@ def _max_size(args: argparse.Namespace) -> int:
     if args.dtype != "float32":
         options["dtype"] = zoo.DTYPES[args.dtype]
     options["optimizer"] = None if args.optimizer == "none" else args.optimizer
-    search = dict(budget=args.budget, policy=args.policy, hardware=args.hardware, start=args.start, limit=args.limit,
+    search = dict(budget=args.budget, policy=args.policy, hardware=_hardware(args.hardware, "cuda"), start=args.start,
+                  limit=args.limit,
                   multiple_of=args.multiple_of, progress=None,
                   host_budget=None if args.host_budget.lower() == "none" else args.host_budget)
     found = max_batch(args.model, **search, **options) if args.dimension == "batch" else \
         max_seq_len(args.model, batch=args.batch, **search, **options)
-    host = found.host_budget_bytes is not None
-    print(f"{args.dimension:>8s} {'peak':>12s} {'traced peak':>12s}" + (f" {'host':>12s}" if host else "") + "  fits")
-    for probe in sorted(found.probes, key=lambda p: p.size):
-        print(f"{probe.size:8d} {format_bytes(probe.peak_bytes):>12s} {format_bytes(probe.traced_peak_bytes):>12s}"
-              + (f" {format_bytes(probe.host_bytes):>12s}" if host else "") + f"  {'yes' if probe.fits else 'no'}")
+    _print_probes(found, args.dimension)
     for note in found.notes:
         print(f"note: {note}")
     what = "batch size" if args.dimension == "batch" else "sequence length"
@@ -393,6 +424,42 @@ def _max_size(args: argparse.Namespace) -> int:
     print(f"\n{answer} ({found.model_name}, {format_bytes(found.budget_bytes)}, {found.policy} on {found.hardware}); "
           f"{found.stopped}; {len(found.probes)} probes")
     return 0
+
+
+def _print_probes(found, dimension: str) -> None:
+    """One row per size tried: its peak (under a plan, also the peak with every tensor kept), host bytes, fits."""
+    host = found.host_budget_bytes is not None
+    planned = found.policy != "keep-all"  # under keep-all the plan's peak is the traced one: one column
+    peaks = ["peak (plan)", "peak (all kept)"] if planned else ["peak"]
+    print(f"{dimension:>8s} " + " ".join(f"{name:>15s}" for name in peaks) + (f" {'host':>12s}" if host else "")
+          + "  fits")
+    for probe in sorted(found.probes, key=lambda p: p.size):
+        sizes = [probe.peak_bytes, probe.traced_peak_bytes] if planned else [probe.peak_bytes]
+        print(f"{probe.size:8d} " + " ".join(f"{format_bytes(size):>15s}" for size in sizes)
+              + (f" {format_bytes(probe.host_bytes):>12s}" if host else "") + f"  {'yes' if probe.fits else 'no'}")
+
+
+def _hardware(name: str | None, device: str, file=None):
+    """The profile a command plans or simulates on, said on a line of its own (to ``file``, default stdout): the one
+    named, else the one for this machine's ``device`` (resolve_hardware: a shipped stand-in is named in a warning)."""
+    # startup time: each command loads its stage when it runs (see the module docstring)
+    from udnn_lab.simulation.simulator import resolve_hardware
+
+    profile = resolve_hardware(name, device)
+    print(f"hardware profile: {profile.name} ({profile.title}, {format_bytes(profile.memory_bytes)} of "
+          f"{profile.device_type} memory)", file=file or sys.stdout)
+    return profile
+
+
+def _by_name(given: str | None, profile) -> str | None:
+    """What the report's notebook is given for ``profile``: its name where it is shipped, the .json path given,
+    else None (the notebook then finds the same profile for this machine)."""
+    # startup time: each command loads its stage when it runs (see the module docstring)
+    from udnn_lab.hardware import Hardware
+
+    if profile.name in Hardware.names():
+        return profile.name
+    return given if given is not None and given.lower().endswith(".json") else None
 
 
 def _workload(args: argparse.Namespace, device: str):

@@ -214,3 +214,11 @@ def test_bad_step_options_are_refused_before_any_kernel_starts(change, message):
 
 def test_a_precision_that_agrees_with_the_dtype_passes():
     ReportRequest("resnet18", "6GiB", dtype="bfloat16", precision="bf16-true").check_names()
+
+
+def test_without_hardware_the_report_is_for_this_machine_s_profile_and_its_command_names_none():
+    request = ReportRequest("mlp3", "1GiB")
+    assert request.hardware is None
+    request.check_names()  # no profile to load by name: the notebook finds this machine's
+    assert "--hardware" not in request.command("r.html")
+    assert "--hardware a100" in ReportRequest("mlp3", "1GiB", hardware="a100").command("r.html")

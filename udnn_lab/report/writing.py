@@ -48,7 +48,9 @@ class ReportRequest:
     model: str  # a zoo name (udnn-lab zoo) or 'package.module:factory'
     budget: str | int  # as typed ("6GiB"), so that the header repeats the command that was given
     batch: int = 8
-    hardware: str = "h100-sxm"  # a shipped profile name or a profile .json
+    # a shipped profile name or a profile .json; None: the profile for this machine's GPU, else the closest shipped
+    # one (the notebook finds it, and says which: udnn_lab.simulation.simulator.resolve_hardware)
+    hardware: str | None = None
     policy: str = "auto"
     image_size: int | None = None  # side of image inputs; None: the zoo's default
     input_shape: tuple[int, ...] | None = None  # one example's shape, for a factory's module
@@ -76,13 +78,7 @@ class ReportRequest:
             raise ValueError(f"unknown dtype {self.dtype!r}; use one of {', '.join(DTYPES)}")
         if self.optimizer not in ("default", *OPTIMIZERS):
             raise ValueError(f"unknown optimizer {self.optimizer!r}; use one of default, {', '.join(OPTIMIZERS)}")
-        try:
-            budget_bytes = parse_bytes(self.budget)
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"cannot read the budget {self.budget!r}: {error}") from None
-        if budget_bytes <= 0:
-            raise ValueError(f"the budget must be more than 0 bytes, got {self.budget!r}")
-        Hardware.load(self.hardware)
+        self._check_budget_and_hardware()
         self._check_step_options()
         self._check_hf_options()
         if self.model.lower().startswith(zoo.hf_configs.PREFIX):
@@ -99,6 +95,16 @@ class ReportRequest:
         kind = zoo.entry(self.model).input_kind
         if self.image_size is not None and kind != "image":
             raise ValueError(f"{self.model} takes {kind} inputs, not images: leave out the image size")
+
+    def _check_budget_and_hardware(self) -> None:
+        try:
+            budget_bytes = parse_bytes(self.budget)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"cannot read the budget {self.budget!r}: {error}") from None
+        if budget_bytes <= 0:
+            raise ValueError(f"the budget must be more than 0 bytes, got {self.budget!r}")
+        if self.hardware is not None:
+            Hardware.load(self.hardware)
 
     def _check_step_options(self) -> None:
         StepOptions(self.precision or "32-true", self.grad_accumulation, self.clip_grad_norm)  # says what is wrong
@@ -149,8 +155,8 @@ class ReportRequest:
         for option, value in (("--seq-len", self.seq_len), ("--attn-implementation", self.attn_implementation),
                               ("--lora-rank", self.lora_rank)):
             words += [option, str(value)] if value is not None else []
-        words += ["--budget", str(self.budget), "--hardware", self.hardware, "--policy", self.policy,
-                  "--optimizer", self.optimizer, "--dtype", self.dtype]
+        words += ["--budget", str(self.budget)] + (["--hardware", self.hardware] if self.hardware is not None else [])
+        words += ["--policy", self.policy, "--optimizer", self.optimizer, "--dtype", self.dtype]
         accumulation = self.grad_accumulation if self.grad_accumulation != 1 else None
         for option, setting in (("--precision", self.precision), ("--grad-accumulation", accumulation),
                                 ("--clip-grad-norm", self.clip_grad_norm)):
