@@ -28,7 +28,8 @@ from udnn_lab.planning._auto_greedy import choose, taken
 from udnn_lab.planning._auto_options import Chains, Option, auto_options
 from udnn_lab.planning._candidates import first_backward_op
 from udnn_lab.planning._estimate import CurveEstimate
-from udnn_lab.planning.registry import POLICIES, policy
+from udnn_lab.planning.host import plan_host_bytes
+from udnn_lab.planning.registry import POLICIES, keep_all_peak, policy
 from udnn_lab.planning.vdnn import MARGINS, SIZE_FLOOR, pinned_pool_bytes
 from udnn_lab.simulation.simulator import simulate_with
 
@@ -39,11 +40,26 @@ _NOT_CONTENDERS = ("auto", "vdnn-dyn", "optimal")  # vdnn-dyn picks among others
 
 @policy("auto")
 def auto(graph: Graph, cost: CostModel, budget: int | None) -> Plan:
+    return _fastest(graph, cost, budget, None)
+
+
+def auto_within_host(graph: Graph, cost: CostModel, budget: int | None, host_budget: int | None) -> Plan:
+    """auto's plan, chosen among those whose offloads take at most ``host_budget`` bytes of host memory
+    (NOTE [host budget]); a recompute-only greedy joins the contenders. When no plan that fits the device keeps
+    within it, the fastest that fits the device is returned (the caller says what it needs)."""
+    if host_budget is None or budget is None or keep_all_peak(graph, cost) <= budget:
+        return POLICIES["auto"](graph, cost, budget)  # the registry's rule: nothing to move, no host memory
+    return _fastest(graph, cost, budget, host_budget)
+
+
+def _fastest(graph: Graph, cost: CostModel, budget: int | None, host_budget: int | None) -> Plan:
     if budget is None:
         return Plan.keep_all(graph)  # nothing to save: every action only adds time
     contenders = [joint(graph, cost, budget)]
     if len(graph.ops) <= SECOND_GREEDY_OPS:
         contenders.append(joint(graph, cost, budget, queued=False))
+    if host_budget is not None:
+        contenders.append(joint(graph, cost, budget, offloads=False))
     contenders += [POLICIES[name](graph, cost, budget) for name in POLICIES if name not in _NOT_CONTENDERS]
     runs = [(simulate_with(graph, plan, cost), plan) for plan in contenders]
     # the fastest plans that act but do not fit, with what they still need chosen by the same greedy
@@ -53,29 +69,30 @@ def auto(graph: Graph, cost: CostModel, budget: int | None) -> Plan:
     for base in bases[::-1][:COMPLETED]:
         completed = joint(graph, cost, budget, base=base)
         runs.append((simulate_with(graph, completed, cost), completed))
-    best = None
-    for sim, plan in runs:
-        key = (sim.step_time_s, len(plan.offloads) + len(plan.recomputes))
-        if sim.fits and (best is None or key < best[0]):
-            best = (key, plan)
-    chosen = best[1] if best else contenders[0]
+    fitting = [(sim.step_time_s, len(plan.offloads) + len(plan.recomputes), i)
+               for i, (sim, plan) in enumerate(runs) if sim.fits]
+    within = [key for key in fitting if host_budget is None or plan_host_bytes(graph, runs[key[2]][1]) <= host_budget]
+    best = min(within or fitting, default=None)
+    chosen = runs[best[2]][1] if best else contenders[0]
     return Plan("auto", chosen.graph_fingerprint, budget, chosen.offloads, chosen.recomputes,
                 chosen.pinned_pool_bytes, chosen.size_floor_bytes, chosen.notes + (f"chose {chosen.policy}",))
 
 
-def joint(graph: Graph, cost: CostModel, budget: int, base: Plan | None = None, queued: bool = True) -> Plan:
+def joint(graph: Graph, cost: CostModel, budget: int, base: Plan | None = None, queued: bool = True,
+          offloads: bool = True) -> Plan:
     """The joint keep/offload/recompute greedy, checked by simulation; from ``base``'s actions if given.
-    ``queued``: price each copy behind those chosen before it (else as if it had its stream to itself)."""
-    options = auto_options(graph, cost)
+    ``queued``: price each copy behind those chosen before it (else as if it had its stream to itself).
+    ``offloads``: False to choose among recomputes only (a plan that takes no host memory)."""
+    options = [o for o in auto_options(graph, cost) if offloads or o.action != "offload"]
     times = cost.op_times_s(graph)
     boundary = first_backward_op(graph)
     hideable = (float(times[:boundary].sum()), float(times[boundary:].sum()))  # copy time each stream can hide
     starts = np.concatenate([[0.0], np.cumsum(times)])  # each op's start with nothing delaying it
-    plan = _build(graph, budget, [], base, queued)
+    plan = _build(graph, budget, [], base, queued, offloads)
     chains = Chains(graph, cost)
     for margin in MARGINS:
         chosen = choose(graph, options, budget * (1 - margin), starts, hideable, chains, base, queued)
-        plan = _build(graph, budget, chosen, base, queued)
+        plan = _build(graph, budget, chosen, base, queued, offloads)
         if simulate_with(graph, plan, cost).fits or _short_of(graph, chosen, budget * (1 - margin), base):
             break  # fits; or the options ran out before this target, and a lower one gets no further
     return plan
@@ -91,7 +108,8 @@ def _short_of(graph: Graph, chosen: list[Option], target: float, base: Plan | No
     return estimate.peak()[0] > target
 
 
-def _build(graph: Graph, budget: int, chosen: list[Option], base: Plan | None = None, queued: bool = True) -> Plan:
+def _build(graph: Graph, budget: int, chosen: list[Option], base: Plan | None = None, queued: bool = True,
+           copies: bool = True) -> Plan:
     offloads = tuple(sorted([Offload(o.candidate.tensor, o.candidate.last_forward, o.window[1],
                                      release_before=o.release)
                              for o in chosen if o.action == "offload"] + list(base.offloads if base else ()),
@@ -100,6 +118,7 @@ def _build(graph: Graph, budget: int, chosen: list[Option], base: Plan | None = 
                                for o in chosen if o.action == "recompute"] + list(base.recomputes if base else ()),
                               key=lambda r: (r.at_op, r.tensors)))
     greedy = "auto-joint" if queued else "auto-joint (copies priced alone)"
+    greedy = greedy if copies else "auto-joint (recompute only)"
     name = greedy if base is None else f"{base.policy} completed by {greedy}"
     return Plan(name, graph.fingerprint, budget, offloads=offloads, recomputes=recomputes,
                 pinned_pool_bytes=pinned_pool_bytes(graph, offloads), size_floor_bytes=SIZE_FLOOR)

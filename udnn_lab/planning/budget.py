@@ -9,12 +9,14 @@ import pandas as pd
 
 from udnn_lab.cost.model import CostModel, RateCurve
 from udnn_lab.cost.profiling import Profile
-from udnn_lab.errors import PlanInfeasible
+from udnn_lab.errors import BudgetOverDevice, HostBudgetExceeded, PlanInfeasible
 from udnn_lab.graph.plan_ir import Plan
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware.profiles import Hardware
 from udnn_lab.planning._candidates import candidates
 from udnn_lab.planning._estimate import CurveEstimate
+from udnn_lab.planning.auto import auto_within_host
+from udnn_lab.planning.host import LOCAL, host_budget_bytes, plan_host_bytes
 from udnn_lab.planning.registry import POLICIES, quick_policies
 from udnn_lab.simulation.simulator import cost_model, simulate_with
 from udnn_lab.units import Bytes, format_bytes, parse_bytes
@@ -25,26 +27,33 @@ _BUDGET_FREE = ("keep-all", "vdnn-all", "vdnn-conv")  # the same plan under any 
 
 def plan(graph: Graph, budget: int | str | None = None, policy: str = "auto", hardware: Hardware | str | None = None,
          profile: Profile | None = None, rates: RateCurve | bool | None = None, *,
-         ranks_per_node: int | None = None) -> Plan:
+         ranks_per_node: int | None = None, host_budget: int | str | None = LOCAL) -> Plan:
     """A plan of ``policy`` for ``graph`` whose simulated peak fits ``budget`` ("6 GiB", bytes, or None).
 
     ``ranks_per_node``: for a graph of one rank of several, the ranks sharing a node (default: the profile's
     ``gpus_per_node``), as for ``simulate``: a collective whose group spans more crosses the nodes' network
     instead of the node's GPU-to-GPU fabric, and the node's ranks share its host memory for their copies
-    (NOTE [collectives]). Raises PlanInfeasible, with the policy's smallest budget and a policy that would fit,
-    when it cannot.
+    (NOTE [collectives]). ``host_budget``: the host memory the plan's offloads may take ("64 GiB", bytes; by
+    default "local", what this machine's runtime pool may take; None: not checked; NOTE [host budget]): auto
+    chooses among the plans within it. A budget above the profile's device memory raises BudgetOverDevice.
+    Raises PlanInfeasible, with the policy's smallest budget and a policy that would fit, when it cannot fit
+    the budget, and HostBudgetExceeded (a PlanInfeasible) when it fits only with more host memory.
     """
     cost = cost_model(graph, hardware, profile, rates, ranks_per_node)
     budget_bytes = None if budget is None else parse_bytes(budget)
-    result = _policy(policy)(graph, cost, budget_bytes)
+    check_within_device(budget_bytes, cost.hardware)
+    host_bytes = host_budget_bytes(host_budget, graph.device, budget_bytes)
+    result = _planned(graph, cost, policy, budget_bytes, host_bytes)
     simulation = simulate_with(graph, result, cost)
     if budget_bytes is not None and not simulation.fits:
-        minimum = min_budget(graph, policy, cost=cost)
-        other = None if policy == "auto" else _fitting_policy(graph, cost, budget_bytes)  # auto tried them all
+        minimum = min_budget(graph, policy, cost=cost, within_device=False)
+        other = None if policy == "auto" else _fitting_policy(graph, cost, budget_bytes, host_bytes)
         hint = f"; {other!r} fits {format_bytes(budget_bytes)}" if other else \
             "; no policy fits it: raise the budget, or lower the batch size"
         raise PlanInfeasible(f"policy {policy!r} cannot fit {graph.model_name} into {format_bytes(budget_bytes)}: "
                              f"the smallest budget it meets is {format_bytes(minimum)}{hint}", minimum, other)
+    if host_bytes is not None and plan_host_bytes(graph, result) > host_bytes:
+        _host_exceeded(graph, cost, policy, result, simulation.peak_bytes, host_bytes)
     released = result.with_releases(simulation.released_before)
     located = released.located(graph)
     if located.hook_events and located.offloads != released.offloads:  # NOTE [hook points] 2: moved; still fits?
@@ -54,10 +63,44 @@ def plan(graph: Graph, budget: int | str | None = None, policy: str = "auto", ha
     return located
 
 
+def check_within_device(budget_bytes: int | None, hardware: Hardware) -> None:
+    """Raise BudgetOverDevice for a budget larger than the device memory ``hardware`` has."""
+    if budget_bytes is not None and budget_bytes > hardware.memory_bytes:
+        raise BudgetOverDevice(
+            f"the budget {format_bytes(budget_bytes)} is more than the {format_bytes(hardware.memory_bytes)} of "
+            f"device memory {hardware.name} has: give a budget up to {format_bytes(hardware.memory_bytes)}, or pass "
+            "hardware= the profile of a device with more", budget_bytes, int(hardware.memory_bytes))
+
+
+def _planned(graph: Graph, cost: CostModel, policy: str, budget: int | None, host_budget: int | None) -> Plan:
+    """The policy's plan; auto's among those within the host budget (NOTE [host budget])."""
+    choose = _policy(policy)
+    if policy == "auto":
+        return auto_within_host(graph, cost, budget, host_budget)
+    return choose(graph, cost, budget)
+
+
+def _host_exceeded(graph: Graph, cost: CostModel, policy: str, result: Plan, peak: int, host_budget: int) -> None:
+    """Raise HostBudgetExceeded for a plan that fits the device but not the host budget, saying what would."""
+    needed = plan_host_bytes(graph, result)
+    other = None if policy == "auto" or result.budget_bytes is None else \
+        _fitting_policy(graph, cost, result.budget_bytes, host_budget)
+    hint = "raise the budget (offload less), lower the batch size" if other is None else \
+        f"{other!r} fits both" if other in POLICIES else f"'auto' fits both (it chooses {other})"
+    raise HostBudgetExceeded(
+        f"policy {policy!r} fits {graph.model_name} into {format_bytes(result.budget_bytes or 0)} only by "
+        f"offloading {format_bytes(needed)} to host memory, more than the {format_bytes(host_budget)} host budget: "
+        f"{hint}, or give host_budget= what the training machine can pin", peak, needed, host_budget, other)
+
+
 def min_budget(graph: Graph, policy: str = "auto", hardware: Hardware | str | None = None,
                profile: Profile | None = None, rates: RateCurve | bool | None = None,
-               cost: CostModel | None = None, *, ranks_per_node: int | None = None) -> Bytes:
+               cost: CostModel | None = None, *, ranks_per_node: int | None = None,
+               within_device: bool = True) -> Bytes:
     """The smallest budget (bytes) whose plan of ``policy`` simulates within it.
+
+    With ``within_device`` a smallest budget above the profile's device memory raises BudgetOverDevice: no
+    budget on that device fits (pass False for the figure all the same).
 
     A plan that does not depend on the budget is simulated once with compute waiting for
     every copy in flight (its floor); other policies are bisected between a floor no plan
@@ -68,6 +111,17 @@ def min_budget(graph: Graph, policy: str = "auto", hardware: Hardware | str | No
         raise ValueError("a cost model carries its own ranks_per_node: give min_budget either cost or "
                          "ranks_per_node, or make the cost model with it (simulation.cost_model(..., ranks_per_node))")
     cost = cost or cost_model(graph, hardware, profile, rates, ranks_per_node)
+    minimum = _smallest_budget(graph, cost, policy)
+    if within_device and minimum > cost.hardware.memory_bytes:
+        memory = cost.hardware.memory_bytes
+        raise BudgetOverDevice(
+            f"policy {policy!r} needs at least {format_bytes(minimum)} for {graph.model_name}, more than the "
+            f"{format_bytes(memory)} of device memory {cost.hardware.name} has: no budget there fits; lower the batch "
+            "size, shard the model over more ranks, or give the profile of a device with more", minimum, memory)
+    return minimum
+
+
+def _smallest_budget(graph: Graph, cost: CostModel, policy: str) -> Bytes:
     choose = _policy(policy)
     high = simulate_with(graph, Plan.keep_all(graph), cost).peak_bytes
     if policy in _BUDGET_FREE:
@@ -88,26 +142,33 @@ def min_budget(graph: Graph, policy: str = "auto", hardware: Hardware | str | No
 
 def sweep(graph: Graph, budgets: Iterable[int | str], policies: Iterable[str] | None = None,
           hardware: Hardware | str | None = None, profile: Profile | None = None,
-          rates: RateCurve | bool | None = None, *, ranks_per_node: int | None = None) -> pd.DataFrame:
-    """Budget x policy -> fits, predicted step time, peak, bytes moved, pinned bytes, stall time.
+          rates: RateCurve | bool | None = None, *, ranks_per_node: int | None = None,
+          host_budget: int | str | None = LOCAL) -> pd.DataFrame:
+    """Budget x policy -> fits, predicted step time, peak, bytes moved, pinned and host bytes, stall time.
 
     ``policies``: by default every policy that plans in seconds (not ``optimal``'s solver: name it to include it).
-    ``ranks_per_node`` as for ``plan``.
+    ``ranks_per_node`` and ``host_budget`` as for ``plan``: a plan fits when it fits the budget and its offloads the
+    host budget (auto chooses among those that do). Every budget must be within the profile's device memory.
     """
     policies = quick_policies() if policies is None else policies
     cost = cost_model(graph, hardware, profile, rates, ranks_per_node)
+    budget_list = [parse_bytes(budget) for budget in budgets]
+    for budget_bytes in budget_list:
+        check_within_device(budget_bytes, cost.hardware)
     rows = []
-    for budget in budgets:
-        budget_bytes = parse_bytes(budget)
+    for budget_bytes in budget_list:
+        host_bytes = host_budget_bytes(host_budget, graph.device, budget_bytes)
         for name in policies:
-            chosen = _policy(name)(graph, cost, budget_bytes)
+            chosen = _planned(graph, cost, name, budget_bytes, host_bytes)
             sim = simulate_with(graph, chosen, cost)
-            rows.append({"budget_bytes": budget_bytes, "policy": name, "fits": sim.fits,
-                         "step_time_s": sim.step_time_s if sim.fits else float("nan"),
+            held = plan_host_bytes(graph, chosen)
+            fits = sim.fits and (host_bytes is None or held <= host_bytes)
+            rows.append({"budget_bytes": budget_bytes, "policy": name, "fits": fits,
+                         "step_time_s": sim.step_time_s if fits else float("nan"),
                          "peak_bytes": sim.peak_bytes, "d2h_bytes": sim.d2h_bytes, "h2d_bytes": sim.h2d_bytes,
-                         "pinned_bytes": chosen.pinned_pool_bytes, "stall_time_s": sim.stall_time_s,
-                         "compute_time_s": sim.compute_time_s, "offloads": len(chosen.offloads),
-                         "recomputes": len(chosen.recomputes)})
+                         "pinned_bytes": chosen.pinned_pool_bytes, "host_bytes": held, "host_budget_bytes": host_bytes,
+                         "stall_time_s": sim.stall_time_s, "compute_time_s": sim.compute_time_s,
+                         "offloads": len(chosen.offloads), "recomputes": len(chosen.recomputes)})
     return pd.DataFrame(rows)
 
 
@@ -122,10 +183,11 @@ def _fits(graph: Graph, cost: CostModel, choose, budget: int) -> bool:
     return simulate_with(graph, choose(graph, cost, budget), cost).fits
 
 
-def _fitting_policy(graph: Graph, cost: CostModel, budget: int) -> str | None:
-    """The policy auto picks for this budget (auto tries them all), or None if none fits."""
-    chosen = POLICIES["auto"](graph, cost, budget)
-    if not simulate_with(graph, chosen, cost).fits:
+def _fitting_policy(graph: Graph, cost: CostModel, budget: int, host_budget: int | None = None) -> str | None:
+    """The policy auto picks for this budget and host budget (auto tries them all), or None if none fits."""
+    chosen = auto_within_host(graph, cost, budget, host_budget)
+    if not simulate_with(graph, chosen, cost).fits or \
+            host_budget is not None and plan_host_bytes(graph, chosen) > host_budget:
         return None
     return next((note.removeprefix("chose ") for note in chosen.notes if note.startswith("chose ")), "auto")
 

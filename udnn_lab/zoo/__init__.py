@@ -217,7 +217,8 @@ _FIXED = {
 }
 _PATTERNS = {
     "resnet<depth>": "pre-activation bottleneck ResNet of depth 9n+2 on 32x32 images, e.g. resnet164, resnet1001",
-    "mlp<layers>": "plain MLP of N Linear layers (784 -> 1024 ... -> 10), e.g. mlp5 (document 004's FCN), mlp50",
+    "mlp<layers>": "plain MLP of N Linear layers (784 -> 1024 ... -> 10), e.g. mlp5 (the 5-layer FCN of the "
+                   "shared-GPU study, notebook 06), mlp50",
 }
 
 
