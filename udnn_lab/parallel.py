@@ -16,6 +16,7 @@ whose parameters backward needs first). ``FSDP(wrap=...)`` replaces the rule: ``
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -82,10 +83,18 @@ class DDP:
         unless ``process_group`` is given). ``init_sync``: broadcast rank 0's weights first, as DDP does."""
         if process_group is None:
             _group_for(self.world_size)
-        return DistributedDataParallel(
-            model, bucket_cap_mb=self.bucket_cap_mb, gradient_as_bucket_view=self.gradient_as_bucket_view,
-            forward_sync_buffers=self.forward_sync_buffers, static_graph=self.static_graph,
-            find_unused_parameters=self.find_unused_parameters, process_group=process_group, init_sync=init_sync)
+        settings: dict[str, Any] = dict(
+            bucket_cap_mb=self.bucket_cap_mb, gradient_as_bucket_view=self.gradient_as_bucket_view,
+            static_graph=self.static_graph, find_unused_parameters=self.find_unused_parameters,
+            process_group=process_group, init_sync=init_sync)
+        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
+            return DistributedDataParallel(model, forward_sync_buffers=self.forward_sync_buffers, **settings)
+        # torch < 2.13 names it broadcast_buffers, whose False also leaves the buffers out of the first sync
+        wrapped = DistributedDataParallel(model, broadcast_buffers=self.forward_sync_buffers, **settings)
+        if init_sync and not self.forward_sync_buffers:
+            for buffer in model.buffers():
+                dist.broadcast(buffer, group=process_group, group_src=0)
+        return wrapped
 
 
 @dataclass(frozen=True)

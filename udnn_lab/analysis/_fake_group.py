@@ -29,11 +29,11 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import FakeStore, _create_work_from_future
+from torch._C._distributed_c10d import _create_work_from_future
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
-from torch.testing._internal.distributed import fake_pg  # registers the "fake" backend  # noqa: F401
+from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"; FakeStore on any torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_leaves
 

@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_map_only
 
 from udnn_lab.analysis._fake.memo import flat_tensors
 from udnn_lab.analysis._recorder import records_op
-from udnn_lab.analysis._sharded import fsdp_modules
+from udnn_lab.analysis._sharded import fsdp_params
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.units import format_bytes
 
@@ -71,17 +71,15 @@ class OffloadedShard:
 def offloaded_shards(model: nn.Module) -> list[OffloadedShard]:
     """The host shards of every FSDP2 unit in ``model`` that offloads its parameters (none otherwise)."""
     found = []
-    for module in fsdp_modules(model):
-        for group in module._get_fsdp_state()._fsdp_param_groups:  # type: ignore[operator]
-            for param in group.fsdp_params:
-                if not param.offload_to_cpu:
-                    continue
-                if hasattr(param._sharded_local_tensor, "fsdp_pre_all_gather"):
-                    raise ValueError(
-                        f"parameter {param._param_fqn!r} is a {type(param._sharded_local_tensor).__name__}, which "
-                        "FSDP2 all-gathers through its own fsdp_pre_all_gather: with offload_params its copies to "
-                        "the device are not traced. Trace it without offload_params")
-                found.append(OffloadedShard(param._sharded_param_data, param._param_fqn))
+    for param in fsdp_params(model):
+        if not param.offload_to_cpu:
+            continue
+        if hasattr(param._sharded_local_tensor, "fsdp_pre_all_gather"):
+            raise ValueError(
+                f"parameter {param._param_fqn!r} is a {type(param._sharded_local_tensor).__name__}, which "
+                "FSDP2 all-gathers through its own fsdp_pre_all_gather: with offload_params its copies to "
+                "the device are not traced. Trace it without offload_params")
+        found.append(OffloadedShard(param._sharded_param_data, param._param_fqn))
     return found
 
 

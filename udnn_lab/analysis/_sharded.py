@@ -25,6 +25,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,14 +53,25 @@ def is_distributed(model: nn.Module) -> bool:
     return isinstance(model, DistributedDataParallel) or bool(fsdp_modules(model))
 
 
+def fsdp_params(model: nn.Module) -> list[Any]:
+    """The FSDPParams of every FSDP2 module in ``model``. A module's state keeps them in a list of param groups;
+    older torch (2.11) keeps one group or none."""
+    found = []
+    for module in fsdp_modules(model):
+        state = module._get_fsdp_state()  # type: ignore[operator]
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            groups = [group for group in (state._fsdp_param_group,) if group is not None]
+        found += [param for group in groups for param in group.fsdp_params]
+    return found
+
+
 def resized_storages(model: nn.Module) -> list[ResizedStorage]:
     """Every unsharded-parameter tensor of the FSDP2 modules in ``model`` (NOTE [resized storages] 3)."""
     found = []
-    for module in fsdp_modules(model):
-        for group in module._get_fsdp_state()._fsdp_param_groups:  # type: ignore[operator]
-            for param in group.fsdp_params:
-                name = f"{param._param_fqn} (unsharded)"
-                found += [ResizedStorage(t, name) for t in (*param.all_gather_outputs, *param._unsharded_inner_tensors)]
+    for param in fsdp_params(model):
+        name = f"{param._param_fqn} (unsharded)"
+        found += [ResizedStorage(t, name) for t in (*param.all_gather_outputs, *param._unsharded_inner_tensors)]
     return found
 
 
