@@ -51,6 +51,7 @@ def test_the_process_group_is_torn_down_when_the_step_fails(mlp):
     assert not dist.is_initialized()
 
 
+@pytest.mark.compat
 def test_fsdp_shards_parameters_and_optimizer_state_the_first_ranks_holding_the_rounded_up_share(mlp):
     graph = ul.trace(mlp, parallel=ul.FSDP(4))
     shards = {name: math.ceil(p.shape[0] / 4) * p[0].numel() * 4 for name, p in mlp.model.named_parameters()}
@@ -87,6 +88,7 @@ def test_fsdp_communication_buffers_live_within_the_step_and_feed_the_collective
     assert graph.breakdown().loc["communication", "max_bytes"] > 0
 
 
+@pytest.mark.compat
 def test_ddp_buckets_hold_a_second_copy_of_the_gradients_unless_the_gradients_are_their_views(mlp):
     parameters = sum(p.numel() * 4 for p in mlp.model.parameters())
     copies = ul.trace(mlp, parallel=ul.DDP(2))

@@ -43,6 +43,7 @@ def _ops(graph, name):
     return [op for op in graph.ops if op.name == name]
 
 
+@pytest.mark.compat
 def test_phases_come_in_order_and_modules_are_named():
     work = zoo.get("mlp3", batch=4)
     graph = ul.trace(work)
@@ -161,6 +162,7 @@ def test_tracing_is_deterministic():
     assert a.memory_curve()["live_bytes"].tolist() == b.memory_curve()["live_bytes"].tolist()
 
 
+@pytest.mark.compat
 def test_fake_and_real_traces_agree():
     work = zoo.get("mlp4", batch=4)
     fake, real = ul.trace(work), ul.trace(work, fake=False)

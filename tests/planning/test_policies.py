@@ -32,6 +32,7 @@ def _outcome(graph, policy, budget):
     return chosen, simulate(graph, chosen, hardware=H100)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("policy", PRACTICAL)
 @pytest.mark.parametrize("fraction", FRACTIONS)
 def test_every_policy_fits_or_says_it_cannot(graph, policy, fraction):

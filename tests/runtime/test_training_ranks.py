@@ -115,6 +115,7 @@ class CountsExamples(nn.Module):
         return self.model(x)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize(("spec", "ends", "make_optimizer"), [(ul.DDP(2), "batches", _adam),
                                                                (ul.FSDP(2), "stop requested", _sgd)],
                          ids=["DDP, Adam, to the last batch", "FSDP, SGD, stopped from outside"])
