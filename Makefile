@@ -2,17 +2,23 @@
 # make gpu-check - every GPU test and GPU benchmark; raw JSON under data/benchmarks/gpu/ (needs a CUDA device)
 # make test - create .venv if needed, install, lint (ruff, mypy), run the whole test suite (on Debian it first installs
 #             chromium when missing, for the browser test; sudo is used unless you are root)
+# make test-compat - create .venv-oldest if needed with the oldest torch and transformers the package supports,
+#             install, run the compatibility subset there (tests marked compat)
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH ?= torch==2.14.1 torchvision==0.29.1
+OLDEST := .venv-oldest
+OLDEST_STAMP := $(OLDEST)/.installed
+TORCH_OLDEST ?= torch==2.11.0 torchvision==0.26.0
+TRANSFORMERS_OLDEST ?= transformers==5.17.*
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export OMP_NUM_THREADS ?= 2
 TEST_WORKERS ?= 2
 
-.PHONY: lab test lint gpu-check chromium clean
+.PHONY: lab test test-compat lint gpu-check chromium clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,11 +26,23 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e '.[dev,timm,hf,exact]'
 	touch $(STAMP)
 
+# the oldest releases stay pinned while the project is installed (a constraints file: pip may not upgrade them)
+$(OLDEST_STAMP): pyproject.toml Makefile
+	test -x $(OLDEST)/bin/python || $(PYTHON) -m venv $(OLDEST)
+	printf '%s\n' $(TORCH_OLDEST) '$(TRANSFORMERS_OLDEST)' > $(OLDEST)/constraints.txt
+	$(OLDEST)/bin/python -m pip install --quiet -c $(OLDEST)/constraints.txt $(TORCH_OLDEST)
+	$(OLDEST)/bin/python -m pip install --quiet -c $(OLDEST)/constraints.txt -e '.[dev,timm,hf]'
+	touch $(OLDEST_STAMP)
+
 lab: $(STAMP)
 	$(BIN)/jupyter lab --ip 127.0.0.1 notebooks/00_quickstart.ipynb
 
 test: $(STAMP) chromium lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS)
+
+# trace, plan, runtime exactness, a DDP and an FSDP2 gloo run and notebook 00 on the oldest torch (pyproject's floor)
+test-compat: $(OLDEST_STAMP)
+	$(OLDEST)/bin/python -m pytest -m compat -n $(TEST_WORKERS)
 
 # the linters the field uses: ruff (style, import order, complexity) and mypy over the package
 lint: $(STAMP)
@@ -42,4 +60,4 @@ chromium:
 	else echo "no chromium and no apt-get: install chromium to run tests/test_browser.py (it skips outside CI)"; fi
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(OLDEST) .pytest_cache .hypothesis
