@@ -76,9 +76,10 @@ __all__ = [
     "Bytes", "CostModel", "FakeTensorUnsupported", "Graph", "Hardware", "HardwareMismatchWarning",
     "HardwareProfileError", "HostMemoryError", "LargeMeasurementWarning", "Measurement", "MemoryLab",
     "MissingDependency", "ModelFactoryError", "ModelInputError", "NetworkWide", "Offload", "OffloadRuntime", "Plan",
-    "PlanError", "PlanInfeasible", "PlanMismatch", "Profile", "RateCurve", "Recompute", "Run", "ShippedProfileWarning",
-    "Simulation", "TraceMismatch", "UdnnLabError", "UnknownHardwareError", "UnknownModelError", "Workload", "format_bytes",
-    "format_seconds", "measure", "min_budget", "network_wide", "network_wide_saving", "parse_bytes", "plan",
+    "PlanError", "PlanInfeasible", "PlanMismatch", "Profile", "RateCurve", "Recompute", "Run",
+    "ShippedProfileWarning", "Simulation", "TraceMismatch", "UdnnLabError", "UnknownHardwareError",
+    "UnknownModelError", "Workload", "format_bytes", "format_seconds", "measure", "min_budget", "network_wide",
+    "network_wide_saving", "parse_bytes", "plan",
     "profile", "simulate", "sweep", "trace", "train", "zoo",
     "BudgetTooSmall", "FitSearch", "max_batch", "max_seq_len", "DDP", "FSDP", "WorldSizeSearch", "min_world_size",
 ]

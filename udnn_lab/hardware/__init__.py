@@ -10,9 +10,10 @@ from udnn_lab.hardware.this_machine import (
     HARDWARE_VARIABLE,
     MachineDevice,
     ShippedProfileWarning,
+    cache_dir,
     machine_hardware,
 )
 
 __all__ = ["CACHE_VARIABLE", "CHOICES", "HARDWARE_VARIABLE", "Hardware", "HardwareMismatchWarning",
            "HardwareProfileError", "MachineDevice", "ShippedProfileWarning", "UnknownHardwareError",
-           "machine_hardware"]
+           "cache_dir", "machine_hardware"]
