@@ -14,7 +14,7 @@ SYSTEMS = {
     "mi300x": (8, 448e9, 50e9),  # 7 Infinity Fabric links of 64 GB/s each way
 }
 WITHOUT = ["gtx-1080-ti", "k40c", "l4", "l40s", "rtx-4090", "titan-x-maxwell",
-           "nvidia-h100-80gb-hbm3-measured"]
+           "nvidia-h100-80gb-hbm3-measured", "nvidia-h200-measured"]
 
 
 @pytest.mark.parametrize("name", sorted(SYSTEMS))

@@ -89,6 +89,18 @@ def test_a_known_gpu_asked_for_shipped_gets_its_own_profile_a_measured_one_first
     with pytest.warns(ShippedProfileWarning, match="made for 'NVIDIA H100 80GB HBM3' on another machine"):
         chosen = machine_hardware("cuda", "shipped")
     assert chosen.name == "nvidia-h100-80gb-hbm3-measured"
+    datasheet = Hardware.load("h100-sxm")  # the links between GPUs are not measured on one: the datasheet's
+    assert chosen.gpus_per_node == 8 and chosen.intra_node_bytes_per_s == datasheet.intra_node_bytes_per_s
+    assert "the shipped profile 'h100-sxm'" in chosen.sources["inter_node_bytes_per_s"]
+    assert chosen.h2d_pinned_bytes_per_s == Hardware.load("nvidia-h100-80gb-hbm3-measured").h2d_pinned_bytes_per_s
+
+
+def test_an_h200_gets_the_h200_measured_on_one(machine, monkeypatch):
+    _fake_gpu(monkeypatch, "NVIDIA H200", 140)
+    with pytest.warns(ShippedProfileWarning):
+        chosen = machine_hardware("cuda", "shipped")
+    assert chosen.name == "nvidia-h200-measured" and chosen.h2d_pinned_bytes_per_s == pytest.approx(55.55e9, rel=1e-3)
+    assert chosen.d2h_pageable_bytes_per_s == pytest.approx(17.91e9, rel=1e-3) and chosen.gpus_per_node == 8
 
 
 def test_a_cuda_graph_on_a_machine_without_cuda_gets_h100_sxm_with_a_warning(machine, monkeypatch):

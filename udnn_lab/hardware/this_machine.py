@@ -80,11 +80,34 @@ def machine_hardware(device_type: str, choice: str | None = None, progress: bool
     if device.here and choice != "shipped":
         cached = None if choice == "measure" else load_cached(device)
         if cached is not None:
-            return cached
+            return with_datasheet_links(cached)
         measured = _measured(device, progress, measure or (lambda kind, bar: Hardware.measure(kind, progress=bar)))
         if measured is not None:
-            return measured
-    return closest_shipped(device)
+            return with_datasheet_links(measured)
+    return with_datasheet_links(closest_shipped(device))
+
+
+LINK_FIGURES = ("gpus_per_node", "intra_node_bytes_per_s", "intra_node_latency_s", "inter_node_bytes_per_s",
+                "inter_node_latency_s", "host_memory_bytes_per_s")
+
+
+def with_datasheet_links(hardware: Hardware) -> Hardware:
+    """A measured GPU profile, which has no figures for links between GPUs (they are not measured on one),
+    with those of the datasheet profile for the same device, each source saying so; otherwise as it is."""
+    if hardware.device_type != "cuda" or hardware.gpus_per_node is not None:
+        return hardware
+    names = {_name_key(name) for name in hardware.device_names}
+    datasheet = next((p for p in map(Hardware.load, Hardware.names()) if p.device_type == "cuda"
+                      and p.gpus_per_node is not None and names & {_name_key(n) for n in p.device_names}), None)
+    if datasheet is None:
+        return hardware
+    data = hardware.to_dict()
+    for figure in LINK_FIGURES:
+        value = getattr(datasheet, figure)
+        data[figure] = value
+        if value is not None:
+            data["sources"][figure] = f"the shipped profile {datasheet.name!r}: {datasheet.sources[figure]}"
+    return Hardware.from_dict(data, origin=f"{hardware.name} with {datasheet.name}'s links")
 
 
 def closest_shipped(device: MachineDevice) -> Hardware:
