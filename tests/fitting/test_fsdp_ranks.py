@@ -16,6 +16,8 @@ from udnn_lab.graph import Graph
 LLAMA_3_8B_ROWS = (1024, 4096, 14336, 128256)  # k/v projections, hidden, MLP, vocabulary
 
 
+H100 = "h100-sxm"  # ranks of a GPU cluster, whatever this machine has
+
 def _ops(graph: Graph) -> tuple:
     """The ops, the storages each releases in one order (their last references may go in another each trace: the
     autocast cache's, under 16-mixed)."""
@@ -83,7 +85,7 @@ def test_a_rank_whose_traced_sizes_run_other_ops_is_not_made():
         sizes.add(ul.FSDP(size, mp_policy=fp16), ul.trace(work, parallel=ul.FSDP(size, mp_policy=fp16)))
     assert sizes.derive(ul.FSDP(8, mp_policy=fp16)) is None
     table = ul.sweep(work, "1GiB", world_sizes=[2, 4, 1024], setups=["FSDP2"], fsdp_options={"mp_policy": fp16},
-                     progress=False).set_index("world_size")
+                     progress=False, hardware=H100).set_index("world_size")
     assert table.trace_s[1024] > 0  # traced after all
     own = ul.trace(work, device="cuda", parallel=ul.FSDP(1024, mp_policy=fp16))
     assert table.peak_bytes[1024] == own.cuda_peak_bytes
@@ -103,19 +105,20 @@ def test_an_hsdp_rank_is_made_from_one_with_other_replicas_of_the_same_shard_gro
         made = same_replica_rank(ul.FSDP(32, replicate=8, **settings), ul.FSDP(8, replicate=2, **settings),
                                  ul.trace(work, device="cuda", parallel=ul.FSDP(8, replicate=2, **settings)))
         _same(made, ul.trace(work, device="cuda", parallel=ul.FSDP(32, replicate=8, **settings)))
-    table = ul.sweep(work, "1GiB", world_sizes=[8, 16, 64], setups=["HSDP"], ranks_per_node=4, progress=False)
+    table = ul.sweep(work, "1GiB", world_sizes=[8, 16, 64], setups=["HSDP"], ranks_per_node=4, progress=False,
+                     hardware=H100)
     assert list(table.trace_s > 0) == [True, False, False]  # 16 and 64: 4 and 16 replicas of 8's shard group
 
 
 def test_a_sweeps_made_ranks_give_the_rows_their_own_traces_give():
     work = ul.zoo.get("mlp3", batch=2, optimizer="adam")
     table = ul.sweep(work, ["12MiB", "40MiB"], world_sizes=[2, 4, 8, 16, 64], setups=["FSDP2", "FSDP2+offload"],
-                     progress=False)
+                     progress=False, hardware=H100)
     made = table[table.trace_s == 0]
     assert set(made.world_size) == {64}
     for size in (2, 64):
         own = ul.sweep(work, ["12MiB", "40MiB"], world_sizes=[size], setups=["FSDP2", "FSDP2+offload"],
-                       progress=False)
+                       progress=False, hardware=H100)
         mine = table[table.world_size == size].reset_index(drop=True)
         columns = [c for c in table.columns if c not in ("trace_s", "plan_s")]
         assert mine[columns].equals(own[columns])

@@ -6,13 +6,15 @@ import pytest
 import udnn_lab as ul
 from udnn_lab.fitting.ranks import COLUMNS
 
+H100 = "h100-sxm"  # ranks of a GPU cluster, whatever this machine has
+
 MLP = dict(batch=4, optimizer="adam")
 
 
 @pytest.fixture(scope="module")
 def table() -> pd.DataFrame:
     return ul.sweep("mlp3", ["16MiB", "40MiB"], world_sizes=[1, 2, 8], progress=False,
-                    setups=["DDP", "FSDP2", "FSDP2+offload", "HSDP"], ranks_per_node=2, **MLP)
+                    setups=["DDP", "FSDP2", "FSDP2+offload", "HSDP"], ranks_per_node=2, **MLP, hardware=H100)
 
 
 def _peaks(table: pd.DataFrame, setup: str, budget: str = "16MiB") -> dict[int, int]:
@@ -42,7 +44,7 @@ def test_a_setup_fits_when_its_peak_is_within_the_budget_and_offload_fits_below_
 
 def test_offload_and_recompute_make_a_rank_fit_below_its_traced_peak():
     found = ul.sweep("resnet20", "32MiB", world_sizes=[8], setups=["FSDP2", "FSDP2+offload"], progress=False,
-                     batch=16, optimizer="adam").set_index("setup")
+                     batch=16, optimizer="adam", hardware=H100).set_index("setup")
     assert not found.fits["FSDP2"] and found.traced_peak_bytes["FSDP2"] > ul.parse_bytes("32MiB")
     with_plan = found.loc["FSDP2+offload"]
     assert with_plan.fits and with_plan.peak_bytes <= with_plan.budget_bytes and with_plan.offloads + \
@@ -50,16 +52,16 @@ def test_offload_and_recompute_make_a_rank_fit_below_its_traced_peak():
 
 
 def test_the_smallest_world_size_that_fits_is_found_and_the_one_below_it_does_not_fit():
-    found = ul.min_world_size("mlp3", "20MiB", setup="FSDP2", progress=False, **MLP)
+    found = ul.min_world_size("mlp3", "20MiB", setup="FSDP2", progress=False, **MLP, hardware=H100)
     assert found.world_size == 4 and list(found.probes.world_size) == [1, 2, 4]
     assert list(found.probes.fits) == [False, False, True]
-    none = ul.min_world_size("mlp3", "1MiB", setup="DDP", candidates=[1, 2], progress=False, **MLP)
+    none = ul.min_world_size("mlp3", "1MiB", setup="DDP", candidates=[1, 2], progress=False, **MLP, hardware=H100)
     assert none.world_size is None and "not even 2 ranks fit" in none.notes[0]
 
 
 def test_a_ranks_peak_can_grow_again_once_fsdp_pads_every_dimension_to_the_world():
     """Why min_world_size tries every candidate from the smallest up rather than bisecting."""
-    padded = ul.sweep("mlp3", "1GiB", world_sizes=[64, 1024], setups=["FSDP2"], progress=False, **MLP)
+    padded = ul.sweep("mlp3", "1GiB", world_sizes=[64, 1024], setups=["FSDP2"], progress=False, **MLP, hardware=H100)
     assert padded.peak_bytes.iloc[1] > padded.peak_bytes.iloc[0]
 
 
@@ -69,15 +71,15 @@ def test_what_a_sweep_cannot_take_is_refused_naming_it():
     with pytest.raises(TypeError, match="give world_sizes"):
         ul.sweep("mlp3", ["1GiB"])
     with pytest.raises(TypeError, match="rather than a traced Graph"):
-        ul.sweep(graph, ["1GiB"], world_sizes=[2])
+        ul.sweep(graph, ["1GiB"], world_sizes=[2], hardware=H100)
     with pytest.raises(ValueError, match="the setups are DDP, FSDP2"):
-        ul.sweep("mlp3", "1GiB", world_sizes=[2], setups=["ZeRO-3"], **MLP)
+        ul.sweep("mlp3", "1GiB", world_sizes=[2], setups=["ZeRO-3"], **MLP, hardware=H100)
     with pytest.raises(ValueError, match="world sizes are positive ints"):
-        ul.sweep("mlp3", "1GiB", world_sizes=[0], **MLP)
+        ul.sweep("mlp3", "1GiB", world_sizes=[0], **MLP, hardware=H100)
     with pytest.raises(ValueError, match="not keep-all"):
-        ul.sweep("mlp3", "1GiB", ["keep-all"], world_sizes=[2], **MLP)
+        ul.sweep("mlp3", "1GiB", ["keep-all"], world_sizes=[2], **MLP, hardware=H100)
     with pytest.raises(ValueError, match="whole nodes"):
-        ul.sweep("mlp3", "1GiB", world_sizes=[12], setups=["HSDP"], ranks_per_node=8, **MLP)
+        ul.sweep("mlp3", "1GiB", world_sizes=[12], setups=["HSDP"], ranks_per_node=8, **MLP, hardware=H100)
 
 
 def test_collectives_take_time_on_their_own_stream_beyond_one_rank(table):
@@ -91,7 +93,7 @@ def test_collectives_take_time_on_their_own_stream_beyond_one_rank(table):
 def test_a_workload_made_with_a_spec_is_swept_over_the_specs_asked_for_in_place_of_its_own():
     def rows(**parallel):
         work = ul.zoo.get("mlp3", device="meta", parallel=parallel.get("parallel"), **MLP)
-        found = ul.sweep(work, "16MiB", world_sizes=[2, 4], setups=["DDP", "FSDP2"], progress=False)
+        found = ul.sweep(work, "16MiB", world_sizes=[2, 4], setups=["DDP", "FSDP2"], progress=False, hardware=H100)
         return found.drop(columns=["trace_s", "plan_s"])
 
     pd.testing.assert_frame_equal(rows(parallel=ul.FSDP(8, reshard_after_forward=False)), rows())
@@ -99,7 +101,8 @@ def test_a_workload_made_with_a_spec_is_swept_over_the_specs_asked_for_in_place_
 
 def test_a_ddp_rank_is_traced_once_for_every_world_of_two_or_more_as_its_own_trace_would_be():
     work = ul.zoo.get("hf:gpt2", small=True, batch=2, seq_len=32, device="meta", optimizer="adamw")
-    rows = ul.sweep(work, "1GiB", world_sizes=[2, 64], setups=["DDP"], progress=False).set_index("world_size")
+    rows = ul.sweep(work, "1GiB", world_sizes=[2, 64], setups=["DDP"], progress=False,
+                    hardware=H100).set_index("world_size")
     assert rows.trace_s[2] > 0 and rows.trace_s[64] == 0  # the second comes from the first
     own = ul.trace(work, device="cuda", parallel=ul.DDP(64))
     simulated = ul.simulate(own, hardware="h100-sxm")

@@ -15,6 +15,8 @@ import udnn_lab as ul
 from udnn_lab.fitting import _sweep_processes, ranks
 from udnn_lab.fitting._rank_jobs import RankJob
 
+H100 = "h100-sxm"  # ranks of a GPU cluster, whatever this machine has
+
 TIMES = ["trace_s", "plan_s"]
 SWEEP = dict(world_sizes=[1, 2, 4, 8, 16, 32], setups=["DDP", "FSDP2", "FSDP2+offload"], progress=False)
 
@@ -27,8 +29,8 @@ def _children() -> set[int]:
 
 def test_workers_give_the_rows_this_process_gives_and_end_with_the_sweep():
     before = _children()
-    alone = ul.sweep("mlp3", ["12MiB", "40MiB"], workers=1, batch=4, optimizer="adam", **SWEEP)
-    shared = ul.sweep("mlp3", ["12MiB", "40MiB"], workers=2, batch=4, optimizer="adam", **SWEEP)
+    alone = ul.sweep("mlp3", ["12MiB", "40MiB"], workers=1, batch=4, optimizer="adam", **SWEEP, hardware=H100)
+    shared = ul.sweep("mlp3", ["12MiB", "40MiB"], workers=2, batch=4, optimizer="adam", **SWEEP, hardware=H100)
     assert _children() == before
     assert shared.drop(columns=TIMES).equals(alone.drop(columns=TIMES))
     traced = shared[shared.trace_s > 0].drop_duplicates(["world_size", "spec"])
@@ -75,7 +77,8 @@ def test_ranks_are_shared_between_this_process_and_a_worker(tmp_path, monkeypatc
         return seen
 
     monkeypatch.setattr(ranks, "run_ranks", kept)
-    table = ul.sweep("mlp3", "1GiB", workers=2, world_sizes=[2, 4, 8], setups=["FSDP2"], progress=False, batch=4)
+    table = ul.sweep("mlp3", "1GiB", workers=2, world_sizes=[2, 4, 8], setups=["FSDP2"], progress=False, batch=4,
+                     hardware=H100)
     assert len(table) == 3 and table.fits.all()
     assert {rank.pid for rank in seen} - {os.getpid()}, "the worker traced none of the ranks"
     assert sorted(rank.spec.world_size for rank in seen) == [2, 4, 8]
@@ -104,7 +107,7 @@ def test_workers_start_while_this_process_traces_once_that_has_taken_long_enough
 
     before = _children()
     monkeypatch.setattr(ranks, "run_ranks", kept)
-    table = ul.sweep("mlp3", "1GiB", world_sizes=[2, 4, 8], setups=["FSDP2"], progress=False, batch=4)
+    table = ul.sweep("mlp3", "1GiB", world_sizes=[2, 4, 8], setups=["FSDP2"], progress=False, batch=4, hardware=H100)
     assert len(table) == 3 and table.fits.all() and _children() == before
     assert {rank.pid for rank in seen} - {os.getpid()}, "no worker was started"
 
@@ -148,14 +151,14 @@ def test_a_job_that_does_not_pickle_is_traced_here():
 def test_an_error_in_a_worker_is_raised_here_with_where_it_happened(monkeypatch):
     monkeypatch.setattr(_sweep_processes, "WORKER_START_S", 0.0)
     with pytest.raises(ValueError, match="unknown setup"):  # raised before any rank is traced
-        ul.sweep("mlp3", "1GiB", workers=2, setups=["ZeRO"], world_sizes=[2], batch=4)
+        ul.sweep("mlp3", "1GiB", workers=2, setups=["ZeRO"], world_sizes=[2], batch=4, hardware=H100)
     with pytest.raises(ValueError, match="workers is how many processes"):
-        ul.sweep("mlp3", "1GiB", workers=0, world_sizes=[2], batch=4)
+        ul.sweep("mlp3", "1GiB", workers=0, world_sizes=[2], batch=4, hardware=H100)
 
 
 def test_real_weights_above_the_limit_are_not_sent_to_workers(monkeypatch):
     monkeypatch.setattr(_sweep_processes, "WORKER_COPY_BYTES", 1024)  # mlp3 built on the CPU holds more
     with pytest.warns(UserWarning, match=r"weights are real .*device='meta'"):
         table = ul.sweep("mlp3", "1GiB", workers=2, world_sizes=[2, 4], setups=["FSDP2"], progress=False, batch=4,
-                         device="cpu")
+                         device="cpu", hardware=H100)
     assert len(table) == 2 and table.fits.all()

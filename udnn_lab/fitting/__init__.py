@@ -6,7 +6,8 @@ world size under DDP, FSDP2 and HSDP, and the smallest world size that fits. ``s
 
 ``max_batch`` and ``max_seq_len`` build the step at each size they try (a zoo name with its
 options, or your own callable), trace it under fake tensors and hold it against the budget:
-the traced peak under keep-all, a feasible ``plan()`` under another policy. Sizes grow
+the traced peak under keep-all, a feasible ``plan()`` (within the host budget) under another policy, on
+``hardware`` (default None: the profile for this machine), whose device memory bounds the budget. Sizes grow
 exponentially, then the gap is bisected (NOTE [monotone peak] in search.py); the result is a
 FitSearch with every probe. May import: analysis, graph, hardware, simulation, planning, zoo,
 and the workload, vocabulary, units and errors.

@@ -12,12 +12,13 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from udnn_lab import zoo
-from udnn_lab.devices import HOST_POOL_SHARE, available_host_bytes
+from udnn_lab.devices import as_device
 from udnn_lab.fitting.probing import StepFactory, StepProber
 from udnn_lab.fitting.result import FitSearch, Probe, disagreements
 from udnn_lab.fitting.search import Bracket, largest_fitting
 from udnn_lab.hardware import Hardware
-from udnn_lab.planning import POLICIES
+from udnn_lab.planning import POLICIES, check_within_device, host
+from udnn_lab.simulation.simulator import resolve_hardware
 from udnn_lab.units import format_bytes, parse_bytes
 from udnn_lab.vocabulary import Dimension
 from udnn_lab.workload import Workload
@@ -26,7 +27,7 @@ PROGRESS_SECONDS = 3.0  # by default a search shows its progress bar once it has
 
 
 def max_batch(model: str | Callable[[int], Workload], budget: int | str | None = None, *, policy: str = "keep-all",
-              hardware: Hardware | str = "h100-sxm", start: int = 1, limit: int | None = None, multiple_of: int = 1,
+              hardware: Hardware | str | None = None, start: int = 1, limit: int | None = None, multiple_of: int = 1,
               host_budget: int | str | None = "local", progress: bool | None = None, **options: Any) -> FitSearch:
     """The largest batch size whose training step fits ``budget`` (default: all of ``hardware``'s memory).
 
@@ -35,12 +36,16 @@ def max_batch(model: str | Callable[[int], Workload], budget: int | str | None =
     for your own model (build it on the meta device: only shapes are used). Fitting means the
     traced peak is within the budget under ``policy="keep-all"``, and that ``ul.plan`` finds a plan
     under any other policy. ``hardware`` decides the device whose memory is counted (CUDA:
-    512-byte blocks). Sizes double from ``start`` until one does not fit, then the gap is
+    512-byte blocks; default None: the profile for this machine); a budget above its memory raises
+    BudgetOverDevice. Sizes double from ``start`` until one does not fit, then the gap is
     bisected, trying only multiples of ``multiple_of``, never above ``limit``. ``host_budget``:
     the host memory a plan's offloads may take (the runtime's pinned pool); by default ("local")
-    the share the runtime would take on this machine, half of what is available now; give the
-    training machine's figure when it is another, or None not to check. ``progress``: show a
-    progress bar (default: once the search has run a few seconds).
+    the share the runtime would take on this machine, half of what is available now (NOTE [host
+    budget] in planning/host.py); give the training machine's figure when it is another, or None
+    not to check. Before each size is built, the host memory building it takes (what the sizes
+    before it took, extrapolated) is held against what this machine has: HostMemoryTooSmall says
+    so rather than the machine running out. ``progress``: show a progress bar (default: once the
+    search has run a few seconds).
     """
     if "batch" in options:
         raise TypeError("max_batch searches the batch size: leave batch out of its options")
@@ -50,7 +55,7 @@ def max_batch(model: str | Callable[[int], Workload], budget: int | str | None =
 
 
 def max_seq_len(model: str | Callable[[int], Workload], budget: int | str | None = None, *, batch: int = 1,
-                policy: str = "keep-all", hardware: Hardware | str = "h100-sxm", start: int = 1,
+                policy: str = "keep-all", hardware: Hardware | str | None = None, start: int = 1,
                 limit: int | None = None, multiple_of: int = 1, host_budget: int | str | None = "local",
                 progress: bool | None = None, **options: Any) -> FitSearch:
     """The longest sequence whose training step at ``batch`` fits ``budget``; as ``max_batch``, for 'hf:' text models.
@@ -74,11 +79,11 @@ def max_seq_len(model: str | Callable[[int], Workload], budget: int | str | None
 
 
 def _search(build: StepFactory, label: str, dimension: Dimension, budget: int | str | None, policy: str,
-            hardware: Hardware | str, start: int, limit: int | None, multiple_of: int, progress: bool | None,
+            hardware: Hardware | str | None, start: int, limit: int | None, multiple_of: int, progress: bool | None,
             limit_reason: str, host_budget: int | str | None) -> FitSearch:
-    profile = hardware if isinstance(hardware, Hardware) else Hardware.load(hardware)
+    profile = resolve_hardware(hardware, as_device(None).type)
     budget_bytes = _budget(budget, profile)
-    host_budget_bytes, host_note = _host_budget(host_budget, policy)
+    host_budget_bytes, host_note = _host_budget(host_budget, policy, profile.device_type, budget_bytes)
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; the policies are: {', '.join(POLICIES)}")
     _check_sizes(start, limit, multiple_of)
@@ -96,8 +101,6 @@ def _search(build: StepFactory, label: str, dimension: Dimension, budget: int | 
     with bar:
         bracket = largest_fitting(probe, start, limit, multiple_of)
     notes = prober.notes + disagreements(bracket.probes) + host_note
-    if budget_bytes > profile.memory_bytes:
-        notes += (f"the budget is more than the {format_bytes(profile.memory_bytes)} {profile.name} holds",)
     return FitSearch(
         model_name=prober.model_name or label, dimension=dimension, size=bracket.fitting.size if bracket.fitting else 0,
         peak_bytes=bracket.fitting.peak_bytes if bracket.fitting else None,
@@ -167,26 +170,19 @@ def _budget(budget: int | str | None, hardware: Hardware) -> int:
         raise ValueError(f"cannot read the budget {budget!r}: {error}; give bytes or a size such as '80GiB'") from None
     if budget_bytes <= 0:
         raise ValueError(f"the budget must be more than 0 bytes, got {budget!r}")
+    check_within_device(budget_bytes, hardware)  # a search past the device's memory would try sizes it cannot hold
     return budget_bytes
 
 
-def _host_budget(host_budget: int | str | None, policy: str) -> tuple[int | None, tuple[str, ...]]:
-    """The host bytes offloads may take, and a note saying where the figure comes from."""
+def _host_budget(host_budget: int | str | None, policy: str, device: str,
+                 budget_bytes: int) -> tuple[int | None, tuple[str, ...]]:
+    """The host bytes offloads may take (NOTE [host budget] in planning/host.py), and a note saying where the
+    figure comes from."""
     if host_budget is None or policy == "keep-all":
         return None, ()
-    if host_budget == "local":
-        share = int(available_host_bytes() * HOST_POOL_SHARE)
-        return share, (f"offloads may take {format_bytes(share)} of host memory: {HOST_POOL_SHARE:.0%} of what this "
-                       "machine has available now, as the runtime would take here; pass host_budget= for the "
-                       "training machine's",)
-    try:
-        host_bytes = parse_bytes(host_budget)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"cannot read the host budget {host_budget!r}: {error}; give bytes, a size such as "
-                         "'512GiB', 'local' (this machine's) or None (not checked)") from None
-    if host_bytes < 0:
-        raise ValueError(f"the host budget cannot be negative, got {host_budget!r}")
-    return host_bytes, ()
+    held = host.host_budget_bytes(host_budget, device, budget_bytes)
+    assert held is not None  # None was answered above
+    return held, (host.local_note(held, device),) if host.is_local(host_budget) else ()
 
 
 def _check_sizes(start: int, limit: int | None, multiple_of: int) -> None:

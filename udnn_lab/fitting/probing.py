@@ -4,19 +4,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+from torch.utils._pytree import tree_flatten
+
 from udnn_lab.analysis import trace
 from udnn_lab.analysis.step import input_tensors, split_input
-from udnn_lab.errors import BudgetTooSmall, PlanInfeasible
+from udnn_lab.errors import BudgetTooSmall, HostBudgetExceeded, PlanInfeasible
 from udnn_lab.fitting.result import Probe
 from udnn_lab.graph import Graph
 from udnn_lab.hardware import Hardware
-from udnn_lab.planning import plan
+from udnn_lab.planning import host, plan
 from udnn_lab.simulation import simulate
 from udnn_lab.units import format_bytes
 from udnn_lab.vocabulary import Dimension
 from udnn_lab.workload import Workload
 
 StepFactory = Callable[[int], Workload]  # size -> the training step at that size
+TRANSIENT = 2  # a step is built with a copy of its batch alive at once (random values made, then cast or moved)
 
 
 class StepProber:
@@ -31,6 +35,7 @@ class StepProber:
         self.weights_bytes = 0
         self.notes: tuple[str, ...] = ()  # the traced steps' notes, each once
         self._input_elements: dict[int, int] = {}
+        self._host_bytes: dict[int, int] = {}  # size -> bytes its built step held in this host's memory
 
     def __call__(self, size: int) -> Probe:
         graph = trace(self._workload(size), device=self.hardware.device_type)
@@ -47,18 +52,25 @@ class StepProber:
         if self.policy == "keep-all" or traced <= self.budget_bytes:
             return Probe(size, traced, traced <= self.budget_bytes, traced)
         try:
-            chosen = plan(graph, self.budget_bytes, self.policy, hardware=self.hardware)
+            chosen = plan(graph, self.budget_bytes, self.policy, hardware=self.hardware,
+                          host_budget=self.host_budget_bytes)
+        except HostBudgetExceeded as over:  # fits the device; its offloads need more host memory than allowed
+            return Probe(size, over.peak_bytes, False, traced, over.host_bytes)
         except PlanInfeasible as infeasible:
             return Probe(size, infeasible.minimum_bytes, False, traced)
-        host = chosen.host_pool_bytes
-        fits_host = self.host_budget_bytes is None or host <= self.host_budget_bytes
-        return Probe(size, simulate(graph, chosen, hardware=self.hardware).peak_bytes, fits_host, traced, host)
+        held = chosen.host_pool_bytes
+        return Probe(size, simulate(graph, chosen, hardware=self.hardware).peak_bytes, True, traced, held)
 
     @property
     def _name(self) -> str:
         return "sequence length" if self.dimension == "seq_len" else "batch"
 
     def _workload(self, size: int) -> Workload:
+        expected = self._expected_host_bytes(size)
+        if expected:
+            host.require_host(expected, f"building the step at {self._name} {size}",
+                              f"lower the limit (limit=) below {size}, build the step on the meta device, or free "
+                              "host memory")
         work = self.build(size)
         if not isinstance(work, Workload):
             raise TypeError(f"the step factory gave a {type(work).__name__} for {self._name} {size}, not a Workload: "
@@ -69,7 +81,21 @@ class StepProber:
             raise ValueError(f"the step factory gave the same input ({elements} elements) for {self._name} {same[0]} "
                              f"and {size}: it must build the input from the {self._name} it is given")
         self._input_elements[size] = elements
+        self._host_bytes[size] = host_held_bytes(work)
         return work
+
+    def _expected_host_bytes(self, size: int) -> int:
+        """Host memory building the step at ``size`` takes, from the sizes built so far (a line through the two
+        largest, or through zero with one), a batch copy alive at once (``TRANSIENT``); 0 before any."""
+        known = sorted(self._host_bytes.items())[-2:]
+        if not known:
+            return 0
+        if len(known) == 1:
+            (low, held), = known
+            return TRANSIENT * held * max(size, low) // low
+        (low, low_bytes), (high, high_bytes) = known
+        slope = max(0.0, (high_bytes - low_bytes) / (high - low))
+        return TRANSIENT * int(max(high_bytes, high_bytes + slope * (size - high)))
 
 
 def counted_peak(graph: Graph) -> int:
@@ -82,3 +108,13 @@ def weights_bytes(graph: Graph) -> int:
     cuda = graph.device == "cuda"
     return sum(t.cuda_nbytes if cuda else t.nbytes for t in graph.tensors if t.category == "parameter")
 
+
+
+def host_held_bytes(work: Workload) -> int:
+    """Bytes a built step holds in this host's memory: the storages of its model, input and target on the CPU
+    (none when they are on the meta device)."""
+    leaves, _ = tree_flatten((list(work.model.parameters()), list(work.model.buffers()), work.example_input,
+                              work.target))
+    storages = {leaf.untyped_storage().data_ptr(): leaf.untyped_storage().nbytes()
+                for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu"}
+    return sum(storages.values())

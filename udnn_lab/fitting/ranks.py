@@ -19,15 +19,17 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from udnn_lab import zoo
-from udnn_lab.errors import PlanInfeasible
+from udnn_lab.devices import as_device
+from udnn_lab.errors import HostBudgetExceeded, PlanInfeasible
 from udnn_lab.fitting._rank_jobs import RankJob, Traced
 from udnn_lab.fitting._sweep_processes import processes_for, run_ranks
 from udnn_lab.graph import Graph
 from udnn_lab.hardware import Hardware
 from udnn_lab.parallel import DDP, FSDP, Parallel, describe
-from udnn_lab.planning import floor_bytes, plan
+from udnn_lab.planning import check_within_device, floor_bytes, plan
 from udnn_lab.planning import sweep as planning_sweep
 from udnn_lab.simulation import Simulation, simulate
+from udnn_lab.simulation.simulator import resolve_hardware
 from udnn_lab.units import format_bytes, parse_bytes
 from udnn_lab.workload import Workload
 
@@ -62,7 +64,7 @@ class WorldSizeSearch:
 
 def sweep_ranks(work: Workload | str, world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
                 budgets: Iterable[int | str] | int | str | None = None, *, setups: Sequence[str] = DEFAULT_SETUPS,
-                policies: Sequence[str] | str = ("auto",), hardware: Hardware | str = "h100-sxm",
+                policies: Sequence[str] | str = ("auto",), hardware: Hardware | str | None = None,
                 ranks_per_node: int | None = None, host_budget: int | str | None = None,
                 fsdp_options: dict[str, Any] | None = None, progress: bool | None = None,
                 workers: int | None = None, **options: Any) -> pd.DataFrame:
@@ -80,7 +82,7 @@ def sweep_ranks(work: Workload | str, world_sizes: Iterable[int] = DEFAULT_WORLD
     ``workers``: processes tracing ranks at once, this one included (NOTE [sweep processes]): by default one per
     core, started once the first rank says the others would take longer than starting them.
     """
-    profile = hardware if isinstance(hardware, Hardware) else Hardware.load(hardware)
+    profile = resolve_hardware(hardware, as_device(None).type)
     work = _workload(work, options)
     sizes = _world_sizes(world_sizes)
     chosen = _setups(setups)
@@ -125,8 +127,7 @@ def min_world_size(work: Workload | str, budget: int | str | None = None, *, set
     """
     sizes = _world_sizes(candidates)
     _setups([setup])
-    profile = settings.pop("hardware", "h100-sxm")
-    profile = profile if isinstance(profile, Hardware) else Hardware.load(profile)
+    profile = resolve_hardware(settings.pop("hardware", None), as_device(None).type)
     budget_bytes = _budgets(budget, profile)[0]
     work = _workload(work, {key: settings.pop(key) for key in list(settings) if key not in _SWEEP_SETTINGS})
     rows: list[dict[str, Any]] = []
@@ -170,8 +171,15 @@ def _row(graph: Graph, spec: Parallel, budget_bytes: int, policy: str, *, profil
                 "communication_s": float("nan"), "exposed_communication_s": float("nan"),
                 "why": f"no plan goes under {format_bytes(floor)} (what its ops need at once, with what it holds "
                        "throughout)"}
+    share = None if host_budget is None else max(0, host_budget - offloaded) // per_node  # each rank's pool's
     try:
-        chosen = plan(graph, budget_bytes, policy, profile, ranks_per_node=per_node)
+        chosen = plan(graph, budget_bytes, policy, profile, ranks_per_node=per_node, host_budget=share)
+    except HostBudgetExceeded as error:
+        return {**row, "fits": False, "peak_bytes": int(error.peak_bytes), "step_time_s": float("nan"),
+                "communication_s": float("nan"), "exposed_communication_s": float("nan"),
+                "host_bytes_per_node": error.host_bytes * per_node + offloaded,
+                "why": f"the node's {per_node} pinned pools need {format_bytes(error.host_bytes * per_node)} of "
+                       "host memory"}
     except PlanInfeasible as error:
         return {**row, "fits": False, "peak_bytes": int(error.minimum_bytes), "step_time_s": float("nan"),
                 "communication_s": float("nan"), "exposed_communication_s": float("nan"),
@@ -241,6 +249,8 @@ def _budgets(budgets: Iterable[int | str] | int | str | None, profile: Hardware)
     found = [parse_bytes(b) for b in ([budgets] if isinstance(budgets, (int, str)) else budgets)]
     if not found or any(b <= 0 for b in found):
         raise ValueError(f"budgets are sizes per rank above 0 bytes ('80GiB', bytes), got {budgets!r}")
+    for budget in found:
+        check_within_device(budget, profile)
     return found
 
 
@@ -256,11 +266,13 @@ def _ranks_per_node(ranks_per_node: int | None, profile: Hardware) -> int:
 def sweep(subject: Graph | Workload | str, budgets: Iterable[int | str] | int | str | None = None,
           policies: Iterable[str] | None = None, hardware: Hardware | str | None = None, profile: Any = None,
           rates: Any = None, *, world_sizes: Iterable[int] | None = None, **ranks_options: Any) -> pd.DataFrame:
-    """What-if tables. Without ``world_sizes``: budget x policy for one traced Graph (``planning.sweep``).
+    """What-if tables. Without ``world_sizes``: budget x policy for one traced Graph (``planning.sweep``, with its
+    ``ranks_per_node`` and ``host_budget``).
     With ``world_sizes``: world size x setup x budget for a Workload or zoo name (``sweep_ranks``; its
     ``setups``, ``ranks_per_node``, ``host_budget``, ... go in ``ranks_options``)."""
     if world_sizes is None:
         per_node = ranks_options.pop("ranks_per_node", None)  # a rank's graph: the links its collectives cross
+        host_budget = ranks_options.pop("host_budget", "local")  # the host memory its plans' offloads may take
         if ranks_options:
             raise TypeError(f"{', '.join(sorted(ranks_options))}: these are for a sweep over world_sizes")
         if not isinstance(subject, Graph):
@@ -269,7 +281,7 @@ def sweep(subject: Graph | Workload | str, budgets: Iterable[int | str] | int | 
         if budgets is None:
             raise TypeError("sweep(graph, budgets): give the budgets to try, e.g. ['4GiB', '6GiB']")
         return planning_sweep(subject, [budgets] if isinstance(budgets, (int, str)) else budgets, policies,
-                              hardware, profile, rates, ranks_per_node=per_node)
+                              hardware, profile, rates, ranks_per_node=per_node, host_budget=host_budget)
     if profile is not None or rates is not None:
         raise TypeError("a sweep over world sizes times each rank from the hardware profile: leave profile and "
                         "rates out (a measured profile is of one traced step)")
@@ -277,4 +289,4 @@ def sweep(subject: Graph | Workload | str, budgets: Iterable[int | str] | int | 
         raise TypeError("a sweep over world sizes traces the step at each one: give the Workload (or zoo name) "
                         "rather than a traced Graph")
     return sweep_ranks(subject, world_sizes, budgets, policies=tuple(policies or ("auto",)),
-                       hardware=hardware or "h100-sxm", **ranks_options)
+                       hardware=hardware, **ranks_options)
