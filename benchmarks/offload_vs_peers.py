@@ -31,9 +31,10 @@ import torch
 from torch import nn
 
 import udnn_lab as ul
-from udnn_lab.analysis.step import compute_loss, split_input
+from udnn_lab.analysis.step import compute_loss, input_tensors, split_input
 from udnn_lab.devices import device_name
-from udnn_lab.planning import PlanInfeasible
+from udnn_lab.errors import HostMemoryTooSmall
+from udnn_lab.planning import PlanInfeasible, host
 from udnn_lab.runtime import HostMemoryError
 from udnn_lab.runtime.live_bytes import LiveBytes
 from udnn_lab.runtime.pinned_pool import empty_pinned_cache
@@ -241,12 +242,16 @@ def _fits(bench: Bench, budget: int) -> bool:
 
 
 def largest_batch(name: str, batch: int, options: dict, device: torch.device, cap: int, quick: bool) -> list[dict]:
-    """The largest batch each method trains under ``cap`` bytes, and its time per sample."""
+    """The largest batch each method trains under ``cap`` bytes, and its time per sample.
+
+    Each size is checked against this machine's host memory before it is built (``_host_check``): a search that
+    would take more stops there and says so in its row's ``stopped``, rather than the machine running out."""
     rows = []
     for method in ("unconstrained", "udnn_lab auto", "save_on_cpu", "torch.utils.checkpoint"):
+        attempt = _Attempts(method, name, options, device, cap, quick)
         best, per_sample, size, failed = None, None, batch, None
-        while size <= batch * (2 if quick else 32) and failed is None:
-            result = _try(method, name, size, options, device, cap, quick)
+        while size <= batch * (2 if quick else 32) and failed is None and not attempt.stopped:
+            result = attempt(size)
             if result is None:
                 failed = size
             else:
@@ -254,20 +259,63 @@ def largest_batch(name: str, batch: int, options: dict, device: torch.device, ca
                 size *= 2
         if best is not None and failed is not None and not quick:  # refine between the last fit and the first miss
             low, high = best, failed
-            while high - low > max(1, low // 8):
+            while high - low > max(1, low // 8) and not attempt.stopped:
                 middle = (low + high) // 2
-                result = _try(method, name, middle, options, device, cap, quick)
+                result = attempt(middle)
                 low, high = (middle, high) if result else (low, middle)
                 if result:
                     best, per_sample = middle, result["step_time_s"] / middle
         rows.append({"model": name, "method": method, "cap_bytes": cap, "largest_batch": best,
-                     "time_per_sample_s": per_sample})
+                     "time_per_sample_s": per_sample, **({"stopped": attempt.stopped} if attempt.stopped else {})})
     base = next(r for r in rows if r["method"] == "unconstrained")
     for row in rows:
         if base["largest_batch"] and row["largest_batch"]:
             row["batch_ratio"] = row["largest_batch"] / base["largest_batch"]
             row["overhead"] = row["time_per_sample_s"] / base["time_per_sample_s"] - 1
     return rows
+
+
+class _Attempts:
+    """Tries of one method at the sizes asked, each checked against the host's memory first; ``stopped`` says why
+    the search must end (the next size would need more host memory than this machine has), once it must."""
+
+    def __init__(self, method: str, name: str, options: dict, device: torch.device, cap: int, quick: bool) -> None:
+        self.method, self.name, self.options, self.device, self.cap, self.quick = method, name, options, device, cap, \
+            quick
+        self.stopped = ""
+
+    def __call__(self, size: int) -> dict | None:
+        try:
+            _host_check(self.method, self.name, size, self.options, self.device)
+        except HostMemoryTooSmall as error:
+            self.stopped = str(error)
+            print(f"    {self.method}: {error}", file=sys.stderr, flush=True)
+            return None
+        return _try(self.method, self.name, size, self.options, self.device, self.cap, self.quick)
+
+
+def _host_check(method: str, name: str, size: int, options: dict, device: torch.device) -> None:
+    """Raise HostMemoryTooSmall when a try at ``size`` would need more host memory (or, for save_on_cpu's pinned
+    copies, more pinned memory) than this machine has, reckoned from the step traced on meta (no memory taken).
+
+    Every try builds its model and batch on the host first (the batch twice: made, then cast or moved); on a CPU
+    the whole step lives there. save_on_cpu copies every saved tensor to the host, pinned on CUDA: the step's
+    peak bounds them. Our runtime's pool is held to the host budget by ul.plan itself."""
+    work = ul.zoo.get(name, batch=size, device="meta", **options)
+    graph = ul.trace(work, device=device.type)
+    batch_bytes = sum(t.numel() * t.element_size()
+                      for t in [*input_tensors(*split_input(work.example_input)), work.target]
+                      if isinstance(t, torch.Tensor))
+    weights = sum(p.numel() * p.element_size() for p in work.model.parameters())
+    on_host = 2 * batch_bytes + weights + (0 if device.type == "cuda" else int(graph.peak_bytes))
+    saved = int(graph.peak_bytes) if method == "save_on_cpu" else 0
+    advice = "lower the largest batch tried, or run on a machine with more host memory"
+    what = f"{method} at batch {size} of {name}"
+    if device.type == "cuda":
+        host.require_host(on_host, what, advice)
+        host.require_host(saved, f"{what} (its saved tensors, pinned)", advice, pinned=True)
+    else:
+        host.require_host(on_host + saved, what, advice)
 
 
 def _try(method: str, name: str, batch: int, options: dict, device: torch.device, cap: int,
