@@ -9,6 +9,7 @@ so train and measure): a plan for another step is refused everywhere with PlanFo
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -118,7 +119,7 @@ class Plan:
             return replace(located, hook_events=())
         return replace(located, offloads=moved, hook_events=graph.hook_events)
 
-    def with_releases(self, released_before: dict[int, int]) -> Plan:
+    def with_releases(self, released_before: Mapping[int, int]) -> Plan:
         """This plan with each offload's release point set where a simulation let its memory go.
 
         An offload the simulation never freed (its prefetch came first) gets its prefetch op:
