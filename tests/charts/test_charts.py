@@ -1,12 +1,13 @@
 import re
 
+import altair as alt
 import pandas as pd
 import pytest
 import vl_convert
 
 import udnn_lab as ul
 from udnn_lab import charts, frames
-from udnn_lab.charts.base import CATEGORY_COLORS
+from udnn_lab.charts.base import CATEGORY_COLORS, offline_javascript
 from udnn_lab.vocabulary import CATEGORIES
 
 HW = "titan-x-maxwell"
@@ -247,3 +248,30 @@ def test_linked_memory_and_streams_selects_across_the_op_and_time_axes(small):
 def test_every_memory_category_has_a_colour_of_its_own():
     assert list(CATEGORY_COLORS) == list(CATEGORIES)  # communication included, in the stacking order
     assert len(set(CATEGORY_COLORS.values())) == len(CATEGORIES)
+
+
+def test_predicted_and_measured_lines_that_coincide_both_show():
+    """A measured line equal to the predicted one is drawn wide and pale under it: both stay visible."""
+    same = [{"index": i, "phase": "forward", "module": "m", "op": "aten.mm", "bytes": b} for i, b in
+            enumerate([1 << 20, 3 << 20, 2 << 20])]
+    frame = pd.DataFrame([{**row, "series": series} for series in ("predicted", "measured") for row in same])
+    spec = charts.predicted_vs_measured(frame).to_dict()
+    lines = spec["layer"]
+    assert [{r["series"] for r in spec["datasets"][u["data"]["name"]]} for u in lines] == [{"measured"}, {"predicted"}]
+    encoding = lines[0]["encoding"]
+    widths = dict(zip(encoding["strokeWidth"]["scale"]["domain"], encoding["strokeWidth"]["scale"]["range"]))
+    opacity = dict(zip(encoding["strokeOpacity"]["scale"]["domain"], encoding["strokeOpacity"]["scale"]["range"]))
+    assert widths["measured"] >= 3 * widths["predicted"] and opacity["measured"] < opacity["predicted"] == 1
+    assert lines[0]["encoding"]["stroke"]["scale"] == lines[1]["encoding"]["stroke"]["scale"]  # one legend
+
+
+def test_a_linked_chart_takes_a_subtitle_and_an_offline_widget_leaves_altair_as_it_was(small):
+    graph, sim = small
+    chart = charts.linked_memory_and_streams(frames.memory_curve(graph, sim), frames.timeline(sim), title="step",
+                                             subtitle=["predicted for CUDA", "why it changed"])
+    assert chart.to_dict()["title"] == {"text": "step", "subtitle": ["predicted for CUDA", "why it changed"],
+                                        "anchor": "start"}
+    offline = alt.JupyterChart._is_offline
+    widget = charts.OfflineChart(chart)
+    assert alt.JupyterChart._is_offline == offline and widget._esm == offline_javascript()
+    assert "https://" not in widget._esm[:2000]  # bundled, not imported from a CDN

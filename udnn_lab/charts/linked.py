@@ -13,7 +13,7 @@ from typing import Literal
 import altair as alt
 import pandas as pd
 
-from udnn_lab.charts.base import check_columns
+from udnn_lab.charts.base import check_columns, titled
 from udnn_lab.charts.memory import memory_curve_layers
 from udnn_lab.charts.streams import timeline_layers
 
@@ -26,11 +26,12 @@ TIME_RANGE = "time_range"  # interval selection over the timeline's milliseconds
 def linked_memory_and_streams(curve: pd.DataFrame, timeline: pd.DataFrame, budget_bytes: int | None = None,
                               min_budget_bytes: int | None = None, width: int = 720, height: int = 260,
                               lane_height: int = 28, title: str | None = None,
-                              legends: Literal["right", "bottom"] = "right",
-                              picked_op: int | None = None) -> alt.VConcatChart:
+                              legends: Literal["right", "bottom"] = "right", picked_op: int | None = None,
+                              subtitle: str | list[str] | None = None) -> alt.VConcatChart:
     """frames.memory_curve (with times: of a Simulation) above frames.timeline, each one's range selecting in the
     other. The timeline's bars carry the ops they ran (``op`` to ``last_op``), the curve's rows their start time,
-    so the two axes meet without a join. ``legends`` and ``picked_op`` as for memory_curve."""
+    so the two axes meet without a join. ``legends`` and ``picked_op`` as for memory_curve; ``subtitle``: a line (or
+    lines) under the title."""
     check_columns(curve, ["index", "start_s"], "frames.memory_curve of a Simulation")
     check_columns(timeline, ["op", "last_op", "start_s"], "frames.timeline")
     ops = alt.selection_interval(name=OP_RANGE, encodings=["x"])
@@ -47,5 +48,5 @@ def linked_memory_and_streams(curve: pd.DataFrame, timeline: pd.DataFrame, budge
     streams, tracks = timeline_layers(timeline, lane_height, op_range=OP_RANGE, time_range=span)
     below = alt.layer(*streams).properties(width=width, height=max(lane_height * tracks, 60))
     chart = alt.vconcat(memory, below).resolve_scale(color="independent", stroke="independent")
-    return chart.properties(title=title) if title else chart
+    return titled(chart, title, subtitle)
 

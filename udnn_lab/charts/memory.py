@@ -32,10 +32,11 @@ __all__ = [
     "timeline", "training",
 ]
 
-_LINE_COLORS = {"predicted": "#222222", "measured": "#d62728"}
-_LINE_DASHES = {"predicted": [1, 0], "measured": [5, 3]}
-_SERIES_COLORS = alt.Scale(domain=list(_LINE_COLORS), range=list(_LINE_COLORS.values()))
-_SERIES_DASH = alt.Scale(domain=list(_LINE_DASHES), range=list(_LINE_DASHES.values()))
+# colour, width, opacity, dash of a total line by its series: a measured line is wide and pale and drawn under the
+# predicted one, so that where the two coincide both still show (a dark line on a pale band)
+_LINE_STYLES: dict[str, tuple[str, float, float, list[int]]] = {
+    "predicted": ("#222222", 1.5, 1.0, [1, 0]), "measured": ("#d62728", 5.0, 0.45, [1, 0])}
+_OTHER_LINE = ("#7f7f7f", 1.5, 1.0, [2, 2])
 Layer = alt.Chart | alt.LayerChart | alt.FacetChart
 OP_SELECTION = "drill_op"  # the op picked on a memory curve: a point selection of its ``index``
 PHASE_LABEL_ROOM = 24  # pixels kept free of data at the top of the plot, where the phases are named
@@ -94,17 +95,11 @@ def memory_curve_layers(frame: pd.DataFrame, budget_bytes: int | None = None, mi
         order=alt.Order("rank:Q"), tooltip=tooltip[:4] + ["category:N"] + tooltip[4:] +
         [alt.Tooltip("time_ms:Q", title="starts at ms", format=",.2f")]))
     totals = data[data["category"] == "total"]
-    lines = list(dict.fromkeys(totals.sort_values("series", key=lambda s: s != "predicted", kind="stable")["line"]))
-    series_of = dict(zip(totals["line"], totals["series"]))
-    colors = alt.Scale(domain=lines, range=[_LINE_COLORS.get(series_of[n], "#7f7f7f") for n in lines])
-    dashes = alt.Scale(domain=lines, range=[_LINE_DASHES.get(series_of[n], [2, 2]) for n in lines])
-    total_lines = alt.Chart(totals).mark_line(interpolate="step-after", strokeWidth=1.5).encode(
-        x, alt.Y("value:Q", stack=None, title=y_title, scale=y_scale),
-        stroke=alt.Stroke("line:N", scale=colors, title="total", legend=legend),
-        strokeDash=alt.StrokeDash("line:N", scale=dashes, legend=None), tooltip=tooltip + ["line:N"])
-    if pointer_params and not select_op:
-        total_lines = total_lines.add_params(*pointer_params)
-    layers.append(total_lines)
+    total_lines = series_lines(totals, "line", x, alt.Y("value:Q", stack=None, title=y_title, scale=y_scale),
+                               legend, tooltip + ["line:N"], title="total")
+    if pointer_params and not select_op:  # on one layer only (see above)
+        total_lines[-1] = total_lines[-1].add_params(*pointer_params)
+    layers.extend(total_lines)
     if select_op:  # vega-lite finds the nearest point only for point marks: invisible ones on the totals
         picked = alt.selection_point(name=OP_SELECTION, fields=["index"], nearest=True, on="click", empty=False,
                                      value=alt.Undefined if picked_op is None else [{"index": picked_op}])
@@ -151,16 +146,34 @@ def memory_by_category(frame: pd.DataFrame, width: int = 720, height: int = 280)
     ).properties(width=width, height=height)
 
 
-def predicted_vs_measured(frame: pd.DataFrame, width: int = 720, height: int = 280) -> alt.Chart:
+def predicted_vs_measured(frame: pd.DataFrame, width: int = 720, height: int = 280) -> alt.LayerChart | alt.FacetChart:
     """Predicted against measured live bytes over the step (from frames.predicted_vs_measured)."""
     check_columns(frame, ["index", "phase", "module", "op", "series", "bytes"], "frames.predicted_vs_measured")
     unit, scale = byte_unit(frame["bytes"].max() if len(frame) else 0)
     data = frame.assign(value=frame["bytes"] / scale)
-    return alt.Chart(data).mark_line(interpolate="step-after").encode(
-        x=alt.X("index:Q", title="op", scale=alt.Scale(nice=False)),
-        y=alt.Y("value:Q", title=f"live {unit}"),
-        color=alt.Color("series:N", scale=_SERIES_COLORS),
-        strokeDash=alt.StrokeDash("series:N", scale=_SERIES_DASH),
-        tooltip=["index:Q", "phase:N", "module:N", "op:N", "series:N",
-                 alt.Tooltip("value:Q", title=unit, format=",.1f")],
-    ).properties(width=width, height=height)
+    tooltip = ["index:Q", "phase:N", "module:N", "op:N", "series:N", alt.Tooltip("value:Q", title=unit, format=",.1f")]
+    lines = series_lines(data, "series", alt.X("index:Q", title="op", scale=alt.Scale(nice=False)),
+                         alt.Y("value:Q", title=f"live {unit}"), alt.Legend(), tooltip, title="series")
+    return alt.layer(*lines).properties(width=width, height=height)
+
+
+def series_lines(data: pd.DataFrame, field: str, x: alt.X, y: alt.Y, legend: alt.Legend, tooltip: list,
+                 title: str) -> list[alt.Chart]:
+    """A step line per value of ``field`` (each row's ``series`` says whether it is predicted or measured), in one
+    legend: measured lines in a layer under the others, wide and pale, so that a line that coincides with the
+    predicted one shows as a band around it rather than vanishing behind it."""
+    series = data["series"] if "series" in data else data[field]
+    series_of = dict(zip(data[field], series))
+    names = sorted(series_of, key=lambda name: series_of[name] != "predicted")  # predicted first, in the legend
+    styles = [_LINE_STYLES.get(series_of[name], _OTHER_LINE) for name in names]
+
+    def scale(part: int) -> alt.Scale:
+        return alt.Scale(domain=names, range=[style[part] for style in styles])
+    encoding = dict(stroke=alt.Stroke(f"{field}:N", title=title, scale=scale(0), legend=legend),
+                    strokeWidth=alt.StrokeWidth(f"{field}:N", title=title, scale=scale(1), legend=legend),
+                    strokeOpacity=alt.StrokeOpacity(f"{field}:N", title=title, scale=scale(2), legend=legend),
+                    strokeDash=alt.StrokeDash(f"{field}:N", title=title, scale=scale(3), legend=legend),
+                    tooltip=tooltip)
+    under = series == "measured"
+    parts = [data[under], data[~under]]
+    return [alt.Chart(part).mark_line(interpolate="step-after").encode(x, y, **encoding) for part in parts if len(part)]
