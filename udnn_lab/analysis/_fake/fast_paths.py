@@ -16,7 +16,8 @@ NOTE [fake fast paths]
   identical graphs. Two rules hold with or without them: an op all of whose tensor
   arguments are real runs for real, outside fake mode (host-side scalars such as Adam's
   step counters stay real and can be read with .item()), and ops whose meta kernels
-  disagree with the real ones are sized by a real call (fidelity.py).
+  disagree with the real ones are sized by a real call, or, where the real kernels' rule is
+  known (layer norm's backward returns contiguous gradients), follow that rule (fidelity.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from udnn_lab.analysis._fake.memo import FakeOpMemo, flat_tensors
 _PRIM_DEVICE = torch.ops.prim.device.default
 _METADATA_MUTATORS = ("aten::resize_", "aten::resize_as_", "aten::set_", "aten::_resize_output_")
 _DEVICE, _VIEW, _INPLACE, _INPLACE_LIST, _PROBE, _MEMO = "device", "view", "inplace", "inplace_list", "probe", "memo"
+_CONTIGUOUS = "contiguous"  # run as a memoized op, its outputs then laid out as the real kernel lays them out
 
 
 class FakeFastPaths:
@@ -54,6 +56,11 @@ class FakeFastPaths:
             if fidelity.needs_probe(str(func), args):
                 return fidelity.probed_call(func, args, kwargs)
             kind = _MEMO
+        if kind is _CONTIGUOUS:
+            return fidelity.contiguous_outputs(self._dispatch(func, args, kwargs, _MEMO))
+        return self._dispatch(func, args, kwargs, kind)
+
+    def _dispatch(self, func, args: tuple, kwargs: dict, kind: str):
         tensors = list(flat_tensors((args, kwargs)))
         if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
             with unset_fake_temporarily():  # real tensors stay real
@@ -85,6 +92,8 @@ def _kind(func) -> str:
         return _DEVICE
     if str(func) in fidelity.PROBED_OPS | fidelity.PROBED_WHEN_STRIDED | fidelity.PROBED_WHEN_MIXED:
         return _PROBE  # probed when needs_probe says so, else run as a memoized op
+    if str(func) in fidelity.CONTIGUOUS_OUTPUTS:
+        return _CONTIGUOUS
     schema = func._schema
     returns, arguments = schema.returns, schema.arguments
     if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns) \

@@ -15,6 +15,15 @@ one real call on zeros, on the CPU, and gives the step fake outputs of exactly t
 sizes, strides and storage sizes. Nothing is kept: the real tensors are
 released as soon as their sizes are read. Each entry is checked by a test that
 compares the traced step with a measured one.
+
+Some disagreements need no probe, as the real kernels' rule is simple and the same on every
+device. Layer norm's backward allocates its three gradients contiguous on the CPU and on CUDA
+(``empty_like(X.contiguous(), LEGACY_CONTIGUOUS_MEMORY_FORMAT)``), whatever the strides of the
+incoming gradient; its decomposition, which fake mode runs, lets the input's gradient follow the
+incoming gradient's strides. A layer norm of a permuted tensor (Swin's and MaxViT's channels-last
+blocks) then hands backward a strided gradient, and a later reshape copies it in the trace
+(clone, _unsafe_view) where it views it in the step: the op sequences differ, and a plan that
+recomputes by them fails. Such ops' fake outputs are made contiguous (:func:`contiguous_outputs`).
 """
 
 from __future__ import annotations
@@ -39,6 +48,12 @@ PROBED_WHEN_MIXED = frozenset({
     "aten.native_batch_norm.default",
     "aten._native_batch_norm_legit.default",
     "aten.native_layer_norm.default",
+})
+
+
+# ops whose real kernels, CPU and CUDA, return every output contiguous where the meta kernel may not
+CONTIGUOUS_OUTPUTS = frozenset({
+    "aten.native_layer_norm_backward.default",
 })
 
 
@@ -98,4 +113,20 @@ def _fake_from_metadata(value):
     if isinstance(value, _Meta):
         shape, stride, dtype, offset, elements = value
         return torch.empty(elements, dtype=dtype, device="cpu").as_strided(shape, stride, offset)
+    return value
+
+
+def contiguous_outputs(out):
+    """``out`` with each fake tensor that is not contiguous replaced by a contiguous one of the same shape, dtype
+    and device, as the real kernel allocates it (see CONTIGUOUS_OUTPUTS).
+
+    Call it from a dispatch mode that sits above FakeTensorMode, so that the factory
+    calls below create fake tensors.
+    """
+    return tree_map(_contiguous, out)
+
+
+def _contiguous(value):
+    if isinstance(value, FakeTensor) and not value.is_contiguous():
+        return torch.empty(value.shape, dtype=value.dtype, device=value.device)
     return value
