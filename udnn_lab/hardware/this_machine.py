@@ -126,8 +126,9 @@ def closest_shipped(device: MachineDevice) -> Hardware:
     else:
         chosen = shipped[0]
         why = f"no shipped profile is for {device.name!r}"
-    warnings.warn(f"simulating on the shipped profile {chosen.name!r} ({chosen.title}): {why}. Pass hardware= a "
-                  f"profile name, or measure this device with ul.Hardware.measure()", ShippedProfileWarning,
+    warnings.warn(f"simulating on the shipped profile {chosen.name!r} ({chosen.title}): {why}. Name the profile to "
+                  f"use with hardware= (--hardware, or {HARDWARE_VARIABLE}), or measure the device with "
+                  "ul.Hardware.measure()", ShippedProfileWarning,
                   stacklevel=3)
     return chosen
 
