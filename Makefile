@@ -31,7 +31,7 @@ $(OLDEST_STAMP): pyproject.toml Makefile
 	test -x $(OLDEST)/bin/python || $(PYTHON) -m venv $(OLDEST)
 	printf '%s\n' $(TORCH_OLDEST) '$(TRANSFORMERS_OLDEST)' > $(OLDEST)/constraints.txt
 	$(OLDEST)/bin/python -m pip install --quiet -c $(OLDEST)/constraints.txt $(TORCH_OLDEST)
-	$(OLDEST)/bin/python -m pip install --quiet -c $(OLDEST)/constraints.txt -e '.[dev,timm,hf]'
+	$(OLDEST)/bin/python -m pip install --quiet -c $(OLDEST)/constraints.txt -e '.[dev,timm,hf,exact]'
 	touch $(OLDEST_STAMP)
 
 lab: $(STAMP)
@@ -42,7 +42,7 @@ test: $(STAMP) chromium lint
 
 # trace, plan, runtime exactness, a DDP and an FSDP2 gloo run and notebook 00 on the oldest torch (pyproject's floor)
 test-compat: $(OLDEST_STAMP)
-	$(OLDEST)/bin/python -m pytest -m compat -n $(TEST_WORKERS)
+	$(OLDEST)/bin/python -m pytest -m compat -n $(TEST_WORKERS) -rs
 
 # the linters the field uses: ruff (style, import order, complexity) and mypy over the package
 lint: $(STAMP)
