@@ -47,6 +47,9 @@ def linked_memory_and_streams(curve: pd.DataFrame, timeline: pd.DataFrame, budge
     memory = alt.layer(*layers).resolve_scale(color="independent").properties(width=width, height=height)
     streams, tracks = timeline_layers(timeline, lane_height, op_range=OP_RANGE, time_range=span)
     below = alt.layer(*streams).properties(width=width, height=max(lane_height * tracks, 60))
-    chart = alt.vconcat(memory, below).resolve_scale(color="independent", stroke="independent")
+    # the total lines' legend stays with the curve: every channel it is drawn from is the curve's own
+    chart = alt.vconcat(memory, below).resolve_scale(color="independent", stroke="independent",
+                                                     strokeWidth="independent", strokeOpacity="independent",
+                                                     strokeDash="independent")
     return titled(chart, title, subtitle)
 
