@@ -3,7 +3,7 @@
 import pytest
 
 import udnn_lab as ul
-from tests.widgets.test_widgets import categories, peak_of, predicted_peak, rows
+from tests.widgets.test_widgets import categories, chart_title, peak_of, predicted_peak, rows
 from udnn_lab.widgets.app import MemoryLab
 
 
@@ -12,7 +12,7 @@ def traced_peak(name: str, **options) -> int:
 
 
 def title(lab: MemoryLab) -> str:
-    return lab.memory_and_streams.spec["title"]
+    return chart_title(lab)
 
 
 def most(lab: MemoryLab, category: str) -> int:

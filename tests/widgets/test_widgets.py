@@ -29,6 +29,18 @@ def categories(lab: MemoryLab) -> set[str]:
     return {r["category"] for r in rows(lab.memory_and_streams) if r.get("series") == "predicted"} - {"total"}
 
 
+def chart_title(lab: MemoryLab) -> str:
+    """The memory chart's title (its first line: the subtitle under it is ``chart_subtitle``)."""
+    title = lab.memory_and_streams.spec["title"]
+    return title["text"] if isinstance(title, dict) else title
+
+
+def chart_subtitle(lab: MemoryLab) -> list[str]:
+    title = lab.memory_and_streams.spec["title"]
+    subtitle = title.get("subtitle", []) if isinstance(title, dict) else []
+    return [subtitle] if isinstance(subtitle, str) else subtitle
+
+
 def rule_values(lab: MemoryLab) -> dict[str, float]:
     return {r["label"]: r["value"] for r in rows(lab.memory_and_streams) if "label" in r}
 
@@ -98,7 +110,7 @@ def test_the_budget_can_be_typed_and_reads_as_every_size_in_the_app(lab):
     assert lab.budget_bytes == int(round(lab.budget.value * 2**20))
     lab.budget_entry.value = "3 MiB"
     lab.budget_entry.value = "three megabytes"
-    assert "ValueError" in lab.status.value and "6 GiB" in lab.status.value
+    assert "ValueError" in lab.fit_status.value and "6 GiB" in lab.fit_status.value  # said under the box
     assert lab.budget_bytes == 3 << 20 and lab.budget_entry.value == "3.00 MiB"
     assert lab.budget_entry.description == "budget" and lab.budget.description == ""  # no label to cut
 
@@ -137,14 +149,15 @@ def test_precision_optimizer_and_hardware_keep_the_users_budget(lab):
 
 def test_an_infeasible_budget_is_shown_in_the_app(lab):
     lab.budget.value = lab.budget.max * 0.05
-    assert "cannot fit" in lab.status.value and "#d62728" in lab.status.value
-    assert "white-space:normal" in lab.status.value and lab.layout.grid_template_rows.endswith("auto")  # wraps, grows
-    title = lab.memory_and_streams.spec["title"]
+    assert "cannot fit" in lab.fit_status.value and "#d62728" in lab.fit_status.value
+    assert "white-space:normal" in lab.fit_status.value and lab.layout.grid_template_rows.endswith("auto")  # wraps
+    title = chart_title(lab)
     assert title.endswith(f"vdnn-all cannot fit {format_bytes(lab.budget_bytes)} (shown: every tensor kept)")
     assert lab.budget.style.handle_color == "#d62728"
     assert "does not fit" in lab.summary.value
     lab.budget.value = lab.budget.max
     assert lab.status.value == "" and lab.budget.style.handle_color == "#2ca02c"
+    assert "cannot fit" not in lab.fit_status.value and ">fits<" in lab.fit_status.value
 
 
 def test_a_bad_network_name_is_an_error_in_the_app_and_the_chart_stays(lab):
@@ -163,8 +176,8 @@ def test_policy_and_hardware_change_the_plan(lab):
     assert lab.status.value == "" and lab.setting.device == "cpu"
     assert lab.device_note.value == ""
     lab.policy.value = "auto"
-    assert lab.memory_and_streams.spec["title"].endswith(f"auto (chose {lab.plan.notes[-1].removeprefix('chose ')})") \
-        or lab.memory_and_streams.spec["title"].endswith(": auto")
+    assert chart_title(lab).endswith(f"auto (chose {lab.plan.notes[-1].removeprefix('chose ')})") \
+        or chart_title(lab).endswith(": auto")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has the profile's device")
@@ -199,7 +212,7 @@ def test_measure_compares_like_with_like_and_names_both_lines():
     assert predicted_ops[-1] + 1 == len(lab._measured.graph.ops) == len(lab._measured.measurement.ops)
     assert lab._measured.prediction.d2h_bytes > 0  # the plan was applied there, not every tensor kept
     assert stream_rows(lab) == timeline_rows(lab._measured.prediction)  # its streams under its curve
-    assert f"on this machine's {here}" in lab.memory_and_streams.spec["title"]
+    assert f"on this machine's {here}" in chart_title(lab)
     lab.budget.value = lab.budget.max  # another budget: measured under another plan, so it goes
     assert line_legend(lab) == [f"predicted ({lab.setting.device}, vdnn-all)"]
 

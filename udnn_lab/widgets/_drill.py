@@ -7,6 +7,7 @@ JupyterChart's selections) or from the "inspect op" box; until one is picked, th
 from __future__ import annotations
 
 import html
+import re
 
 import ipywidgets as widgets
 import pandas as pd
@@ -105,6 +106,18 @@ def _table(frame: pd.DataFrame, reasons: dict[int, str]) -> str:
             f"{more}</div>")
 
 
+WRAPPING = (4, 5)  # produced by and module: long names wrap at their dots and underscores, never cut
+
+
+def _cell(value: str, wraps: bool) -> str:
+    """One cell; a long name wraps after its dots and underscores, and its whole text is the cell's tooltip."""
+    if not wraps:
+        return f"<td style='padding:1px 6px;white-space:nowrap'>{value}</td>"
+    breakable = re.sub(r"([._])", r"\1<wbr>", value)
+    return (f"<td class='udnn-wraps' title='{value}' style='padding:1px 6px;white-space:normal;"
+            f"overflow-wrap:break-word;max-width:22em'>{breakable}</td>")
+
+
 def _row(row, reasons: dict[int, str]) -> str:
     producer = html.escape(row.producer_op) if row.producer < 0 else f"#{row.producer} {html.escape(row.producer_op)}"
     free = "end" if pd.isna(row.free_op) else str(row.free_op)
@@ -112,8 +125,8 @@ def _row(row, reasons: dict[int, str]) -> str:
     lives = f"{row.lifetime_ops} ops" + ("" if pd.isna(row.lifetime_s) else f", {format_seconds(row.lifetime_s)}")
     values = [html.escape(row.tensor), format_bytes(int(row.nbytes)), html.escape(row.category), row.state, producer,
               html.escape(row.module or "(model)"), f"{first} → {free}", lives]
-    cells = "".join(f"<td style='padding:1px 6px;white-space:nowrap'>{v}</td>" for v in values)
+    cells = "".join(_cell(v, wraps=i in WRAPPING) for i, v in enumerate(values))
     if reasons:
         why = html.escape(reasons.get(row.id, ""))
-        cells += f"<td class='udnn-why' style='padding:1px 6px;white-space:normal;min-width:22em'>{why}</td>"
+        cells += f"<td class='udnn-why' style='padding:1px 6px;white-space:normal;min-width:16em'>{why}</td>"
     return f"<tr class='udnn-live-tensor'>{cells}</tr>"

@@ -17,7 +17,7 @@ from torch import nn
 
 from udnn_lab import zoo
 from udnn_lab.analysis.tracing import trace
-from udnn_lab.errors import PlanInfeasible
+from udnn_lab.errors import PlanInfeasible, UdnnLabError
 from udnn_lab.graph.plan_ir import Plan
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware.profiles import Hardware
@@ -57,6 +57,8 @@ class MeasuredStep:
     graph: Graph  # the measured step, traced for the device it ran on
     prediction: Simulation  # of the plan the step ran under, on that graph
     note: str  # why this plan: the one on screen, made again for this device, or every tensor kept
+    hardware_name: str  # the profile the prediction was simulated with (this machine's, where there is one)
+    min_budget_bytes: int | None  # the policy's smallest budget for this step on that profile; None: none known
 
 
 class _Cache(OrderedDict):
@@ -179,7 +181,16 @@ class LabSession:
                     "every tensor kept")
         measured = measure(work, plan=chosen if chosen.offloads or chosen.recomputes else None, repeats=repeats)
         return MeasuredStep((setting, policy, budget_bytes, hardware), measured, graph,
-                            simulate(graph, chosen, hardware=local), note)
+                            simulate(graph, chosen, hardware=local), note, local.name,
+                            _least_budget(graph, policy, local))
+
+
+def _least_budget(graph: Graph, policy: str, hardware: Hardware) -> int | None:
+    """The policy's smallest budget for ``graph`` on ``hardware``; None when it has none there."""
+    try:
+        return min_budget(graph, policy, hardware=hardware)
+    except (UdnnLabError, ValueError):  # e.g. a policy that does not apply to this device's step
+        return None
 
 
 def _one_process(setting: Setting, action: str) -> None:

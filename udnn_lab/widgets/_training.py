@@ -15,7 +15,6 @@ import threading
 from collections.abc import Callable
 from dataclasses import replace
 
-import altair as alt
 import ipywidgets as widgets
 import torch
 
@@ -42,8 +41,7 @@ class TrainingPanel:
         self.stop_button = widgets.Button(description="Stop", icon="stop", disabled=True,
                                           tooltip="stop after the step that is running")
         self.progress = widgets.IntProgress(value=0, min=0, max=1, description="", layout=widgets.Layout(width="290px"))
-        self.chart = alt.JupyterChart(None,  # type: ignore[arg-type]  # altair's hint omits None
-                                      layout=widgets.Layout(min_height="120px"))
+        self.chart = charts.OfflineChart(None, layout=widgets.Layout(min_height="120px"))
         self.stop_button.on_click(lambda _: self.stop())
         self.run: Run | None = None
         self.rows: list[dict] = []

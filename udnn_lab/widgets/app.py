@@ -16,18 +16,16 @@ import html
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import altair as alt
 import ipywidgets as widgets
 import pandas as pd
 from torch import nn
 
 from udnn_lab import charts, frames, zoo
-from udnn_lab.charts.base import enable_offline
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware.profiles import Hardware
 from udnn_lab.planning.budget import PlanInfeasible
 from udnn_lab.planning.registry import quick_policies
-from udnn_lab.simulation.simulator import Simulation
+from udnn_lab.simulation.simulator import Simulation, resolve_hardware
 from udnn_lab.units import format_bytes, format_seconds
 from udnn_lab.vocabulary import PRECISIONS, AttentionImplementation, Precision
 from udnn_lab.widgets._budget import BudgetControl
@@ -36,10 +34,22 @@ from udnn_lab.widgets._hf_controls import HFControls
 from udnn_lab.widgets._networks import offered
 from udnn_lab.widgets._parallel_controls import ParallelControls
 from udnn_lab.widgets._state import LabSession, MeasuredStep, Setting
+from udnn_lab.widgets._texts import (
+    error_text,
+    fit_line,
+    measured_subtitle,
+    minimum_named,
+    policy_named,
+    predicted_for,
+    step_named,
+    summary,
+    wrapping,
+)
 from udnn_lab.widgets._training import TrainingPanel
 from udnn_lab.workload import precision_of
 
 _GRAPH, _POLICY, _BUDGET = 2, 1, 0  # how much a change invalidates
+TARGET_DEVICE = "cuda"  # the device whose memory MemoryLab predicts when no profile is named
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,7 @@ class _Drawing:
     budget_bytes: int
     min_budget_bytes: int | None
     title: str
+    subtitle: list[str]  # what the chart is of: the device and profile of its prediction; why it changed
 
 
 class _Debounce:
@@ -88,18 +99,22 @@ class MemoryLab(widgets.AppLayout):
     apply to hf: networks. ``parallel`` ('DDP', 'FSDP2', 'HSDP'; None: one GPU) and ``world_size``: the
     charts are of one rank of that many; ``offload_params``: FSDP2 keeps the rank's parameters, gradients and
     optimizer state in host memory (its ``CPUOffloadPolicy``; the summary says how much). ``hardware``: a
-    profile name or a Hardware (e.g. from ``ul.Hardware.measure()``). The step is traced with fake tensors for
-    the profile's device; "Measure" runs it for real on this machine, under the same policy and budget planned
-    again for the device it runs on, and charts it beside that device's prediction.
+    profile name or a Hardware (e.g. from ``ul.Hardware.measure()``); None: the profile for this machine's GPU
+    (``resolve_hardware(None, "cuda")``: measured here when it has one, else the closest shipped one, with a
+    warning); the summary names the profile used. The step is traced with fake tensors for the profile's
+    device; "Measure" runs it for real on this machine, under the same policy and budget planned again for the
+    device it runs on, and charts it beside that device's prediction (the chart's subtitle says so).
     """
 
     def __init__(self, model: str | nn.Module = "resnet50", *, input_shape: tuple[int, ...] | None = None,
                  batch: int = 32, precision: Precision | None = None, optimizer: str = "sgd",
-                 hardware: str | Hardware = "h100-sxm", policy: str = "auto", image_size: int | None = None,
+                 hardware: str | Hardware | None = None, policy: str = "auto", image_size: int | None = None,
                  seq_len: int = 512, lora_rank: int = 0, attn_implementation: AttentionImplementation = "sdpa",
                  parallel: str | None = None, world_size: int = 8, offload_params: bool = False,
                  debounce_s: float = 0.3,
                  points: int = frames.DEFAULT_POINTS) -> None:
+        if hardware is None:
+            hardware = resolve_hardware(None, TARGET_DEVICE)
         extra = {hardware.name: hardware} if isinstance(hardware, Hardware) else {}
         custom = model if isinstance(model, nn.Module) else None
         if precision is None:
@@ -117,11 +132,9 @@ class MemoryLab(widgets.AppLayout):
         self._minimum: int | None = None  # the policy's smallest budget, once known
         self._drawing: _Drawing | None = None
         self._debounce = _Debounce(debounce_s, self._update)
-        enable_offline()
         self._build_controls(self.session.custom_name or str(model), batch, precision, optimizer,
                              hardware.name if isinstance(hardware, Hardware) else hardware, policy)
-        self.memory_and_streams = alt.JupyterChart(None,  # type: ignore[arg-type]  # altair's hint omits None
-                                                   layout=widgets.Layout(min_height="520px"))
+        self.memory_and_streams = charts.OfflineChart(None, layout=widgets.Layout(min_height="520px"))
         self.drill = DrillPanel()  # the tensors live at the op clicked on the memory curve
         self.memory_and_streams.observe(self.drill.on_selections, names="_vl_selections")  # what a click sets
         grows = widgets.Layout(height="auto", width="100%", margin="0")  # long messages wrap; the footer grows
@@ -131,9 +144,11 @@ class MemoryLab(widgets.AppLayout):
             header=widgets.HTML("<b>udnn_lab · MemoryLab</b>: predicted memory of one training step"),
             left_sidebar=widgets.VBox([self.network, self.batch, self.precision, self.optimizer, *self.hf.controls,
                                        *self.ranks_controls.controls, self.hardware, self.device_note, self.policy,
-                                       self.budget_entry, self.budget,
+                                       self.budget_entry, self.budget, self.fit_status,
                                        self.minimum_text, self.actions]),
-            center=widgets.VBox([self.memory_and_streams, self.drill.box, self.training.chart]),
+            # min_width 0: the grid's column, not the widest table row, sets how wide the centre is
+            center=widgets.VBox([self.memory_and_streams, self.drill.box, self.training.chart],
+                                layout=widgets.Layout(min_width="0")),
             footer=widgets.VBox([self.summary, self.status], layout=widgets.Layout(height="auto")),
             pane_widths=["300px", 1, 0], pane_heights=["30px", 1, "80px"], height="auto")
         self.layout.grid_template_rows = "30px 1fr auto"  # pane_heights takes no 'auto': the footer fits its text
@@ -159,9 +174,12 @@ class MemoryLab(widgets.AppLayout):
         policies = list(quick_policies()) + ([policy] if policy not in quick_policies() else [])  # a solver if asked
         self.policy = widgets.Dropdown(options=policies, value=policy, description="policy", layout=wide)
         self.device_note = widgets.HTML(layout=widgets.Layout(width="290px", height="auto"))
-        self.budget_control = BudgetControl(lambda: self._request(_BUDGET), self._show_status, "290px")
+        self.budget_control = BudgetControl(lambda: self._request(_BUDGET), self._show_budget_error, "290px")
         self.budget, self.budget_entry = self.budget_control.slider, self.budget_control.entry
-        self.minimum_text = widgets.HTML()
+        # whether the plan fits the budget, right under the budget's box and slider
+        self.fit_status = widgets.HTML(layout=widgets.Layout(width="290px", height="auto"))
+        self.fit_status.add_class("udnn-fit-status")
+        self.minimum_text = widgets.HTML(layout=widgets.Layout(width="290px", height="auto"))
         self.measure_button = widgets.Button(description="Measure", icon="play",
                                              tooltip="run one real training step on this machine and overlay it")
         self.training = TrainingPanel(self._show_status)
@@ -228,8 +246,6 @@ class MemoryLab(widgets.AppLayout):
 
     def _load_minimum(self) -> None:
         self._minimum = self.session.min_budget(self.setting, self.policy.value, self.hardware.value)
-        self.minimum_text.value = (f"minimum feasible ({html.escape(self.policy.value)}): "
-                                   f"<b>{format_bytes(self._minimum)}</b>")
 
     def _show_plan(self) -> None:
         setting, budget, hardware, policy = self.setting, self.budget_bytes, self.hardware.value, self.policy.value
@@ -238,30 +254,38 @@ class MemoryLab(widgets.AppLayout):
         infeasible = False
         try:
             self.plan, sim = self.session.planned(setting, policy, budget, hardware)
+            self.fit_status.value = fit_line(sim)
         except PlanInfeasible as error:
             self.plan, sim = self.session.baseline(setting, budget, hardware)
-            self._show_status(error, note=" The chart shows every tensor kept.")
+            self.fit_status.value = fit_line(sim, error)
             infeasible = True
         self.simulation = sim
-        graph = self.session.graph(setting)
-        title = f"{_step_named(graph, setting)}: {_named(policy, self.plan, infeasible, budget)}"
+        graph, profile = self.session.graph(setting), self.session.hardware(hardware)
         measured = self._measured
         if measured is not None and measured.asked != (setting, policy, budget, hardware):
             measured = self._measured = None  # measured for another step, plan or budget
-        if measured is None:
-            drawing = _Drawing(frames.memory_curve(graph, sim, points=self.points), sim, budget, self._minimum, title)
-            self.drill.show(graph, sim, _peak_op(sim), self.plan)
-        else:  # like with like: the measured step's own device, plan, ops and streams
-            curve = frames.memory_curve(measured.graph, measured.prediction, measured.measurement,
-                                        measured.prediction, points=self.points)
-            title = f"{_step_named(graph, setting)}, on this machine's {measured.graph.device}: " \
-                    f"{measured.prediction.policy}"
-            # the policy's minimum is the profile's device's, not this one's
-            drawing = _Drawing(curve, measured.prediction, budget, None, title)
-            self.drill.show(measured.graph, measured.prediction, _peak_op(measured.prediction))
-        self._drawing = drawing
+        title = f"{step_named(graph, setting)}: {policy_named(policy, self.plan, infeasible, budget)}"
+        self._drawing = self._predicted(graph, sim, title, profile) if measured is None else \
+            self._measured_drawing(measured, graph, setting, profile)
         self._draw()
-        self.summary.value = _summary(sim, graph.host_peak_bytes if setting.offload_params else 0)
+        self.minimum_text.value = minimum_named(policy, self._minimum, profile, measured)
+        self.summary.value = summary(sim, profile, graph.host_peak_bytes if setting.offload_params else 0)
+
+    def _predicted(self, graph: Graph, sim: Simulation, title: str, profile: Hardware) -> _Drawing:
+        """The prediction on the profile's device, under the plan on screen."""
+        self.drill.show(graph, sim, _peak_op(sim), self.plan)
+        return _Drawing(frames.memory_curve(graph, sim, points=self.points), sim, self.budget_bytes, self._minimum,
+                        title, [predicted_for(graph, profile)])
+
+    def _measured_drawing(self, measured: MeasuredStep, graph: Graph, setting: Setting,
+                          profile: Hardware) -> _Drawing:
+        """Like with like: the measured step's own device, plan, ops and streams, and the policy's minimum there."""
+        curve = frames.memory_curve(measured.graph, measured.prediction, measured.measurement, measured.prediction,
+                                    points=self.points)
+        title = f"{step_named(graph, setting)}, on this machine's {measured.graph.device}: {measured.prediction.policy}"
+        self.drill.show(measured.graph, measured.prediction, _peak_op(measured.prediction))
+        return _Drawing(curve, measured.prediction, self.budget_bytes, measured.min_budget_bytes, title,
+                        measured_subtitle(measured, graph, profile))
 
     def _draw(self) -> None:
         drawing = self._drawing
@@ -272,15 +296,19 @@ class MemoryLab(widgets.AppLayout):
             parts.append(frames.timeline(self._events, source="measured"))
         self.memory_and_streams.chart = charts.linked_memory_and_streams(
             drawing.curve, pd.concat(parts, ignore_index=True), drawing.budget_bytes, drawing.min_budget_bytes,
-            width=560, height=260, title=drawing.title, legends="bottom", picked_op=self.drill.op.value)
+            width=560, height=260, title=drawing.title, legends="bottom", picked_op=self.drill.op.value,
+            subtitle=drawing.subtitle)
 
-    def _show_status(self, message: str | Exception, note: str = "") -> None:
+    def _show_status(self, message: str | Exception) -> None:
         if isinstance(message, Exception):
-            text = (f"<span style='color:#d62728'><b>{type(message).__name__}</b>: "
-                    f"{html.escape(str(message) + note)}</span>")
+            text = error_text(message)
         else:
             text = f"<i>{html.escape(message)}</i>" if message else ""
-        self.status.value = _wrapping(text) if text else ""
+        self.status.value = wrapping(text) if text else ""
+
+    def _show_budget_error(self, error: Exception) -> None:
+        """A budget the box cannot read: said under the box, where it was typed."""
+        self.fit_status.value = wrapping(error_text(error))
 
     # -- actions -----------------------------------------------------------------------------
     def measure(self, repeats: int = 1) -> None:
@@ -327,38 +355,6 @@ class MemoryLab(widgets.AppLayout):
             self._show_status(error)
 
 
-def _step_named(graph: Graph, setting: Setting) -> str:
-    """The network (with its attention and LoRA rank), the batch, and the sequence and precision when they apply."""
-    tokens = f", {setting.seq_len} tokens" if setting.seq_len is not None else ""
-    precision = f", {setting.precision}" if setting.precision != "32-true" else ""
-    ranks = f", one rank of {setting.parallel} x {setting.world_size}" if setting.parallel is not None else ""
-    ranks += ", parameters on host" if setting.offload_params else ""
-    return f"{graph.model_name}, batch {setting.batch}{tokens}{precision}{ranks}"
-
-
-def _named(policy: str, plan, infeasible: bool, budget_bytes: int) -> str:
-    """The policy the user chose, what auto chose, and whether it fits."""
-    if infeasible:
-        return f"{policy} cannot fit {format_bytes(budget_bytes)} (shown: every tensor kept)"
-    chose = next((n.removeprefix("chose ") for n in plan.notes if n.startswith("chose ")), None)
-    return f"{policy} (chose {chose})" if chose and chose != policy else policy
-
-
 def _peak_op(sim: Simulation) -> int:
     counted = sim.curve["cuda_live_bytes" if sim.device == "cuda" else "live_bytes"]
     return int(counted.to_numpy().argmax()) if len(counted) else 0
-
-
-def _wrapping(text: str) -> str:
-    return f"<div style='white-space:normal;overflow-wrap:anywhere;line-height:1.4'>{text}</div>"
-
-
-def _summary(sim: Simulation, host_bytes: int = 0) -> str:
-    budget = format_bytes(sim.budget_bytes) if sim.budget_bytes is not None else "none"
-    fits = "<span style='color:#2ca02c'>fits</span>" if sim.fits else "<span style='color:#d62728'>does not fit</span>"
-    # FSDP2's offloaded parameters: the rank's host memory, beside the device memory the chart shows
-    host = f" · host memory <b>{format_bytes(host_bytes)}</b> at most" if host_bytes else ""
-    return _wrapping(f"peak <b>{format_bytes(sim.peak_bytes)}</b> of budget {budget} ({fits}) · step "
-                     f"<b>{format_seconds(sim.step_time_s)}</b>, stalled {format_seconds(sim.stall_time_s)} · copied "
-                     f"{format_bytes(sim.d2h_bytes)} out, {format_bytes(sim.h2d_bytes)} back{host} · "
-                     f"policy {html.escape(sim.policy)}")
