@@ -7,8 +7,10 @@ on the curve and sees the stream bars of the other ops fade, and across time on 
 and sees the ops that start then marked on the curve; then types a
 budget no plan meets and checks the message is whole on screen, measures a real step and
 reads both lines in the legend, trains two steps and checks that another network clears
-the training view. Outside CI the test skips when chromium or playwright is missing; with
-CI set it fails instead (``make test`` installs both on Debian).
+the training view. It checks that the line saying whether the plan fits sits right under the
+budget's box and slider, that the live-tensor table's module names are whole, and that the app
+comes back in a new page opened while the kernel runs. Outside CI the test skips when chromium
+or playwright is missing; with CI set it fails instead (``make test`` installs both on Debian).
 """
 
 import json
@@ -143,6 +145,8 @@ def test_quickstart_runs_in_jupyterlab_and_the_budget_slider_redraws_the_chart(c
         assert after < before and budget_rule(app) == pytest.approx(after, abs=0.05)
         summary.filter(has_text=f"of budget {after:.2f} MiB").wait_for()
         assert "fits" in summary.inner_text() and "Error" not in app.inner_text()
+        the_fit_line_sits_under_the_budget(app)
+        module_names_are_whole(app)
 
         a_click_on_the_memory_curve_lists_the_live_tensors(app)
         ops_and_time_spans_select_across_the_curve_and_the_streams(app)
@@ -154,6 +158,7 @@ def test_quickstart_runs_in_jupyterlab_and_the_budget_slider_redraws_the_chart(c
         screenshot = tmp_path / "memorylab.png"
         page.screenshot(path=screenshot)
         print(f"screenshot: {screenshot}")
+        the_app_comes_back_in_a_new_page(browser, page, f"{url}/lab/tree/{QUICKSTART.name}?token={token}", tmp_path)
     except Exception:
         page.screenshot(path=tmp_path / "failure.png")
         print(f"screenshot of the failure: {tmp_path / 'failure.png'}; server log: {tmp_path / 'jupyterlab.log'}")
@@ -178,6 +183,55 @@ def run_all_cells(page, notebook_url: str):
     assert page.locator("[data-mime-type='application/vnd.jupyter.error']").count() == 0
     assert page.locator(".jp-OutputArea-output .vega-embed").count() >= 3  # two charts above, one in the app
     return app
+
+
+def fit_line(app):
+    return app.locator(".udnn-fit-status")
+
+
+def the_fit_line_sits_under_the_budget(app) -> None:
+    """The line saying whether the plan fits is right under the budget's box and slider, beside the controls."""
+    line, box = fit_line(app), budget_entry(app).bounding_box()
+    slider = app.locator(".widget-hslider").first.bounding_box()  # the budget's: the app's one slider
+    said = line.bounding_box()
+    assert re.match(r"fits: peak [\d,.]+ MiB within the budget", line.inner_text()), line.inner_text()
+    assert 0 <= said["y"] - (slider["y"] + slider["height"]) < 24, (said, slider)  # directly under the slider
+    assert said["y"] - (box["y"] + box["height"]) < 60, (said, box)
+    assert said["x"] < box["x"] + box["width"] and said["x"] + said["width"] > box["x"]  # the same column
+
+
+def module_names_are_whole(app) -> None:
+    """Every module name in the live-tensor table shows whole inside the app, its cell's tooltip the name."""
+    table = app.locator(".udnn-live-tensors")
+    cells = table.locator("td.udnn-wraps").all()
+    assert cells
+    right = app.bounding_box()["x"] + app.bounding_box()["width"]
+    for cell in cells:
+        box = cell.bounding_box()
+        assert cell.get_attribute("title") == cell.inner_text().replace("\n", "")
+        assert cell.evaluate("e => e.scrollWidth <= e.clientWidth"), cell.inner_text()
+        assert box["x"] + box["width"] <= right + 1, (cell.inner_text(), box, right)
+
+
+def the_app_comes_back_in_a_new_page(browser, page, notebook_url: str, tmp_path: Path) -> None:
+    """Save, then open the notebook in a new page while the kernel still runs: the app is drawn again."""
+    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^File$")).click()
+    page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Save Notebook$")).click()
+    page.locator(".jp-mod-dirty").first.wait_for(state="detached", timeout=30_000)
+    again = browser.new_page(viewport={"width": 1680, "height": 1100})
+    again.set_default_timeout(60_000)
+    try:
+        again.goto(notebook_url)
+        app = again.locator(".jp-OutputArea-output").filter(has=again.locator(".noUi-handle"))
+        app.locator(".vega-embed svg.marks").first.wait_for(timeout=120_000)
+        app.locator(".udnn-fit-status").wait_for()
+        assert again.get_by_text("model not found").count() == 0
+        assert again.locator(".jp-OutputArea-output .vega-embed").count() >= 3  # the two charts above, the app's
+        app.scroll_into_view_if_needed()
+        again.screenshot(path=tmp_path / "memorylab-new-page.png")
+        print(f"screenshot of the new page: {tmp_path / 'memorylab-new-page.png'}")
+    finally:
+        again.close()
 
 
 def budget_rule(app) -> float:
@@ -278,6 +332,9 @@ def measure_shows_both_lines(app) -> None:
     predicted = re.search(r"predicted \((\w+), ([\w+-]+)\)", text)
     measured = re.search(r"measured \((\w+), ([\w+-]+)\)", text)
     assert predicted and measured and predicted.groups() == measured.groups(), text
+    assert "minimum feasible" in text  # the policy's minimum on this machine's step
+    if predicted.group(1) != "cuda":  # the chart changed device: its subtitle says so, in one line
+        assert f"Measure ran the step on this machine's {predicted.group(1).upper()}" in text, text
 
 
 def an_infeasible_budget_is_said_in_full(page, app) -> None:
@@ -285,8 +342,11 @@ def an_infeasible_budget_is_said_in_full(page, app) -> None:
     entry, fitting = budget_entry(app), budget_entry(app).input_value()
     entry.fill("1 MiB")
     entry.press("Enter")
-    message = app.locator(".widget-html", has_text="cannot fit").last
+    message = fit_line(app).filter(has_text="cannot fit")
     message.wait_for(timeout=60_000)
+    assert "lower the batch size. The chart shows every tensor kept." in message.inner_text()  # two sentences
+    said, box = message.bounding_box(), budget_entry(app).bounding_box()
+    assert 0 < said["y"] - box["y"] < 80, (said, box)  # under the box the budget was typed in
     clipped = message.evaluate("""element => {
         const clipped = [];
         for (let e = element; e && !e.classList.contains('jp-OutputArea-output'); e = e.parentElement) {
@@ -300,7 +360,7 @@ def an_infeasible_budget_is_said_in_full(page, app) -> None:
     assert clipped == [], f"the message is cut or scrolls in: {clipped}"
     entry.fill(fitting)  # the budget that fits, again
     entry.press("Enter")
-    app.locator(".widget-html", has_text="cannot fit").wait_for(state="detached", timeout=60_000)
+    fit_line(app).filter(has_text="cannot fit").wait_for(state="detached", timeout=60_000)
 
 
 def another_network_clears_the_training_view(app) -> None:
