@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch.utils._foreach_utils import _device_has_foreach_support
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
 from udnn_lab.vocabulary import CLIP_SCOPE, GRAD_SCALER_SCOPE, LOSS_SCOPE, OPTIMIZER_SCOPE
@@ -243,14 +244,26 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer | None,
                            prefer_foreach: bool = True) -> None:
     """Create the optimizer's state as a first step would, so the traced step is a steady one.
 
-    Steps once with gradients from ``make_grad`` (zeros); parameters may change (weight
-    decay), so call it on fakes or inside :func:`preserved`. With ``prefer_foreach``,
-    groups that allow it step with ``foreach=True``: the same state in far fewer ops.
+    Steps once with gradients from ``make_grad`` (zeros) for every parameter that requires one;
+    parameters may change (weight decay), so call it on fakes or inside :func:`preserved`. With
+    ``prefer_foreach``, groups that allow it step with ``foreach=True``: the same state in far fewer
+    ops. A step whose loss leaves some parameters without a gradient wants
+    :func:`state_at_first_step` instead (NOTE [optimizer state of a traced step]).
     """
     if optimizer is None or len(optimizer.state) > 0:
         return
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    step_on_made_grads(optimizer, params, make_grad, prefer_foreach)
+
+
+def step_on_made_grads(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
+                       make_grad: Callable[[torch.Tensor], torch.Tensor] = torch.zeros_like,
+                       prefer_foreach: bool = True) -> None:
+    """Step ``optimizer`` once with gradients from ``make_grad`` for ``params``, which creates their state; a
+    parameter whose gradient is None stays out of the step, as PyTorch's optimizers skip it. The gradients
+    ``params`` had are theirs again afterwards."""
     foreach = [group.get("foreach", False) for group in optimizer.param_groups]
+    grads = [p.grad for p in params]
     with torch.no_grad():
         for p in params:
             p.grad = make_grad(p)
@@ -263,8 +276,41 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer | None,
             for group, setting in zip(optimizer.param_groups, foreach):
                 if "foreach" in group:
                     group["foreach"] = setting
-            for p in params:
-                p.grad = None
+            for p, grad in zip(params, grads):
+                p.grad = grad
+
+
+# NOTE [optimizer state of a traced step]
+#   A traced step is a steady one: the optimizer's state exists before it starts. PyTorch's optimizers
+#   create state only for parameters that have a gradient when they step, so a parameter the loss does
+#   not reach (GoogLeNet's aux heads, a branch left unused) has none, however many steps ran. Which
+#   parameters get a gradient is known only once backward has run, so a fresh optimizer's state is
+#   made then: a pre-hook of its first step creates the state of exactly the parameters holding a
+#   gradient, with every dispatch mode set aside (a recorder sees none of it). A storage the recorder
+#   first meets as an op's input counts as one that existed before the step, so that state is live
+#   from the step's start, as state from earlier steps would be.
+
+
+@contextmanager
+def state_at_first_step(optimizer: torch.optim.Optimizer | None,
+                        create: Callable[[torch.optim.Optimizer, list[torch.Tensor]], None]):
+    """While entered, a fresh ``optimizer``'s first step starts by ``create(optimizer, params)`` for the parameters
+    that hold a gradient then (NOTE [optimizer state of a traced step]); an optimizer with state is left as it is."""
+    if optimizer is None or len(optimizer.state) > 0:
+        yield
+        return
+
+    def before_step(stepping: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        handle.remove()
+        params = [p for group in stepping.param_groups for p in group["params"] if p.grad is not None]
+        with _disable_current_modes():
+            create(stepping, params)
+
+    handle = optimizer.register_step_pre_hook(before_step)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @contextmanager

@@ -20,17 +20,18 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
 from udnn_lab.analysis._fake.attention import STAND_IN_ATTENTION_NOTE, CudaAttentionKernels
-from udnn_lab.analysis._fake.tensors import FAKE_LIMITS, fake_inputs, fake_optimizer, fake_state
+from udnn_lab.analysis._fake.tensors import FAKE_LIMITS, fake_initial_state, fake_inputs, fake_optimizer, fake_state
 from udnn_lab.analysis._holders import forward_releases
 from udnn_lab.analysis._recorder import StepRecorder
 from udnn_lab.analysis._recording import graph_from_recording, record_step
 from udnn_lab.analysis.step import (
-    ensure_optimizer_state,
     grad_scaler,
     input_tensors,
     map_tensors,
     preserved,
     split_input,
+    state_at_first_step,
+    step_on_made_grads,
 )
 from udnn_lab.errors import FakeTensorUnsupported
 from udnn_lab.graph.step_graph import Graph
@@ -121,7 +122,9 @@ def _trace_fake(work: Workload, device: torch.device, counted_as: str, fast_path
     recorder = StepRecorder(fake_mode=fake_mode, fast_paths=fast_paths)
     substituted = counted_as != device.type
     attention = CudaAttentionKernels(fake_mode) if substituted else nullcontext()
-    with _reparametrize_module(model, fakes, tie_weights=True), fake_mode, attention:
+    # the optimizer's state is made as it first steps (NOTE [optimizer state of a traced step])
+    state = state_at_first_step(optimizer, fake_initial_state(fake_mode, device))
+    with _reparametrize_module(model, fakes, tie_weights=True), fake_mode, attention, state:
         scaler = grad_scaler(options, device)  # on the device whose kernels run the step
         record_step(recorder, model, args, kwargs, target, work.loss_fn, optimizer, track_saved=True,
                     options=options, scaler=scaler)
@@ -167,8 +170,8 @@ def _trace_real(work: Workload, device: torch.device) -> Graph:
     target = map_tensors(lambda t: t.to(device), work.target)
     recorder = StepRecorder()
     scaler = grad_scaler(work.step_options, device)
-    with preserved(model, optimizer):
-        ensure_optimizer_state(optimizer)
+    state = state_at_first_step(optimizer, step_on_made_grads)  # NOTE [optimizer state of a traced step]
+    with preserved(model, optimizer), state:
         record_step(recorder, model, args, kwargs, target, work.loss_fn, optimizer, track_saved=True,
                     options=work.step_options, scaler=scaler)
         return graph_from_recording(recorder, work.name, device.type, fake=False)

@@ -3,13 +3,16 @@
 Fake tensors are made directly over meta storage (no fake op per tensor), and a fresh
 optimizer's state is created by one step on meta tensors, whose kernels are C++ and
 need no fake-mode bookkeeping; only the resulting state is turned into fakes. That is
-what keeps a 1,000-layer trace within seconds.
+what keeps a 1,000-layer trace within seconds. The state is made at the traced step's
+first optimizer step, for the parameters that have a gradient then (NOTE [optimizer
+state of a traced step], step.py).
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from functools import partial
 from itertools import chain
 from typing import Any
 
@@ -23,7 +26,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from udnn_lab.analysis.step import ensure_optimizer_state, map_tensors, same_optimizer
+from udnn_lab.analysis.step import map_tensors, same_optimizer, step_on_made_grads
 
 # Ops whose results depend on tensor values: a fake trace cannot go past them.
 FAKE_LIMITS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
@@ -101,7 +104,8 @@ def _replica(model: torch.nn.Module, make: Callable[[torch.Tensor], torch.Tensor
 
 def fake_optimizer(optimizer: torch.optim.Optimizer | None, model: torch.nn.Module, fakes: dict[str, torch.Tensor],
                    fake_mode: FakeTensorMode, device: torch.device, counted_as: str):
-    """The same optimizer class and hyperparameters over the fake parameters, with steady-state state.
+    """The same optimizer class and hyperparameters over the fake parameters, with the optimizer's state (if it has
+    any) as fakes. A fresh one gets its state from :func:`fake_initial_state` as it first steps.
 
     For a CUDA step (fake CUDA tensors, or CPU kernels standing in for CUDA ones), a group
     that leaves ``foreach`` to PyTorch gets ``foreach=True``, which is what PyTorch picks for
@@ -128,8 +132,6 @@ def fake_optimizer(optimizer: torch.optim.Optimizer | None, model: torch.nn.Modu
     clone = same_optimizer(optimizer, groups)
     for p, state in optimizer.state.items():
         clone.state[twin[id(p)]] = _fake_values(state, p.device, fake_mode, device)
-    if not clone.state:
-        _initial_state(clone, fake_mode, device)
     return clone
 
 
@@ -147,24 +149,36 @@ def _fake_values(state: dict, param_device: torch.device, fake_mode: FakeTensorM
     return out
 
 
-def _initial_state(clone: torch.optim.Optimizer, fake_mode: FakeTensorMode, device: torch.device) -> None:
-    """Give a fresh optimizer the state its first step creates, by stepping a meta twin."""
-    metas, groups = {}, []
+def fake_initial_state(fake_mode: FakeTensorMode,
+                       device: torch.device) -> Callable[[torch.optim.Optimizer, list[torch.Tensor]], None]:
+    """What makes a fresh fake optimizer's state for the parameters given: the ``create`` of ``state_at_first_step``
+    (NOTE [optimizer state of a traced step])."""
+    return partial(_initial_state, fake_mode=fake_mode, device=device)
+
+
+def _initial_state(clone: torch.optim.Optimizer, params: list[torch.Tensor], fake_mode: FakeTensorMode,
+                   device: torch.device) -> None:
+    """Give ``params`` of a fresh optimizer the state its first step creates, by stepping a meta twin; call it
+    with no dispatch mode in force."""
+    chosen = {id(p) for p in params}
+    metas, groups, stepped = {}, [], []
     for group in clone.param_groups:
-        params = []
+        group_metas = []
         for p in group["params"]:
             meta = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="meta",
                                        requires_grad=p.requires_grad)
             metas[id(meta)] = p
-            params.append(meta)
-        groups.append({**{k: v for k, v in group.items() if k not in ("params", "foreach")}, "params": params})
+            group_metas.append(meta)
+            if id(p) in chosen:
+                stepped.append(meta)
+        groups.append({**{k: v for k, v in group.items() if k not in ("params", "foreach")}, "params": group_metas})
     try:
         twin = same_optimizer(clone, groups)
         with _ZeroHostReads():
-            ensure_optimizer_state(twin, prefer_foreach=False)
+            step_on_made_grads(twin, stepped, prefer_foreach=False)
     except (RuntimeError, NotImplementedError):  # an op without a meta kernel: step the fakes instead
         with fake_mode, _ZeroHostReads():
-            ensure_optimizer_state(clone, torch.empty_like)
+            step_on_made_grads(clone, params, torch.empty_like)
         return
     for meta, state in twin.state.items():
         clone.state[metas[id(meta)]] = _fake_values(state, meta.device, fake_mode, device)

@@ -1,0 +1,64 @@
+"""A traced step gives optimizer state to the parameters the real optimizer keeps state for: those with a gradient."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import udnn_lab as ul
+from udnn_lab import zoo
+from udnn_lab.zoo import OPTIMIZERS
+
+
+class UnusedBranch(nn.Module):
+    """A trunk the loss reaches and a branch it does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+        self.unused = nn.Linear(32, 256)
+
+    def forward(self, x):
+        return self.trunk(x)
+
+
+def _state_bytes(graph):
+    return {t.name: t.nbytes for t in graph.tensors if t.category == "optimizer_state"}
+
+
+@pytest.mark.parametrize("optimizer", [o for o in OPTIMIZERS if o != "none"])
+def test_parameters_without_a_gradient_get_no_state(optimizer):
+    torch.manual_seed(0)
+    work = zoo.get(UnusedBranch(), batch=4, input_shape=(32,), optimizer=optimizer)
+    fake, real = ul.trace(work), ul.trace(work, fake=False)
+    assert not any(name.startswith("unused.") for name in _state_bytes(fake))
+    assert _state_bytes(fake) == _state_bytes(real)
+    summary = ul.measure(work).summary(fake)
+    assert summary["predicted_peak_bytes"] == summary["measured_peak_bytes"] == real.peak_bytes
+    assert len(work.optimizer.state) == 0  # the user's optimizer is left as it was
+
+
+def test_state_the_optimizer_has_is_kept():
+    torch.manual_seed(0)
+    work = zoo.get(UnusedBranch(), batch=4, input_shape=(32,), optimizer="sgd")
+    for p in work.model.parameters():  # state for every parameter, as a checkpoint from other steps may hold
+        p.grad = torch.zeros_like(p)
+    work.optimizer.step()
+    work.model.zero_grad(set_to_none=True)
+    assert any(name.startswith("unused.") for name in _state_bytes(ul.trace(work)))
+    assert any(name.startswith("unused.") for name in _state_bytes(ul.trace(work, fake=False)))
+
+
+def _main_logits_loss(output, target):
+    return F.cross_entropy(output.logits, target)  # the aux heads run, but the loss does not use them
+
+
+def test_googlenet_trained_on_its_main_head_alone_peaks_as_measured():
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.googlenet(weights=None, num_classes=10, aux_logits=True, init_weights=True)
+    x, target = torch.randn(2, 3, 64, 64), torch.randint(0, 10, (2,))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    graph = ul.trace(model, x, _main_logits_loss, optimizer, target=target)
+    summary = ul.measure(model, x, _main_logits_loss, optimizer, target=target).summary(graph)
+    assert summary["predicted_peak_bytes"] == summary["measured_peak_bytes"]
