@@ -334,7 +334,7 @@ def measure_shows_both_lines(app) -> None:
     assert predicted and measured and predicted.groups() == measured.groups(), text
     assert "minimum feasible" in text  # the policy's minimum on this machine's step
     if predicted.group(1) != "cuda":  # the chart changed device: its subtitle says so, in one line
-        assert f"Measure ran the step on this machine's {predicted.group(1).upper()}" in text, text
+        assert f"Measure ran it on this machine's {predicted.group(1).upper()}, replacing" in text, text
 
 
 def an_infeasible_budget_is_said_in_full(page, app) -> None:

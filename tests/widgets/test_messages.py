@@ -63,11 +63,11 @@ def test_measure_says_what_the_chart_switched_to_and_keeps_the_minimum_rule(lab)
     here, ops = measured.graph.device, len(measured.graph.ops)
     assert f"on this machine's {here}" in chart_title(lab)
     shown, *why = chart_subtitle(lab)
-    assert shown == (f"predicted for this machine's {here.upper()} with the profile {measured.hardware_name}, "
+    assert shown == (f"predicted for this machine's {here.upper()} (profile {measured.hardware_name}) "
                      f"beside the step measured there, {ops} ops")
     if here != "cuda":  # the chart changed device: one line says from what, and how to go back
-        assert why == [f"Measure ran the step on this machine's {here.upper()}: the chart shows that step instead of "
-                       f"the h100-sxm (CUDA) prediction of {before} ops; change any setting to go back to it"]
+        assert why == [f"Measure ran it on this machine's {here.upper()}, replacing the h100-sxm (CUDA) prediction "
+                       f"of {before} ops; change a setting to go back"]
     assert measured.min_budget_bytes is not None
     unit, scale = byte_unit(max(r["bytes"] for r in rows(lab.memory_and_streams) if "bytes" in r))
     assert rule_values(lab)["minimum feasible"] == pytest.approx(measured.min_budget_bytes / scale)

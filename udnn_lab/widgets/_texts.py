@@ -91,13 +91,12 @@ def predicted_for(graph: Graph, hardware: Hardware) -> str:
 def measured_subtitle(measured: MeasuredStep, graph: Graph, hardware: Hardware) -> list[str]:
     """The subtitle of a measured step: what is shown, and in one line why the chart changed from the prediction."""
     here = measured.graph.device
-    shown = (f"predicted for this machine's {here.upper()} with the profile {measured.hardware_name}, beside the step "
+    shown = (f"predicted for this machine's {here.upper()} (profile {measured.hardware_name}) beside the step "
              f"measured there, {len(measured.graph.ops)} ops")
     if here == graph.device and measured.hardware_name == hardware.name:
         return [shown]
-    switched = (f"Measure ran the step on this machine's {here.upper()}: the chart shows that step instead of the "
-                f"{hardware.name} ({graph.device.upper()}) prediction of {len(graph.ops)} ops; change any setting "
-                f"to go back to it")
+    switched = (f"Measure ran it on this machine's {here.upper()}, replacing the {hardware.name} "
+                f"({graph.device.upper()}) prediction of {len(graph.ops)} ops; change a setting to go back")
     return [shown, switched]
 
 
