@@ -96,11 +96,11 @@ def _host_exceeded(graph: Graph, cost: CostModel, policy: str, result: Plan, pea
 def min_budget(graph: Graph, policy: str = "auto", hardware: Hardware | str | None = None,
                profile: Profile | None = None, rates: RateCurve | bool | None = None,
                cost: CostModel | None = None, *, ranks_per_node: int | None = None,
-               within_device: bool = True) -> Bytes:
+               within_device: bool = False) -> Bytes:
     """The smallest budget (bytes) whose plan of ``policy`` simulates within it.
 
-    With ``within_device`` a smallest budget above the profile's device memory raises BudgetOverDevice: no
-    budget on that device fits (pass False for the figure all the same).
+    The figure is returned even where it is above the profile's device memory (a what-if across devices asks
+    exactly that); with ``within_device`` such a figure raises BudgetOverDevice instead: no budget there fits.
 
     A plan that does not depend on the budget is simulated once with compute waiting for
     every copy in flight (its floor); other policies are bisected between a floor no plan
