@@ -99,9 +99,6 @@ def _register_optimizer_state(recorder: StepRecorder, optimizer, named: Mapping[
                 recorder.register(value, "optimizer_state", f"{owner}.{key}")
 
 
-HALF_ONLY_KERNEL = "to be BFloat16 or supported Float16"  # the meta kernel of aten._grouped_mm, refusing float32
-
-
 def raise_explained(err: Exception, recorder: StepRecorder, args: tuple, kwargs: dict) -> NoReturn:
     """Raise ``err`` as explained_error says it (chained to it), or as it is when there is nothing to add."""
     explained = explained_error(err, recorder, args, kwargs)
@@ -130,12 +127,6 @@ def explained_error(err: Exception, recorder: StepRecorder, args: tuple, kwargs:
                 "units (a decoder reading the encoder's weight) stay sharded where they are read. Leave the modules "
                 "whose weights are read elsewhere to a unit whose forward does the reading (their common parent, "
                 "or the root): FSDP(wrap=...) sharding only the other blocks")
-        if HALF_ONLY_KERNEL in str(err):
-            return ModelInputError(
-                f"{where} calls a kernel that takes bfloat16 or float16 only (torch's grouped matmul, which "
-                f"transformers' MoE experts use), and its weights are float32: {_first_line(err).rstrip('.')}. "
-                "Trace the model in bfloat16 (precision='bf16-true', or dtype=torch.bfloat16), or with a real small "
-                "batch (ul.trace(..., fake=False)), where the CPU kernel takes float32")
         return ModelInputError(
             f"the example input does not fit the model: {where} got input shapes {shapes} and failed with: "
             f"{_first_line(err)}. The example input has shapes {given}; check its shape, dtype and device."

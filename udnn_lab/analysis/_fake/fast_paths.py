@@ -18,6 +18,8 @@ NOTE [fake fast paths]
   step counters stay real and can be read with .item()), and ops whose meta kernels
   disagree with the real ones are sized by a real call, or, where the real kernels' rule is
   known (layer norm's backward returns contiguous gradients), follow that rule (fidelity.py).
+  The grouped matmul, whose meta kernel refuses float32, is made by the real kernels' rule
+  (NOTE [grouped matmul stand-in], grouped_mm.py).
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ from torch._subclasses.fake_tensor import (
 )
 
 from udnn_lab.analysis._fake import fidelity
+from udnn_lab.analysis._fake.grouped_mm import GROUPED_MM, fake_grouped_mm
 from udnn_lab.analysis._fake.memo import FakeOpMemo, flat_tensors
 
 _PRIM_DEVICE = torch.ops.prim.device.default
 _METADATA_MUTATORS = ("aten::resize_", "aten::resize_as_", "aten::set_", "aten::_resize_output_")
 _DEVICE, _VIEW, _INPLACE, _INPLACE_LIST, _PROBE, _MEMO = "device", "view", "inplace", "inplace_list", "probe", "memo"
 _CONTIGUOUS = "contiguous"  # run as a memoized op, its outputs then laid out as the real kernel lays them out
+_STAND_IN = "stand_in"  # on fake tensors, made by udnn_lab's own rule (NOTE [grouped matmul stand-in])
 
 
 class FakeFastPaths:
@@ -58,6 +62,8 @@ class FakeFastPaths:
             kind = _MEMO
         if kind is _CONTIGUOUS:
             return fidelity.contiguous_outputs(self._dispatch(func, args, kwargs, _MEMO))
+        if kind is _STAND_IN and any(isinstance(t, FakeTensor) for t in flat_tensors((args, kwargs))):
+            return fake_grouped_mm(*args, **kwargs)
         return self._dispatch(func, args, kwargs, kind)
 
     def _dispatch(self, func, args: tuple, kwargs: dict, kind: str):
@@ -94,6 +100,8 @@ def _kind(func) -> str:
         return _PROBE  # probed when needs_probe says so, else run as a memoized op
     if str(func) in fidelity.CONTIGUOUS_OUTPUTS:
         return _CONTIGUOUS
+    if str(func) == GROUPED_MM:
+        return _STAND_IN
     schema = func._schema
     returns, arguments = schema.returns, schema.arguments
     if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns) \
