@@ -7,8 +7,9 @@ import vl_convert
 
 import udnn_lab as ul
 from udnn_lab import charts, frames
-from udnn_lab.charts.base import CATEGORY_COLORS, offline_javascript
+from udnn_lab.charts.base import CATEGORY_COLORS
 from udnn_lab.vocabulary import CATEGORIES
+from udnn_lab.widgets._offline_chart import OfflineChart, offline_javascript
 
 HW = "titan-x-maxwell"
 
@@ -272,6 +273,6 @@ def test_a_linked_chart_takes_a_subtitle_and_an_offline_widget_leaves_altair_as_
     assert chart.to_dict()["title"] == {"text": "step", "subtitle": ["predicted for CUDA", "why it changed"],
                                         "anchor": "start"}
     offline = alt.JupyterChart._is_offline
-    widget = charts.OfflineChart(chart)
+    widget = OfflineChart(chart)
     assert alt.JupyterChart._is_offline == offline and widget._esm == offline_javascript()
     assert "https://" not in widget._esm[:2000]  # bundled, not imported from a CDN

@@ -9,10 +9,11 @@ import altair as alt
 import pytest
 
 from tests.widgets.test_widgets import chart_subtitle, chart_title, rows, rule_values, units
-from udnn_lab.charts.base import byte_unit, offline_javascript
+from udnn_lab.charts.base import byte_unit
 from udnn_lab.simulation.simulator import resolve_hardware
 from udnn_lab.units import format_bytes
 from udnn_lab.widgets._drill import ROWS_SHOWN
+from udnn_lab.widgets._offline_chart import offline_javascript
 from udnn_lab.widgets._texts import sentences
 from udnn_lab.widgets.app import TARGET_DEVICE, MemoryLab
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -12,8 +11,6 @@ from typing import Any, Literal
 
 import altair as alt
 import pandas as pd
-from altair.jupyter.jupyter_chart import load_js_src
-from altair.utils._importers import import_vl_convert, vl_version_for_vl_convert
 
 from udnn_lab.units import format_bytes
 from udnn_lab.vocabulary import CATEGORIES
@@ -42,26 +39,6 @@ def enable_offline() -> None:
     alt.renderers.enable("udnn_lab", offline=True)
 
 
-class OfflineChart(alt.JupyterChart):
-    """A JupyterChart that renders from JavaScript bundled with the package (no CDN, no network), whatever
-    ``alt.JupyterChart.enable_offline`` and altair's renderer are set to: a chart that needs the offline widget
-    asks for it here instead of switching either for the whole process."""
-
-    def __init__(self, chart: alt.TopLevelMixin | None = None, **kwargs: Any) -> None:
-        self._esm = offline_javascript()  # read once by anywidget's __init__, as the widget's own module
-        super().__init__(chart, **kwargs)  # type: ignore[arg-type]  # altair's hint omits None
-
-
-@functools.cache  # the same bundle every call; vl-convert takes seconds to make it
-def offline_javascript() -> str:
-    """altair's JupyterChart module with its imports bundled by vl-convert, as ``alt.JupyterChart.enable_offline``
-    makes it, without setting it on the class."""
-    lines = load_js_src().split("\n")
-    while lines and (not lines[0].strip() or lines[0].startswith(("import", "//"))):
-        lines.pop(0)  # the imports vl-convert's bundle provides
-    return import_vl_convert().javascript_bundle("\n".join(lines), vl_version=vl_version_for_vl_convert())
-
-
 _TOP_LEVEL = (("layer", "LayerChart"), ("vconcat", "VConcatChart"), ("hconcat", "HConcatChart"),
               ("concat", "ConcatChart"), ("facet", "FacetChart"), ("repeat", "RepeatChart"))
 
@@ -69,13 +46,13 @@ _TOP_LEVEL = (("layer", "LayerChart"), ("vconcat", "VConcatChart"), ("hconcat", 
 def _render_widget(spec: dict, **metadata) -> tuple[dict, dict]:
     """The jupyter renderer, offline. A chart without params is handed to the widget as the spec it already
     is; one with params (selections, bindings) is rebuilt as the chart class its spec names, unvalidated."""
-    make = OfflineChart if metadata.get("offline", True) else alt.JupyterChart
+    alt.JupyterChart.enable_offline(metadata.get("offline", True))
     embed = metadata.get("embed_options")
     if '"params"' in json.dumps({k: v for k, v in spec.items() if k != "datasets"}):
         kind = next((getattr(alt, name) for key, name in _TOP_LEVEL if key in spec), alt.Chart)
-        widget = make(chart=kind.from_dict(spec, validate=False), embed_options=embed)
+        widget = alt.JupyterChart(chart=kind.from_dict(spec, validate=False), embed_options=embed)
     else:
-        widget = make(None, embed_options=embed)  # type: ignore[arg-type]  # altair's hint omits None
+        widget = alt.JupyterChart(None, embed_options=embed)  # type: ignore[arg-type]  # altair's hint omits None
         widget.spec = spec
     bundle = widget._repr_mimebundle_()
     assert bundle is not None  # None only for a widget without a view, which an anywidget never is

@@ -27,6 +27,7 @@ from udnn_lab.runtime.training import Run, train
 from udnn_lab.runtime.training_ranks import check_offload
 from udnn_lab.simulation.simulator import resolve_hardware, simulate
 from udnn_lab.units import format_bytes, format_seconds
+from udnn_lab.widgets._offline_chart import OfflineChart
 
 
 class TrainingPanel:
@@ -41,7 +42,7 @@ class TrainingPanel:
         self.stop_button = widgets.Button(description="Stop", icon="stop", disabled=True,
                                           tooltip="stop after the step that is running")
         self.progress = widgets.IntProgress(value=0, min=0, max=1, description="", layout=widgets.Layout(width="290px"))
-        self.chart = charts.OfflineChart(None, layout=widgets.Layout(min_height="120px"))
+        self.chart = OfflineChart(None, layout=widgets.Layout(min_height="120px"))
         self.stop_button.on_click(lambda _: self.stop())
         self.run: Run | None = None
         self.rows: list[dict] = []

@@ -32,6 +32,7 @@ from udnn_lab.widgets._budget import BudgetControl
 from udnn_lab.widgets._drill import DrillPanel
 from udnn_lab.widgets._hf_controls import HFControls
 from udnn_lab.widgets._networks import offered
+from udnn_lab.widgets._offline_chart import OfflineChart
 from udnn_lab.widgets._parallel_controls import ParallelControls
 from udnn_lab.widgets._state import LabSession, MeasuredStep, Setting
 from udnn_lab.widgets._texts import (
@@ -134,7 +135,7 @@ class MemoryLab(widgets.AppLayout):
         self._debounce = _Debounce(debounce_s, self._update)
         self._build_controls(self.session.custom_name or str(model), batch, precision, optimizer,
                              hardware.name if isinstance(hardware, Hardware) else hardware, policy)
-        self.memory_and_streams = charts.OfflineChart(None, layout=widgets.Layout(min_height="520px"))
+        self.memory_and_streams = OfflineChart(None, layout=widgets.Layout(min_height="520px"))
         self.drill = DrillPanel()  # the tensors live at the op clicked on the memory curve
         self.memory_and_streams.observe(self.drill.on_selections, names="_vl_selections")  # what a click sets
         grows = widgets.Layout(height="auto", width="100%", margin="0")  # long messages wrap; the footer grows
