@@ -20,9 +20,7 @@ def test_profile_is_aligned_to_the_traced_graph(work, prof):
     prof.check_matches(graph)
     assert prof.ops == tuple(op.name for op in graph.ops)
     assert prof.flops == tuple(op.flops for op in graph.ops)
-    # not the fingerprint: the profile records a step after its warm-up, with the optimizer's state made before it
-    # starts, and a trace of a fresh optimizer makes that state as its first step begins (NOTE [optimizer state of
-    # a traced step]), so the same tensors are numbered in another order
+    assert prof.graph_fingerprint == graph.fingerprint  # its optimizer had state; the trace's makes it
 
 
 def test_profile_times_are_measured_per_op(prof):

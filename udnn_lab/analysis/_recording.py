@@ -41,7 +41,10 @@ def record_step(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwa
         recorder.register(param, "parameter", name)
     for name, buffer in model.named_buffers():
         recorder.register(buffer, "buffer", name)
-    _register_optimizer_state(recorder, optimizer, named, scaler)
+    for name, tensor in scaler_state(scaler).items():
+        recorder.register(tensor, "optimizer_state", name)
+    # the optimizer's own state is met at its step, where a fresh optimizer makes it (NOTE [optimizer state of a
+    # traced step]): numbered there whether it existed before the step or not, so both steps are one graph
     recorder.watch_resizes(resized_storages(model))
 
     def mark(phase: str, scope: str | None) -> None:
