@@ -62,3 +62,15 @@ def test_googlenet_trained_on_its_main_head_alone_peaks_as_measured():
     graph = ul.trace(model, x, _main_logits_loss, optimizer, target=target)
     summary = ul.measure(model, x, _main_logits_loss, optimizer, target=target).summary(graph)
     assert summary["predicted_peak_bytes"] == summary["measured_peak_bytes"]
+
+
+@pytest.mark.parametrize("optimizer", [name for name in OPTIMIZERS if name != "none"])
+def test_a_step_traced_again_after_training_is_the_same_graph(optimizer):
+    work = zoo.get("mlp3", batch=4, optimizer=optimizer)
+    before = ul.trace(work)  # a fresh optimizer: its state is made as it first steps
+    ul.train(work.model, [(work.example_input, work.target)], work.optimizer, loss_fn=work.loss_fn, progress=False)
+    assert len(work.optimizer.state) > 0
+    after = ul.trace(work)  # the state exists before the step now
+    assert after.fingerprint == before.fingerprint and after.peak_bytes == before.peak_bytes
+    assert [t.category for t in after.tensors] == [t.category for t in before.tensors]
+    ul.simulate(after, ul.plan(before, None, "vdnn-all", hardware="h100-sxm"), hardware="h100-sxm")  # not refused

@@ -140,13 +140,20 @@ def _fake_values(state: dict, param_device: torch.device, fake_mode: FakeTensorM
     step counters, which the optimizer reads with .item()) stay real, as copies."""
     out: dict[str, Any] = {}
     for key, value in state.items():
-        if isinstance(value, torch.Tensor) and value.device in (param_device, torch.device("meta")):
+        if _host_counter(key, value):
+            out[key] = value.detach().clone()  # a CPU parameter's step counter: a fake would read as 0 in .item()
+        elif isinstance(value, torch.Tensor) and value.device in (param_device, torch.device("meta")):
             out[key] = fake_like(value, fake_mode, device)
         elif isinstance(value, torch.Tensor):
             out[key] = value.detach().clone()
         else:
             out[key] = value
     return out
+
+
+def _host_counter(key: str, value: Any) -> bool:
+    """The step count PyTorch's optimizers keep as a CPU scalar (read with .item()) unless capturable or fused."""
+    return key == "step" and isinstance(value, torch.Tensor) and value.dim() == 0 and value.device.type == "cpu"
 
 
 def fake_initial_state(fake_mode: FakeTensorMode,
