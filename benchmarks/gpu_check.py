@@ -11,8 +11,9 @@ Steps (each a child process with its own time limit, so one hang or crash does n
     sharing    benchmarks/sharing_study.py --device cuda --size small (co-training study)
 
 Writes <out>/gpu_check-<device>-<date>.json (machine, versions, date, every step's output,
-exit status and seconds) and each step's own JSON beside it. Without a CUDA device it says
-so and exits 0: nothing here is ever estimated.
+exit status and seconds), again after every step, so a run cut short keeps what it finished, and each
+step's own JSON beside it. Without a CUDA device each step says it was skipped and the command exits 0:
+nothing here is ever estimated.
 
     python benchmarks/gpu_check.py [--steps tests hardware peers sharing] [--out data/benchmarks/gpu]
 """
@@ -103,7 +104,7 @@ def _case(case: ET.Element) -> dict:
 
 def _hardware(out: Path) -> dict:
     code = ("import json, sys, udnn_lab as ul\n"
-            "profile, sweep = ul.Hardware.measure('cuda', progress=False)\n"
+            "profile, sweep = ul.Hardware.measure_with_sweep('cuda', progress=False)\n"
             f"profile.save({str(out / 'hardware-measured.json')!r})\n"
             f"sweep.to_json({str(out / 'hardware-sweep.json')!r}, orient='records', indent=1)\n"
             "print(json.dumps(profile.to_dict(), indent=1, default=str))\n")
@@ -131,21 +132,22 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "data" / "benchmarks" / "gpu")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("gpu-check: this machine has no CUDA device, so no GPU test or benchmark was run.")
+        for step in args.steps:
+            print(f"gpu-check: {step}: skipped, this machine has no CUDA device (nothing run, nothing written)")
         return
     args.out.mkdir(parents=True, exist_ok=True)
     date = datetime.now(timezone.utc)
     machine = _machine()
     print(json.dumps(machine, indent=1), flush=True)
-    steps = {}
-    for step in args.steps:
-        steps[step] = {"tests": _tests, "hardware": _hardware, "peaks": _peaks, "peers": _peers,
-                        "sharing": _sharing}[step](args.out)
-    document = {"check": "gpu_check", "date": date.isoformat(timespec="seconds"), "machine": machine,
-                "steps": steps}
     slug = machine["device_name"].lower().replace("nvidia ", "").replace(" ", "-")
     path = args.out / f"gpu_check-{slug}-{date:%Y%m%dT%H%M%S}.json"
-    path.write_text(json.dumps(document, indent=1, default=str))
+    steps: dict[str, dict] = {}
+    for step in args.steps:
+        steps[step] = {"tests": _tests, "hardware": _hardware, "peaks": _peaks, "peers": _peers,
+                       "sharing": _sharing}[step](args.out)
+        document = {"check": "gpu_check", "date": date.isoformat(timespec="seconds"), "machine": machine,
+                    "steps": steps, "steps_left": args.steps[len(steps):]}
+        path.write_text(json.dumps(document, indent=1, default=str))  # as it goes: a run cut short keeps these
     print(f"\nwrote {path}")
     failed = [name for name, step in steps.items() if step["exit"] != 0]
     print("all steps passed" if not failed else f"steps that failed: {', '.join(failed)}")
