@@ -1,5 +1,7 @@
 # make lab  - create .venv if needed, install, open JupyterLab on the quickstart
-# make gpu-check - every GPU test and GPU benchmark; raw JSON under data/benchmarks/gpu/ (needs a CUDA device)
+# make gpu-check - every GPU test and GPU benchmark; raw JSON under data/benchmarks/gpu/ (needs a CUDA device). It runs
+#                  in .venv where there is one, else in the machine's own python (a GPU image with its own torch), and
+#                  installs from .whl/ what that lacks; make gpu-wheels fills .whl/ here, to carry there
 # make test - create .venv if needed, install, lint (ruff, mypy), run the whole test suite (on Debian it first installs
 #             chromium when missing, for the browser test; sudo is used unless you are root)
 # make test-compat - create .venv-oldest if needed with the oldest torch and transformers the package supports,
@@ -18,7 +20,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export OMP_NUM_THREADS ?= 2
 TEST_WORKERS ?= 2
 
-.PHONY: lab test test-compat lint gpu-check chromium clean
+.PHONY: lab test test-compat lint gpu-check gpu-wheels chromium clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -49,8 +51,21 @@ lint: $(STAMP)
 	$(BIN)/ruff check udnn_lab tests benchmarks
 	$(BIN)/mypy
 
-gpu-check: $(STAMP)
-	$(BIN)/python benchmarks/gpu_check.py
+GPU_PYTHON ?= $(shell test -x $(BIN)/python && echo $(BIN)/python || command -v python3)
+GPU_IMAGE_PYTHON ?= 3.12
+GPU_WHEELS := altair vl-convert-python nbformat nbclient ipywidgets anywidget highspy
+
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py
+
+# the packages a GPU image without them needs for every GPU test (numpy and torch it has), as wheels for its Python
+gpu-wheels:
+	rm -rf .whl
+	$(PYTHON) -m pip download --quiet --only-binary=:all: --python-version $(GPU_IMAGE_PYTHON) --platform any \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(GPU_WHEELS)
+	rm -f .whl/numpy-*.whl
+	du -sh .whl
 
 # tests/test_browser.py drives JupyterLab with the system's chromium (Playwright's own browser downloads are not used)
 chromium:

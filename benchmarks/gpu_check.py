@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import platform
@@ -37,6 +38,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout, installed or not
 STEPS = ("tests", "hardware", "peaks", "peers", "sharing")
+WHEELS = ROOT / ".whl"  # made by `make gpu-wheels`, carried to a GPU image that lacks them
+EXTRAS = {"altair": "altair", "vl_convert": "vl-convert-python", "nbformat": "nbformat", "nbclient": "nbclient",
+          "ipywidgets": "ipywidgets", "anywidget": "anywidget", "highspy": "highspy"}  # module -> package
 LIMIT_S = {"tests": 300, "hardware": 120, "peaks": 150, "peers": 420, "sharing": 240}
 
 
@@ -79,6 +83,18 @@ def _run(command: list[str], limit_s: int) -> dict:
     print(out[-6000:], flush=True)
     print(f"-> exit {status} after {seconds:.1f} s", flush=True)
     return {"command": command, "exit": status, "seconds": seconds, "output_tail": out[-20000:]}
+
+
+def _extras() -> dict:
+    """Install from .whl/ the packages the tests import that this Python lacks; what was missing and what came of it."""
+    missing = [package for module, package in EXTRAS.items() if importlib.util.find_spec(module) is None]
+    if not missing:
+        return {"missing": []}
+    if not WHEELS.is_dir():
+        return {"missing": missing, "installed": False, "why": "no .whl/ here: run make gpu-wheels and carry .whl"}
+    result = _run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--find-links", str(WHEELS),
+                   *missing], 120)
+    return {"missing": missing, "installed": result["exit"] == 0, **result}
 
 
 def _tests(out: Path) -> dict:
@@ -137,7 +153,7 @@ def main() -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     date = datetime.now(timezone.utc)
-    machine = _machine()
+    machine = {**_machine(), "extras": _extras()}
     print(json.dumps(machine, indent=1), flush=True)
     slug = machine["device_name"].lower().replace("nvidia ", "").replace(" ", "-")
     path = args.out / f"gpu_check-{slug}-{date:%Y%m%dT%H%M%S}.json"
