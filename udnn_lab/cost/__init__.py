@@ -3,8 +3,7 @@
 May import: the Graph, hardware, analysis (to run a profiled step), units and errors.
 """
 
-from udnn_lab.cost.calibration import calibrate, machine_rates
 from udnn_lab.cost.model import CostModel, RateCurve
 from udnn_lab.cost.profiling import Profile, profile
 
-__all__ = ["CostModel", "Profile", "RateCurve", "calibrate", "machine_rates", "profile"]
+__all__ = ["CostModel", "Profile", "RateCurve", "profile"]

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import heapq
 
-from udnn_lab.cost.calibration import machine_rates
 from udnn_lab.cost.model import CostModel, RateCurve
 from udnn_lab.cost.profiling import Profile
 from udnn_lab.graph.liveness import op_table
@@ -67,8 +66,6 @@ def cost_model(graph: Graph, hardware: Hardware | str | None = None, profile: Pr
     hw = resolve_hardware(hardware, graph.device)
     if rates is None and profile is None:
         rates = RateCurve.for_hardware(hw)
-        if rates is None and (hardware is None or isinstance(hardware, str) and hardware.strip() in CHOICES):
-            rates = machine_rates(hw)  # this machine's own profile: its curve too (cost/calibration.py)
     return CostModel(hw, profile, rates if isinstance(rates, RateCurve) else None, ranks_per_node)
 
 
