@@ -322,7 +322,7 @@ def _report(args: argparse.Namespace) -> int:
                             lora_rank=args.lora_rank, precision=args.precision,
                             grad_accumulation=args.grad_accumulation, clip_grad_norm=args.clip_grad_norm)
     request.check_names()  # a mistyped name is said before a profile is looked for (or measured)
-    request = replace(request, hardware=_by_name(args.hardware, _hardware(args.hardware, "cuda")))
+    request = replace(request, hardware=_by_name(args.hardware, _hardware(args.hardware)))
     write_report(request, args.out, progress=lambda line: print(line, file=sys.stderr), kernel=args.kernel)
     return 0
 
@@ -410,7 +410,7 @@ def _max_size(args: argparse.Namespace) -> int:
     if args.dtype != "float32":
         options["dtype"] = zoo.DTYPES[args.dtype]
     options["optimizer"] = None if args.optimizer == "none" else args.optimizer
-    search = dict(budget=args.budget, policy=args.policy, hardware=_hardware(args.hardware, "cuda"), start=args.start,
+    search = dict(budget=args.budget, policy=args.policy, hardware=_hardware(args.hardware), start=args.start,
                   limit=args.limit,
                   multiple_of=args.multiple_of, progress=None,
                   host_budget=None if args.host_budget.lower() == "none" else args.host_budget)
@@ -439,12 +439,15 @@ def _print_probes(found, dimension: str) -> None:
               + (f" {format_bytes(probe.host_bytes):>12s}" if host else "") + f"  {'yes' if probe.fits else 'no'}")
 
 
-def _hardware(name: str | None, device: str, file=None):
+def _hardware(name: str | None, device: str | None = None, file=None):
     """The profile a command plans or simulates on, said on a line of its own (to ``file``, default stdout): the one
-    named, else the one for this machine's ``device`` (resolve_hardware: a shipped stand-in is named in a warning)."""
+    named, else the one for this machine's ``device`` (resolve_hardware: a shipped stand-in is named in a warning);
+    a command not told a device predicts GPU memory (PREDICTED_DEVICE)."""
     # startup time: each command loads its stage when it runs (see the module docstring)
+    from udnn_lab.hardware import PREDICTED_DEVICE
     from udnn_lab.simulation.simulator import resolve_hardware
 
+    device = device or PREDICTED_DEVICE
     profile = resolve_hardware(name, device)
     print(f"hardware profile: {profile.name} ({profile.title}, {format_bytes(profile.memory_bytes)} of "
           f"{profile.device_type} memory)", file=file or sys.stdout)

@@ -214,3 +214,17 @@ def test_progress_shows_a_bar_when_asked(capsys):
     assert "largest batch of mlp3" in capsys.readouterr().err
     ul.max_batch("mlp3", "22 MiB", progress=False, hardware=H100)
     assert capsys.readouterr().err == ""
+
+
+def test_without_hardware_a_search_predicts_gpu_memory_as_the_cli_and_memorylab_do(monkeypatch):
+    from udnn_lab.fitting import maximum
+
+    asked = []
+
+    def resolve(hardware, device):
+        asked.append((hardware, device))
+        return ul.Hardware.load("h100-sxm")
+
+    monkeypatch.setattr(maximum, "resolve_hardware", resolve)
+    found = ul.max_batch("mlp3", "64MiB", limit=4)
+    assert asked == [(None, "cuda")] and found.size >= 1

@@ -10,12 +10,13 @@ import pytest
 
 from tests.widgets.test_widgets import chart_subtitle, chart_title, rows, rule_values, units
 from udnn_lab.charts.base import byte_unit
+from udnn_lab.hardware import PREDICTED_DEVICE
 from udnn_lab.simulation.simulator import resolve_hardware
 from udnn_lab.units import format_bytes
 from udnn_lab.widgets._drill import ROWS_SHOWN
 from udnn_lab.widgets._offline_chart import offline_javascript
 from udnn_lab.widgets._texts import sentences
-from udnn_lab.widgets.app import TARGET_DEVICE, MemoryLab
+from udnn_lab.widgets.app import MemoryLab
 
 
 @pytest.fixture
@@ -107,7 +108,7 @@ def test_the_live_tensor_table_shows_long_module_names_whole_with_a_tooltip():
 def test_with_no_hardware_named_the_app_uses_the_profile_for_this_machine_and_names_it():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the closest shipped profile is named with a warning where there is no GPU
-        expected = resolve_hardware(None, TARGET_DEVICE)
+        expected = resolve_hardware(None, PREDICTED_DEVICE)
         lab = MemoryLab("mlp5", batch=8, policy="keep-all", debounce_s=0)
     assert lab.hardware.value == expected.name and lab.setting.device == expected.device_type
     assert f"profile {expected.name} ({expected.title}" in text_of(lab.summary)

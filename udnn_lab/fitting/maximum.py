@@ -12,11 +12,10 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from udnn_lab import zoo
-from udnn_lab.devices import as_device
 from udnn_lab.fitting.probing import StepFactory, StepProber
 from udnn_lab.fitting.result import FitSearch, Probe, disagreements
 from udnn_lab.fitting.search import Bracket, largest_fitting
-from udnn_lab.hardware import Hardware
+from udnn_lab.hardware import PREDICTED_DEVICE, Hardware
 from udnn_lab.planning import POLICIES, check_within_device, host
 from udnn_lab.simulation.simulator import resolve_hardware
 from udnn_lab.units import format_bytes, parse_bytes
@@ -36,8 +35,8 @@ def max_batch(model: str | Callable[[int], Workload], budget: int | str | None =
     for your own model (build it on the meta device: only shapes are used). Fitting means the
     traced peak is within the budget under ``policy="keep-all"``, and that ``ul.plan`` finds a plan
     under any other policy. ``hardware`` decides the device whose memory is counted (CUDA:
-    512-byte blocks; default None: the profile for this machine); a budget above its memory raises
-    BudgetOverDevice. Sizes double from ``start`` until one does not fit, then the gap is
+    512-byte blocks; default None: the profile for this machine's GPU, as the CLI and MemoryLab use); a
+    budget above its memory raises BudgetOverDevice. Sizes double from ``start`` until one does not fit, then the gap is
     bisected, trying only multiples of ``multiple_of``, never above ``limit``. ``host_budget``:
     the host memory a plan's offloads may take (the runtime's pinned pool); by default ("local")
     the share the runtime would take on this machine, half of what is available now (NOTE [host
@@ -81,7 +80,7 @@ def max_seq_len(model: str | Callable[[int], Workload], budget: int | str | None
 def _search(build: StepFactory, label: str, dimension: Dimension, budget: int | str | None, policy: str,
             hardware: Hardware | str | None, start: int, limit: int | None, multiple_of: int, progress: bool | None,
             limit_reason: str, host_budget: int | str | None) -> FitSearch:
-    profile = resolve_hardware(hardware, as_device(None).type)
+    profile = resolve_hardware(hardware, PREDICTED_DEVICE)
     budget_bytes = _budget(budget, profile)
     host_budget_bytes, host_note = _host_budget(host_budget, policy, profile.device_type, budget_bytes)
     if policy not in POLICIES:

@@ -109,7 +109,6 @@ def weights_bytes(graph: Graph) -> int:
     return sum(t.cuda_nbytes if cuda else t.nbytes for t in graph.tensors if t.category == "parameter")
 
 
-
 def host_held_bytes(work: Workload) -> int:
     """Bytes a built step holds in this host's memory: the storages of its model, input and target on the CPU
     (none when they are on the meta device)."""

@@ -19,12 +19,11 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from udnn_lab import zoo
-from udnn_lab.devices import as_device
 from udnn_lab.errors import HostBudgetExceeded, PlanInfeasible
 from udnn_lab.fitting._rank_jobs import RankJob, Traced
 from udnn_lab.fitting._sweep_processes import processes_for, run_ranks
 from udnn_lab.graph import Graph
-from udnn_lab.hardware import Hardware
+from udnn_lab.hardware import PREDICTED_DEVICE, Hardware
 from udnn_lab.parallel import DDP, FSDP, Parallel, describe
 from udnn_lab.planning import check_within_device, floor_bytes, plan
 from udnn_lab.planning import sweep as planning_sweep
@@ -82,7 +81,7 @@ def sweep_ranks(work: Workload | str, world_sizes: Iterable[int] = DEFAULT_WORLD
     ``workers``: processes tracing ranks at once, this one included (NOTE [sweep processes]): by default one per
     core, started once the first rank says the others would take longer than starting them.
     """
-    profile = resolve_hardware(hardware, as_device(None).type)
+    profile = resolve_hardware(hardware, PREDICTED_DEVICE)
     work = _workload(work, options)
     sizes = _world_sizes(world_sizes)
     chosen = _setups(setups)
@@ -127,7 +126,7 @@ def min_world_size(work: Workload | str, budget: int | str | None = None, *, set
     """
     sizes = _world_sizes(candidates)
     _setups([setup])
-    profile = resolve_hardware(settings.pop("hardware", None), as_device(None).type)
+    profile = resolve_hardware(settings.pop("hardware", None), PREDICTED_DEVICE)
     budget_bytes = _budgets(budget, profile)[0]
     work = _workload(work, {key: settings.pop(key) for key in list(settings) if key not in _SWEEP_SETTINGS})
     rows: list[dict[str, Any]] = []

@@ -8,6 +8,7 @@ from udnn_lab.hardware.this_machine import (
     CACHE_VARIABLE,
     CHOICES,
     HARDWARE_VARIABLE,
+    PREDICTED_DEVICE,
     MachineDevice,
     ShippedProfileWarning,
     cache_dir,
@@ -15,5 +16,5 @@ from udnn_lab.hardware.this_machine import (
 )
 
 __all__ = ["CACHE_VARIABLE", "CHOICES", "HARDWARE_VARIABLE", "Hardware", "HardwareMismatchWarning",
-           "HardwareProfileError", "MachineDevice", "ShippedProfileWarning", "UnknownHardwareError",
+           "HardwareProfileError", "MachineDevice", "PREDICTED_DEVICE", "ShippedProfileWarning", "UnknownHardwareError",
            "cache_dir", "machine_hardware"]

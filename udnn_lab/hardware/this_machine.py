@@ -38,6 +38,7 @@ from udnn_lab.hardware.profiles import Hardware, _name_key
 HARDWARE_VARIABLE = "UDNN_LAB_HARDWARE"
 CACHE_VARIABLE = "UDNN_LAB_CACHE_DIR"
 CHOICES = ("auto", "measure", "shipped")
+PREDICTED_DEVICE = "cuda"  # what a search, MemoryLab, the report and the CLI predict for when not told: GPU memory
 DEFAULT_CUDA_PROFILE = "h100-sxm"  # the GPU most training runs on today; where nothing is known of the device
 
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from udnn_lab import charts, frames, zoo
 from udnn_lab.graph.step_graph import Graph
-from udnn_lab.hardware.profiles import Hardware
+from udnn_lab.hardware import PREDICTED_DEVICE, Hardware
 from udnn_lab.planning.budget import PlanInfeasible
 from udnn_lab.planning.registry import quick_policies
 from udnn_lab.simulation.simulator import Simulation, resolve_hardware
@@ -50,7 +50,6 @@ from udnn_lab.widgets._training import TrainingPanel
 from udnn_lab.workload import precision_of
 
 _GRAPH, _POLICY, _BUDGET = 2, 1, 0  # how much a change invalidates
-TARGET_DEVICE = "cuda"  # the device whose memory MemoryLab predicts when no profile is named
 
 
 @dataclass(frozen=True)
@@ -115,7 +114,7 @@ class MemoryLab(widgets.AppLayout):
                  debounce_s: float = 0.3,
                  points: int = frames.DEFAULT_POINTS) -> None:
         if hardware is None:
-            hardware = resolve_hardware(None, TARGET_DEVICE)
+            hardware = resolve_hardware(None, PREDICTED_DEVICE)
         extra = {hardware.name: hardware} if isinstance(hardware, Hardware) else {}
         custom = model if isinstance(model, nn.Module) else None
         if precision is None:
