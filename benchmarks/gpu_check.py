@@ -2,6 +2,9 @@
 
 Steps (each a child process with its own time limit, so one hang or crash does not lose the rest):
 
+    corpus     benchmarks/gpu_corpus.py: 14 models at the sizes people train, every quick policy at three budgets
+               (peak against budget and simulation, gradients against eager with an eager control, step time,
+               allocator snapshots and kernel times where a run is off)
     tests      pytest -m gpu, one record per test (outcome, seconds, failure text); among them NCCL ranks
                trained with ul.train(..., parallel=...) against their traces (one rank per GPU)
     hardware   Hardware.measure("cuda"): copy sweeps both ways, pinned and pageable, FLOP rates
@@ -37,11 +40,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout, installed or not
-STEPS = ("tests", "hardware", "peaks", "peers", "sharing")
+STEPS = ("corpus", "tests", "hardware", "peaks", "peers", "sharing")
+DEFAULT_STEPS = ("corpus", "tests")  # within 12 minutes on one H100 or H200; the others on request
 WHEELS = ROOT / ".whl"  # made by `make gpu-wheels`, carried to a GPU image that lacks them
 EXTRAS = {"altair": "altair", "vl_convert": "vl-convert-python", "nbformat": "nbformat", "nbclient": "nbclient",
           "ipywidgets": "ipywidgets", "anywidget": "anywidget", "highspy": "highspy"}  # module -> package
-LIMIT_S = {"tests": 300, "hardware": 120, "peaks": 150, "peers": 420, "sharing": 240}
+LIMIT_S = {"corpus": 330, "tests": 150, "hardware": 120, "peaks": 150, "peers": 420, "sharing": 240}
 
 
 def _machine() -> dict:
@@ -100,6 +104,7 @@ def _extras() -> dict:
 def _tests(out: Path) -> dict:
     report = out / "pytest-gpu.xml"
     result = _run([sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-q", "-rfEs",
+                   *(["--timeout=90"] if importlib.util.find_spec("pytest_timeout") else []),
                    "--continue-on-collection-errors",
                    f"--junitxml={report}"], LIMIT_S["tests"])
     if report.exists():
@@ -127,6 +132,11 @@ def _hardware(out: Path) -> dict:
     return _run([sys.executable, "-c", code], LIMIT_S["hardware"])
 
 
+def _corpus(out: Path) -> dict:
+    return _run([sys.executable, "benchmarks/gpu_corpus.py", "--out", str(out), "--total-s",
+                 str(LIMIT_S["corpus"] - 15)], LIMIT_S["corpus"])
+
+
 def _peaks(out: Path) -> dict:
     return _run([sys.executable, "benchmarks/cuda_peaks_probe.py", "--out", str(out / "cuda_peaks_probe.json")],
                 LIMIT_S["peaks"])
@@ -144,7 +154,7 @@ def _sharing(out: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", nargs="+", default=list(STEPS), choices=STEPS)
+    parser.add_argument("--steps", nargs="+", default=list(DEFAULT_STEPS), choices=STEPS)
     parser.add_argument("--out", type=Path, default=ROOT / "data" / "benchmarks" / "gpu")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -159,7 +169,7 @@ def main() -> None:
     path = args.out / f"gpu_check-{slug}-{date:%Y%m%dT%H%M%S}.json"
     steps: dict[str, dict] = {}
     for step in args.steps:
-        steps[step] = {"tests": _tests, "hardware": _hardware, "peaks": _peaks, "peers": _peers,
+        steps[step] = {"corpus": _corpus, "tests": _tests, "hardware": _hardware, "peaks": _peaks, "peers": _peers,
                        "sharing": _sharing}[step](args.out)
         document = {"check": "gpu_check", "date": date.isoformat(timespec="seconds"), "machine": machine,
                     "steps": steps, "steps_left": args.steps[len(steps):]}

@@ -1,0 +1,478 @@
+"""The promise on a GPU at the sizes people train: every quick plan, its peak, its gradients and its time.
+
+For each model of CORPUS (CNNs at 224 px and batch >= 64, vision transformers, GPT-2 and a Llama-style
+decoder in bf16-mixed at 1024 tokens with AdamW, a LoRA fine-tune), in its own child process with a time
+limit (one hang or crash loses one model):
+
+1. trace the step and plan it on the profile this machine resolves to (``hardware=None``);
+2. two eager steps from the same state: the control (gradients that differ between them name the
+   nondeterministic kernels, and excuse the same differences under a plan), the keep-all peak against the
+   trace, the keep-all step time (median of the steps after the first) against the simulator;
+3. each policy of POLICIES at each budget of BUDGETS (midway between its minimum and the keep-all peak,
+   50% of the keep-all peak, its minimum + 5%): a fresh copy, one step compared with eager bit for bit,
+   then steps for the time; measured peak against the budget and the simulated peak, step against the
+   simulated step.
+
+Diagnostics, so that a machine without a GPU can work from them (under ``<out>/gpu_corpus/``): for a run
+over budget or off by more than 1% (peak) the allocator's history of one more step
+(``torch.cuda.memory._snapshot()``, gzip'd pickle, stacks included: memory_viz reads it); the keep-all step's
+per-op measured curve beside the predicted one when its peak is off by more than 1%; kernel times by op and
+input shapes (``torch.profiler``) of the keep-all step and of one recompute plan's step.
+
+Rows go to ``<out>/gpu_corpus.jsonl`` one line per run as they finish. Without a CUDA device it says so and
+exits 0 unless ``--device cpu`` asks for a dry run of the same code on small sizes (no peaks there).
+
+    python benchmarks/gpu_corpus.py [--models resnet50 gpt2] [--total-s 360] [--out DIR]
+    python benchmarks/gpu_corpus.py --device cpu --small --models resnet50   # the code path, on this CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import gzip
+import json
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+POLICIES = ("auto", "vdnn++", "recompute")
+BUDGETS = ("midway", "50%", "min+5%")
+SEED_POLICIES = ("vdnn-all", "vdnn-conv", "vdnn++")  # the vDNN papers' figures: VGG-16 at batch 128 and 256
+TIMED_STEPS = 3  # after the compared step; the step time is their median
+PEAK_TOLERANCE = 0.01
+TIME_TOLERANCE = 0.10
+SNAPSHOTS_PER_MODEL = 3  # allocator histories kept for one model (each a few MB compressed)
+LLAMA_STYLE = {"hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 16, "num_key_value_heads": 8,
+               "num_hidden_layers": 4}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One model of the corpus at the size people train it, and a small size for a dry run on a CPU."""
+
+    name: str
+    model: str
+    batch: int
+    small_batch: int
+    options: dict = field(default_factory=dict)
+    input_shape: tuple[int, ...] | None = None  # a torchvision or timm factory's one example
+    policies: tuple[str, ...] = POLICIES
+
+    def workload(self, device: torch.device, small: bool):
+        import udnn_lab as ul
+
+        options = dict(self.options)
+        if small and self.model.startswith("hf:"):
+            options = {k: v for k, v in options.items() if k != "config_overrides"} | {"small": True, "seq_len": 64}
+        if small and self.input_shape is None and not self.model.startswith("hf:"):
+            options["image_size"] = 64
+        shape = self.input_shape
+        if small and shape is not None:
+            shape = (shape[0], 64, 64)
+        return ul.zoo.get(self.model, batch=self.small_batch if small else self.batch, device=device,
+                          input_shape=shape, **options)
+
+
+_BF16_1024 = {"precision": "bf16-mixed", "seq_len": 1024}
+CORPUS = (
+    Case("resnet50", "resnet50", 256, 2),
+    Case("llama-style", "hf:llama-3-8b", 4, 1, {**_BF16_1024, "config_overrides": LLAMA_STYLE}),
+    Case("gpt2", "hf:gpt2", 8, 1, _BF16_1024),
+    Case("swin_t", "torchvision.models:swin_t", 64, 2, input_shape=(3, 224, 224)),
+    Case("vit_b_16", "torchvision.models:vit_b_16", 64, 2, input_shape=(3, 224, 224)),
+    Case("vgg16", "vgg16", 128, 2, policies=SEED_POLICIES + ("auto",)),
+    Case("convnext_tiny", "torchvision.models:convnext_tiny", 64, 2, input_shape=(3, 224, 224)),
+    Case("llama-style-lora", "hf:llama-3-8b", 4, 1, {**_BF16_1024, "config_overrides": LLAMA_STYLE,
+                                                     "lora_rank": 16}),
+    Case("mobilenet_v3_large", "torchvision.models:mobilenet_v3_large", 128, 2, input_shape=(3, 224, 224)),
+    Case("efficientnet_b0", "torchvision.models:efficientnet_b0", 64, 2, input_shape=(3, 224, 224)),
+    Case("densenet121", "densenet121", 64, 2),
+    Case("bert-base", "hf:bert-base", 16, 1, {"precision": "bf16-mixed", "seq_len": 512}),
+    Case("vgg16-b256", "vgg16", 256, 2, policies=SEED_POLICIES),
+    Case("maxvit", "timm.models:maxvit_tiny_tf_224", 32, 2, input_shape=(3, 224, 224)),
+)
+
+
+# --- one model, in its own process -----------------------------------------------------------------------------
+
+@dataclass
+class Outcome:
+    grads: list = field(default_factory=list)
+    peaks: list = field(default_factory=list)  # bytes above what the step started with, per step
+    seconds: list = field(default_factory=list)
+    error: str = ""
+
+
+class Model:
+    """One case's workload, graph and eager outcome, and what its runs write."""
+
+    def __init__(self, case: Case, device: torch.device, small: bool, out: Path) -> None:
+        import udnn_lab as ul
+
+        self.case, self.device, self.out = case, device, out
+        self.batch = case.small_batch if small else case.batch
+        self.diagnostics = out / "gpu_corpus"
+        self.diagnostics.mkdir(parents=True, exist_ok=True)
+        self.snapshots_left = SNAPSHOTS_PER_MODEL
+        started = time.perf_counter()
+        self.work = case.workload(device, small)
+        self.build_s = time.perf_counter() - started
+        started = time.perf_counter()
+        self.graph = ul.trace(self.work)
+        self.trace_s = time.perf_counter() - started
+        self.keep_all_sim = ul.simulate(self.graph, None)
+        self.eager = self.steps(None)
+
+    def row(self, **fields: Any) -> dict:
+        return {"model": self.case.name, "workload": self.work.name, "batch": self.batch,
+                "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
+                "hardware": self.keep_all_sim.hardware, **fields}
+
+    def steps(self, runtime, count: int = 1 + TIMED_STEPS) -> Outcome:
+        """``count`` steps on a fresh copy from the same state; the first step's gradients kept."""
+        from udnn_lab.analysis.step import ensure_optimizer_state, grad_scaler, run_step, split_input
+        from udnn_lab.workload import optimizer_like
+
+        model = copy.deepcopy(self.work.model)
+        optimizer = None
+        if self.work.optimizer is not None:
+            optimizer = optimizer_like(self.work.optimizer, model.parameters())
+            ensure_optimizer_state(optimizer)
+        args, kwargs = split_input(self.work.example_input)
+        options = self.work.step_options
+        scaler = grad_scaler(options, self.device) if options.scales_loss else None
+        outcome = Outcome()
+        try:
+            for index in range(count):
+                torch.manual_seed(0)
+                before = self._allocated()
+                self._reset_peak()
+                started = time.perf_counter()
+                with runtime if runtime is not None else _nothing():
+                    _, loss = run_step(model, args, kwargs, loss_fn=self.work.loss_fn, target=self.work.target,
+                                       optimizer=optimizer, options=options, scaler=scaler)
+                self._sync()
+                outcome.seconds.append(time.perf_counter() - started)
+                peak = self._peak()
+                outcome.peaks.append(None if peak is None else peak - before + self._step_resident(model, optimizer))
+                if index == 0:
+                    outcome.grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+                del loss
+        except Exception as err:  # a finding, recorded with the row
+            outcome.error = _describe(err)
+        finally:
+            if runtime is not None:
+                runtime.release()
+            del model, optimizer
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        return outcome
+
+    def _step_resident(self, model, optimizer) -> int:
+        """What the trace counts from its first op (parameters, buffers, optimizer state, the batch), as blocks."""
+        from udnn_lab.analysis.step import input_tensors, split_input
+        from udnn_lab.units import cuda_block_bytes
+
+        state = [v for s in (optimizer.state.values() if optimizer else ()) for v in s.values()
+                 if isinstance(v, torch.Tensor)]
+        args, kwargs = split_input(self.work.example_input)
+        tensors = [*model.parameters(), *model.buffers(), *state, *input_tensors(args, kwargs),
+                   *input_tensors((self.work.target,), {})]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+                    if t.device.type == "cuda"}
+        return sum(cuda_block_bytes(n) for n in storages.values())
+
+    def _allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+
+    def _reset_peak(self) -> None:
+        if self.device.type == "cuda":
+            self._sync()
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _peak(self) -> int | None:
+        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # --- diagnostics ---
+
+    def snapshot(self, runtime, label: str) -> str | None:
+        """One more step with the allocator's history recorded; the gzip'd snapshot's file name."""
+        if self.device.type != "cuda" or self.snapshots_left <= 0:
+            return None
+        self.snapshots_left -= 1
+        torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+        try:
+            self.steps(runtime, count=1)
+            snapshot = torch.cuda.memory._snapshot()
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        path = self.diagnostics / f"{self.case.name}-{label}-snapshot.pickle.gz"
+        with gzip.open(path, "wb", compresslevel=6) as file:
+            pickle.dump(snapshot, file)
+        return path.name
+
+    def kernel_times(self, runtime, label: str) -> str | None:
+        """One step under torch.profiler: device and host time by op and input shapes."""
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        with profile(activities=activities, record_shapes=True) as prof:
+            self.steps(runtime, count=1)
+        rows = []
+        for event in prof.key_averages(group_by_input_shape=True):
+            rows.append({"op": event.key, "shapes": str(event.input_shapes), "count": event.count,
+                         "device_us": getattr(event, "device_time_total", 0.0),
+                         "host_us": event.cpu_time_total, "self_host_us": event.self_cpu_time_total})
+        rows.sort(key=lambda r: -(r["device_us"] or r["host_us"]))
+        path = self.diagnostics / f"{self.case.name}-{label}-kernels.json.gz"
+        with gzip.open(path, "wt") as file:
+            json.dump(rows[:400], file)
+        return path.name
+
+    def measured_curve(self) -> str | None:
+        """The keep-all step's live bytes per op, measured beside predicted (ul.measure)."""
+        import udnn_lab as ul
+
+        measured = ul.measure(self.work, graph=self.graph, progress=False)
+        frame = measured.compare(self.graph)
+        if measured.cuda is not None:
+            frame["max_allocated_bytes"] = list(measured.cuda.max_allocated)
+        path = self.diagnostics / f"{self.case.name}-keep-all-curve.json.gz"
+        with gzip.open(path, "wt") as file:
+            frame.to_json(file, orient="records")
+        return path.name
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _describe(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    where = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
+    at = f" (at {where.filename.rsplit('/', 1)[-1]}:{where.lineno})" if where else ""
+    return f"{type(err).__name__}: {lines[0] if lines else ''}{at}"
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
+def _differing(a: list, b: list) -> set[int]:
+    return {i for i, (x, y) in enumerate(zip(a, b)) if not _same(x, y)}
+
+
+def _ratio(measured: float | None, predicted: float | None) -> float | None:
+    return None if not measured or predicted is None else predicted / measured - 1
+
+
+def run_model(case: Case, device: torch.device, small: bool, out: Path, emit) -> None:
+    import udnn_lab as ul
+
+    started = time.perf_counter()
+    try:
+        subject = Model(case, device, small, out)
+    except Exception as err:
+        emit({"model": case.name, "policy": "keep-all", "status": "setup error", "error": _describe(err),
+              "seconds": time.perf_counter() - started})
+        return
+    control = subject.steps(None)  # eager again, from the same state
+    eager = subject.eager
+    nondeterministic = sorted(_differing(eager.grads, control.grads))
+    measured = max(p for p in eager.peaks if p is not None) if eager.peaks and eager.peaks[0] is not None else None
+    predicted = subject.graph.cuda_peak_bytes if device.type == "cuda" else subject.graph.peak_bytes
+    step_s = statistics.median(eager.seconds[1:]) if len(eager.seconds) > 1 else None
+    row = subject.row(policy="keep-all", budget_kind=None, budget_bytes=None, status="ok",
+                      error=eager.error or control.error, build_s=subject.build_s, trace_s=subject.trace_s,
+                      ops=len(subject.graph.ops), simulated_peak_bytes=predicted, measured_peak_bytes=measured,
+                      measured_peaks=eager.peaks, peak_error=_ratio(measured, predicted),
+                      simulated_step_s=subject.keep_all_sim.step_time_s, measured_step_s=step_s,
+                      measured_steps_s=eager.seconds, step_error=_ratio(step_s, subject.keep_all_sim.step_time_s),
+                      nondeterministic_grads=len(nondeterministic), parameters=len(eager.grads))
+    if eager.error:
+        row["status"] = "eager error"
+    else:
+        try:
+            row["kernels"] = subject.kernel_times(None, "keep-all")
+            if row["peak_error"] is not None and abs(row["peak_error"]) > PEAK_TOLERANCE:
+                row["curve"] = subject.measured_curve()
+        except Exception as err:
+            row["diagnostics_error"] = _describe(err)
+    row["seconds"] = time.perf_counter() - started
+    emit(row)
+    if eager.error:
+        return
+    profiled_recompute = False
+    for policy in case.policies:
+        try:
+            low = ul.min_budget(subject.graph, policy)
+        except Exception as err:
+            emit(subject.row(policy=policy, status="min_budget error", error=_describe(err)))
+            continue
+        budgets = {"midway": (low + predicted) // 2, "50%": predicted // 2, "min+5%": int(low * 1.05)}
+        for kind in (BUDGETS if policy not in SEED_POLICIES or policy == "vdnn++" else ("none",)):
+            budget = budgets.get(kind)
+            if budget is not None and budget < low:
+                emit(subject.row(policy=policy, budget_kind=kind, budget_bytes=budget, min_budget_bytes=low,
+                                 status="below the policy's minimum"))
+                continue
+            profiled_recompute |= _run_plan(subject, policy, kind, budget, low, eager, nondeterministic, emit,
+                                            profile=policy == "recompute" and not profiled_recompute)
+
+
+def _run_plan(subject: Model, policy: str, kind: str, budget: int | None, low: int, eager: Outcome,
+              nondeterministic: list[int], emit, profile: bool) -> bool:
+    import udnn_lab as ul
+
+    started = time.perf_counter()
+    row = subject.row(policy=policy, budget_kind=kind, budget_bytes=budget, min_budget_bytes=low, status="ok")
+    try:
+        plan_started = time.perf_counter()
+        plan = ul.plan(subject.graph, budget, policy)
+        row["plan_s"] = time.perf_counter() - plan_started
+        sim = ul.simulate(subject.graph, plan)
+        runtime = ul.OffloadRuntime(plan)
+    except Exception as err:
+        row.update(status="plan error", error=_describe(err), seconds=time.perf_counter() - started)
+        emit(row)
+        return False
+    outcome = subject.steps(runtime)
+    differing = _differing(eager.grads, outcome.grads) if not outcome.error else set()
+    measured = max(p for p in outcome.peaks if p is not None) if outcome.peaks and outcome.peaks[0] is not None \
+        else None
+    step_s = statistics.median(outcome.seconds[1:]) if len(outcome.seconds) > 1 else None
+    row.update(offloads=len(plan.offloads), recomputes=len(plan.recomputes), followed_by=runtime.follows,
+               simulated_peak_bytes=sim.peak_bytes, measured_peak_bytes=measured, measured_peaks=outcome.peaks,
+               peak_error=_ratio(measured, sim.peak_bytes), simulated_step_s=sim.step_time_s,
+               measured_step_s=step_s, measured_steps_s=outcome.seconds,
+               step_error=_ratio(step_s, sim.step_time_s), simulated_slowdown=sim.step_time_s /
+               subject.keep_all_sim.step_time_s, grads_differ=len(differing),
+               grads_differ_unexplained=len(differing - set(nondeterministic)), error=outcome.error,
+               runtime=_stats(runtime))
+    kinds = []
+    if outcome.error:
+        kinds.append("runtime error")
+    if row["grads_differ_unexplained"]:
+        kinds.append("grads differ")
+    if measured is not None and budget is not None and measured > budget:
+        kinds.append("over budget")
+    if row["peak_error"] is not None and abs(row["peak_error"]) > PEAK_TOLERANCE:
+        kinds.append("peak off")
+    if row["step_error"] is not None and abs(row["step_error"]) > TIME_TOLERANCE:
+        kinds.append("step off")
+    row["status"] = ", ".join(kinds) or "ok"
+    try:
+        if measured is not None and ("over budget" in kinds or "peak off" in kinds):
+            row["snapshot"] = subject.snapshot(ul.OffloadRuntime(plan), f"{policy}-{kind}")
+        if profile:
+            row["kernels"] = subject.kernel_times(ul.OffloadRuntime(plan), f"{policy}-{kind}")
+    except Exception as err:
+        row["diagnostics_error"] = _describe(err)
+    row["seconds"] = time.perf_counter() - started
+    emit(row)
+    return profile
+
+
+def _stats(runtime) -> dict | None:
+    import dataclasses
+
+    stats = runtime.last_step
+    return None if stats is None else {k: v for k, v in dataclasses.asdict(stats).items()
+                                       if isinstance(v, (int, float, str, bool)) or v is None}
+
+
+# --- the corpus, one child per model ----------------------------------------------------------------------------
+
+def _emitter(path: Path, echo: bool):
+    def emit(row: dict) -> None:
+        with path.open("a") as file:
+            file.write(json.dumps(row, default=str) + "\n")
+        if echo:
+            print(_line(row), flush=True)
+    return emit
+
+
+def _line(row: dict) -> str:
+    def mib(value):
+        return "-" if value is None else f"{value / 2**20:,.0f}"
+
+    def pct(value):
+        return "-" if value is None else f"{value:+.1%}"
+
+    return (f"{row.get('model', ''):18s} {row.get('policy', ''):10s} {str(row.get('budget_kind') or ''):7s} "
+            f"budget {mib(row.get('budget_bytes')):>7s} sim {mib(row.get('simulated_peak_bytes')):>7s} "
+            f"meas {mib(row.get('measured_peak_bytes')):>7s} MiB (peak {pct(row.get('peak_error')):>7s}, "
+            f"step {pct(row.get('step_error')):>7s}) {row.get('status', '')} {row.get('error') or ''}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=[case.name for case in CORPUS],
+                        choices=[case.name for case in CORPUS])
+    parser.add_argument("--out", type=Path, default=ROOT / "data" / "benchmarks" / "gpu")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--small", action="store_true", help="small sizes (a dry run of the code path)")
+    parser.add_argument("--total-s", type=float, default=360.0, help="time for the whole corpus")
+    parser.add_argument("--model-s", type=float, default=60.0, help="time for one model at most")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # the child: one model
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_corpus: skipped, this machine has no CUDA device (nothing run, nothing written)")
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = args.out / "gpu_corpus.jsonl"
+    if args.one:
+        torch.set_num_threads(min(4, os.cpu_count() or 1))
+        device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+        case = next(c for c in CORPUS if c.name == args.one)
+        run_model(case, device, args.small, args.out, _emitter(rows, echo=True))
+        return
+    deadline = time.monotonic() + args.total_s
+    for name in args.models:
+        left = deadline - time.monotonic()
+        if left < 10:
+            _emitter(rows, echo=True)({"model": name, "status": "not run: the corpus's time was spent"})
+            continue
+        limit = min(args.model_s, left)
+        command = [sys.executable, __file__, "--one", name, "--out", str(args.out), "--device", args.device,
+                   *(["--small"] if args.small else [])]
+        started = time.perf_counter()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        try:
+            done = subprocess.run(command, env=env, timeout=limit, capture_output=True, text=True)
+            if done.returncode != 0:
+                _emitter(rows, echo=True)({"model": name, "status": f"crashed (exit {done.returncode})",
+                                           "error": done.stderr[-3000:]})
+            print(done.stdout, end="", flush=True)
+        except subprocess.TimeoutExpired as stopped:
+            out = stopped.stdout.decode() if isinstance(stopped.stdout, bytes) else (stopped.stdout or "")
+            print(out, end="", flush=True)
+            _emitter(rows, echo=True)({"model": name, "status": f"stopped at its limit of {limit:.0f} s"})
+        print(f"  ({name}: {time.perf_counter() - started:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
