@@ -5,6 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -28,3 +31,68 @@ def test_step_matrix_runs_one_setup(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {row["policy"] for row in rows} == {"auto", "vdnn-all", "recompute"}
     assert all(row["trace_exact"] and row["measured_fits"] and row["training_equal"] for row in rows)
+
+
+def test_gpu_corpus_dry_run_on_cpu_holds_every_plan_to_eager(tmp_path):
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_corpus.py"), "--device", "cpu", "--small",
+               "--models", "gpt2", "--out", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=_threads())
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "gpu_corpus.jsonl").read_text().splitlines()]
+    planned = [row for row in rows if row["policy"] not in ("keep-all",) and row.get("measured_steps_s")]
+    assert rows[0]["policy"] == "keep-all" and rows[0]["nondeterministic_grads"] == 0
+    assert {row["policy"] for row in planned} == {"auto", "vdnn++", "recompute"}
+    assert all(row["grads_differ"] == 0 and not row["error"] for row in planned), [r["status"] for r in planned]
+    assert (tmp_path / "gpu_corpus" / "gpt2-keep-all-kernels.json.gz").exists()
+    again = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=600, env=_threads())
+    assert "gpt2: in gpu_corpus.jsonl already" in again.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the check runs for real (make gpu-check)")
+def test_gpu_check_without_cuda_says_each_step_skipped():
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "corpus: skipped" in done.stdout and "tests: skipped" in done.stdout
+
+
+def _threads() -> dict:
+    import os
+
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def _event(action: str, addr: int, size: int, filename: str = "", line: int = 0) -> dict:
+    frames = [{"name": "f", "filename": filename, "line": line}] if filename else []
+    return {"action": action, "addr": addr, "size": size, "frames": frames}
+
+
+def test_gpu_diagnose_names_what_was_alive_at_the_peak(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gzip
+    import pickle
+
+    from gpu_diagnose import live_at_peak, table
+
+    mib = 2**20
+    history = [_event("alloc", 1, 10 * mib, "/usr/lib/python3.12/copy.py", 1),  # the copy before the step
+               _event("alloc", 2, 100 * mib, "/m/torchvision/models/vgg.py", 66),  # a feature map
+               _event("alloc", 3, 300 * mib),  # a library's workspace: no Python frame
+               _event("free_requested", 3, 300 * mib), _event("free_completed", 3, 300 * mib),
+               _event("alloc", 4, 50 * mib, "/m/udnn_lab/runtime/_copies.py", 45),  # lower than the peak
+               _event("free_completed", 2, 100 * mib)]
+    snapshot = {"segments": [], "device_traces": [history]}
+    peak, blocks, allocations = live_at_peak(snapshot)
+    assert peak == 410 * mib and allocations == 4
+    rows = table(blocks, top=5)
+    assert [round(total / mib) for _, total, _ in rows] == [300, 100, 10]
+    assert rows[0][0].startswith("(no Python frame") and "vgg.py:66" in rows[1][0] and "copy" in rows[2][0]
+    with gzip.open(tmp_path / "vgg16-vdnn-all-none-snapshot.pickle.gz", "wb") as file:
+        pickle.dump(snapshot, file)
+    (tmp_path / "gpu_corpus.jsonl").write_text(json.dumps(
+        {"model": "vgg16", "policy": "vdnn-all", "budget_kind": "none", "simulated_peak_bytes": 110 * mib,
+         "measured_peaks": [410 * mib], "budget_bytes": None}) + "\n")
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_diagnose.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "410.0 MiB allocated at the peak" in done.stdout and "simulated peak 110.0 MiB" in done.stdout
