@@ -30,7 +30,7 @@ MIB = 2**20
 PLUMBING = ("/copy.py", "/torch/nn/modules/module.py", "/torch/autograd/", "/torch/utils/_contextlib.py",
             "/torch/_tensor.py", "/torch/utils/hooks.py", "gpu_corpus.py", "/torch/optim/optimizer.py",
             "/torch/amp/", "/torch/overrides.py", "/torch/utils/_python_dispatch.py", "/torch/_ops.py",
-            "udnn_lab/runtime/offload.py", "/torch/_dynamo/")
+            "udnn_lab/runtime/offload.py", "/torch/_dynamo/", "/torch/_compile.py")
 
 
 @dataclass(frozen=True)

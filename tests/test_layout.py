@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import udnn_lab as ul
 
 PACKAGE = Path(ul.__file__).resolve().parent
@@ -62,13 +64,19 @@ def _targets(node: ast.Import | ast.ImportFrom, modules: dict[str, Path]) -> set
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
+def _every_import(tree: ast.Module):
+    """Every import of a module: its body's, TYPE_CHECKING's and those inside functions."""
+    return (node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)))
+
+
+def import_graph(every_import: bool = False) -> dict[str, set[str]]:
+    """Module -> the package modules it imports when it is imported (``every_import``: at any time, for types too)."""
     modules = _modules()
     graph = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text(), filename=str(path))
         edges = set()
-        for node in _top_level_imports(tree):
+        for node in (_every_import if every_import else _top_level_imports)(tree):
             edges |= _targets(node, modules)
         edges.discard("udnn_lab")  # every module's parent: the root's re-exports are not a dependency
         graph[name] = edges - {name}
@@ -110,8 +118,9 @@ def _package_of(module: str, modules: dict[str, Path]) -> str:
     return module if modules[module].name == "__init__.py" else module.rpartition(".")[0]
 
 
-def test_the_package_has_no_import_cycle():
-    graph = import_graph()
+@pytest.mark.parametrize("every_import", [False, True], ids=["on import", "any import, for types too"])
+def test_the_package_has_no_import_cycle(every_import):
+    graph = import_graph(every_import)
     modules = _modules()
     # a package's __init__ re-exports its own modules: that edge is the package's face, not a dependency
     for name in graph:
@@ -162,6 +171,39 @@ def test_each_stage_imports_only_the_stages_above_it():
             if other != stage and stage in ABOVE and other not in ABOVE[stage] | BASICS:
                 found.setdefault(f"{module} -> {target}", 1)
     assert not found, "imports against the flow (see udnn_lab/README.md): " + ", ".join(sorted(found))
+
+
+def _private_part(target: str, stage: str) -> str | None:
+    """The first underscored part of a path into another stage ('udnn_lab.analysis._recorder' -> '_recorder')."""
+    parts = target.split(".")
+    if len(parts) < 3 or parts[0] != "udnn_lab" or parts[1] == stage:
+        return None
+    return next((part for part in parts[2:] if part.startswith("_") and part != "__init__"), None)
+
+
+def test_no_stage_imports_another_stages_private_modules():
+    """A name another stage needs is on that stage's public face (its __init__ or a module without '_')."""
+    offenders = []
+    for name, path in _modules().items():
+        stage = name.split(".")[1] if name.count(".") else ""
+        for node in _every_import(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif node.level or not node.module:
+                continue
+            else:
+                targets = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            if any(_private_part(target, stage) for target in targets):
+                offenders.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+    assert not offenders, "imports of another stage's private modules:\n" + "\n".join(offenders)
+
+
+def test_the_private_import_rule_reads_paths_as_meant():
+    assert _private_part("udnn_lab.analysis._recorder", "runtime") == "_recorder"
+    assert _private_part("udnn_lab.analysis._fake.memo", "runtime") == "_fake"
+    assert _private_part("udnn_lab.analysis._recorder", "analysis") is None
+    assert _private_part("udnn_lab.analysis.recording", "runtime") is None
+    assert _private_part("udnn_lab.graph.__init__", "planning") is None
 
 
 def test_the_cycle_finder_finds_a_cycle():

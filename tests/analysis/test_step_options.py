@@ -7,8 +7,8 @@ from torch import nn
 
 import udnn_lab as ul
 from udnn_lab import zoo
+from udnn_lab.analysis._substitution import CPU_AUTOCAST_NOTE
 from udnn_lab.analysis.step import grad_scaler, run_step, split_input
-from udnn_lab.analysis.tracing import CPU_AUTOCAST_NOTE
 from udnn_lab.errors import FakeTensorUnsupported
 from udnn_lab.workload import StepOptions
 

@@ -27,8 +27,8 @@ from udnn_lab.analysis._host import HostCopies, PinnedCopies, offloaded_shards, 
 from udnn_lab.analysis._local_shards import LocalShardSteps, steps_on_shards
 from udnn_lab.analysis._recorder import StepRecorder
 from udnn_lab.analysis._recording import graph_from_recording, raise_explained, record_step
+from udnn_lab.analysis._substitution import substitution_notes
 from udnn_lab.analysis.step import grad_scaler, run_step, same_optimizer, split_input
-from udnn_lab.analysis.tracing import substitution_notes
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.parallel import DDP, FSDP, Parallel, check_spec, describe
 from udnn_lab.workload import Workload

@@ -19,11 +19,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
-from udnn_lab.analysis._fake.attention import STAND_IN_ATTENTION_NOTE, CudaAttentionKernels
+from udnn_lab.analysis._fake.attention import CudaAttentionKernels
 from udnn_lab.analysis._fake.tensors import FAKE_LIMITS, fake_initial_state, fake_inputs, fake_optimizer, fake_state
 from udnn_lab.analysis._holders import forward_releases
 from udnn_lab.analysis._recorder import StepRecorder
 from udnn_lab.analysis._recording import graph_from_recording, record_step
+from udnn_lab.analysis._substitution import substitution_notes
 from udnn_lab.analysis.step import (
     grad_scaler,
     input_tensors,
@@ -36,15 +37,10 @@ from udnn_lab.analysis.step import (
 from udnn_lab.errors import FakeTensorUnsupported
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.vocabulary import Precision
-from udnn_lab.workload import StepOptions, Workload, as_workload
+from udnn_lab.workload import Workload, as_workload
 
 if TYPE_CHECKING:
     from udnn_lab.parallel import Parallel
-
-CPU_FOR_CUDA_NOTE = ("no CUDA device here: traced with CPU kernels; sizes are those of the CUDA step, "
-                     "cuDNN-specific saved tensors and workspaces are not included")
-CPU_AUTOCAST_NOTE = ("autocast ran with the CPU's lists of ops to cast (CPU kernels stood in for CUDA ones): CUDA's "
-                     "autocast casts some other ops, so casts and saved tensors can differ from the CUDA step")
 
 
 def trace(model: torch.nn.Module | Workload, example_input: Any = None, loss_fn: Callable | None = None,
@@ -133,16 +129,6 @@ def _trace_fake(work: Workload, device: torch.device, counted_as: str, fast_path
         return graph_from_recording(recorder, work.name, counted_as, fake=True,
                                     notes=substitution_notes(substituted, options, attention),
                                     cpu_stands_for_device=substituted, holders=holders)
-
-
-def substitution_notes(substituted: bool, options: StepOptions, attention: Any) -> list[str]:
-    """What the graph's notes say when CPU kernels stood in for CUDA ones."""
-    notes = [CPU_FOR_CUDA_NOTE] if substituted else []
-    if substituted and options.mixed:
-        notes.append(CPU_AUTOCAST_NOTE)
-    if getattr(attention, "substituted", 0):
-        notes.append(STAND_IN_ATTENTION_NOTE)
-    return notes
 
 
 @contextmanager

@@ -22,8 +22,7 @@ import pandas as pd
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from udnn_lab.analysis._recorder import StepRecorder, records_op
-from udnn_lab.analysis._recording import graph_from_recording, record_step
+from udnn_lab.analysis.recording import record_real_step, records_op
 from udnn_lab.analysis.step import (
     ensure_optimizer_state,
     grad_scaler,
@@ -160,10 +159,9 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         for _ in range(warmup):
             run_step(work.model, args, kwargs, **step)
         ensure_optimizer_state(work.optimizer)
-        recorder = StepRecorder()
-        record_step(recorder, work.model, args, kwargs, target, work.loss_fn, work.optimizer, track_saved=False,
-                    options=work.step_options, scaler=scaler)
-        graph = graph_from_recording(recorder, work.name, where.type, fake=False)
+        graph = record_real_step(work.model, args, kwargs, target=target, loss_fn=work.loss_fn,
+                                 optimizer=work.optimizer, name=work.name, device_type=where.type,
+                                 options=work.step_options, scaler=scaler)
         per_op = [_timed_step(work.model, args, kwargs, step, where, graph) for _ in range(repeats)]
         plain = [_plain_step(work.model, args, kwargs, step, where) for _ in range(repeats)]
     times = np.array(per_op)

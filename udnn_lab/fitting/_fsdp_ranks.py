@@ -32,7 +32,7 @@ from fractions import Fraction
 
 import torch
 
-from udnn_lab.analysis._host import HOST_NOTE_START, with_host_note
+from udnn_lab.analysis.recording import HOST_NOTE_START, with_host_note
 from udnn_lab.graph import Graph
 from udnn_lab.parallel import FSDP, Parallel, describe
 

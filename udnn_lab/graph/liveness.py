@@ -4,17 +4,31 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import pandas as pd
 
-from udnn_lab.graph._memo import per_graph
+from udnn_lab.graph.memo import per_graph
+from udnn_lab.graph.records import ModuleCall, OpInfo, TensorInfo
 from udnn_lab.units import cuda_block_bytes
 from udnn_lab.vocabulary import CATEGORIES as CATEGORY_ORDER
 
-if TYPE_CHECKING:
-    from udnn_lab.graph.step_graph import Graph
+
+class Graph(Protocol):
+    """What this module reads of a step's Graph (step_graph.Graph, which calls these functions)."""
+
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def ops(self) -> tuple[OpInfo, ...]: ...
+    @property
+    def tensors(self) -> tuple[TensorInfo, ...]: ...
+    @property
+    def module_calls(self) -> tuple[ModuleCall, ...]: ...
+    def on_device(self, tensor: TensorInfo) -> bool: ...
+    def on_host(self, tensor: TensorInfo) -> bool: ...
+
 
 @dataclass(frozen=True)
 class LiveCurve:

@@ -22,9 +22,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from udnn_lab.analysis._recorder import StepRecorder
-from udnn_lab.analysis._recording import graph_from_recording, record_step
-from udnn_lab.analysis._sharded import is_distributed
+from udnn_lab.analysis.recording import is_distributed, record_real_step
 from udnn_lab.analysis.step import (
     ensure_optimizer_state,
     grad_scaler,
@@ -229,7 +227,7 @@ def measure(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         times = [_timed(one_step, device) for _ in range(repeats)]
         before = nvml.read(_index(device)) if device.type == "cuda" else None
 
-        def recorded_step() -> tuple[StepRecorder, _CudaSampler | None]:
+        def recorded_step() -> tuple[Graph, _CudaSampler | None]:
             work.model.zero_grad(set_to_none=True)  # the recorded step starts without gradients (allocator baseline)
             counters = _CudaSampler() if device.type == "cuda" else None
             ops_shown.done = 0  # a step the GradScaler skipped is recorded again
@@ -239,16 +237,16 @@ def measure(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
                     counters.sample()
                 ops_shown.one_more()
 
-            recorder = StepRecorder(after_op=after_op)
             if counters:
                 counters.start()
-            record_step(recorder, work.model, args, kwargs, target, work.loss_fn, work.optimizer, track_saved=False,
-                        runtime=runtime if runtime.enabled else None, options=work.step_options, scaler=scaler)
-            return recorder, counters
+            recorded = record_real_step(work.model, args, kwargs, target=target, loss_fn=work.loss_fn,
+                                        optimizer=work.optimizer, name=work.name, device_type=device.type,
+                                        options=work.step_options, scaler=scaler,
+                                        runtime=runtime if runtime.enabled else None, after_op=after_op)
+            return recorded, counters
 
-        recorder, counters = _steady(recorded_step, scaler, tries=1 + (SETTLE_STEPS if warmup else 0), name=work.name)
+        real, counters = _steady(recorded_step, scaler, tries=1 + (SETTLE_STEPS if warmup else 0), name=work.name)
         bar.update(max(0, warmup + repeats + 1 - bar.n))
-        real = graph_from_recording(recorder, work.name, device.type, fake=False)
         after = nvml.read(_index(device)) if device.type == "cuda" else None
     return Measurement(
         model_name=work.name, device=device.type, device_name=device_name(device),

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from udnn_lab.analysis._fake.memo import flat_tensors
+from udnn_lab.analysis.recording import flat_tensors
 from udnn_lab.errors import ReplayError
 from udnn_lab.graph.plan_ir import Recompute
 

@@ -14,7 +14,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from udnn_lab.analysis._sharded import resized_storages
+from udnn_lab.analysis.recording import resized_storages
 from udnn_lab.analysis.step import MicroBatch, map_tensors, run_step, scaler_state, split_input
 from udnn_lab.runtime.live_bytes import LiveBytes
 from udnn_lab.runtime.offload import OffloadRuntime

@@ -15,7 +15,7 @@ from functools import partial
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
-from udnn_lab.analysis._fake.memo import flat_tensors
+from udnn_lab.analysis.recording import flat_tensors
 
 
 class LiveBytes(TorchDispatchMode):

@@ -77,8 +77,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from udnn_lab.analysis._fake.memo import flat_tensors
-from udnn_lab.analysis._recorder import records_op
+from udnn_lab.analysis.recording import flat_tensors, records_op
 from udnn_lab.analysis.step import view_replay
 from udnn_lab.errors import PlanMismatch
 from udnn_lab.graph.plan_ir import Offload, Plan, Recompute, TensorSite, check_plan, other_step

@@ -1,0 +1,42 @@
+"""A real step recorded op by op: what measurement, cost, the runtime and fitting take from the tracer.
+
+``record_real_step`` runs one training step on real tensors under the recorder and returns its Graph (the
+tracer's own rules: which ops are recorded, NOTE [storage lifetimes]). ``records_op`` says whether an op is
+one the Graph counts, so that a runtime following a plan numbers ops as the plan does. ``flat_tensors``,
+``is_distributed`` and ``resized_storages`` read tensors out of arguments and models as the recorder does;
+``HOST_NOTE_START`` and ``with_host_note`` write and find a graph's note on host memory (NOTE [host storages]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from udnn_lab.analysis._fake.memo import flat_tensors
+from udnn_lab.analysis._host import HOST_NOTE_START, with_host_note
+from udnn_lab.analysis._recorder import StepRecorder, records_op
+from udnn_lab.analysis._recording import graph_from_recording, record_step
+from udnn_lab.analysis._sharded import is_distributed, resized_storages
+from udnn_lab.graph.step_graph import Graph
+from udnn_lab.workload import DEFAULT_STEP, StepOptions
+
+
+def record_real_step(model: torch.nn.Module, args: tuple, kwargs: dict, *, target: Any, loss_fn: Callable | None,
+                     optimizer: torch.optim.Optimizer | None, name: str, device_type: str,
+                     options: StepOptions = DEFAULT_STEP, scaler: torch.amp.GradScaler | None = None,
+                     runtime: Any = None, after_op: Callable[[], None] | None = None) -> Graph:
+    """One real training step, recorded: its Graph (``fake=False``), named ``name`` on ``device_type``.
+
+    ``runtime``: an OffloadRuntime the step runs under; ``after_op``: called after each recorded op (to read the
+    CUDA allocator's counters). ``options`` and ``scaler``: as ``run_step`` takes them.
+    """
+    recorder = StepRecorder(after_op=after_op)
+    record_step(recorder, model, args, kwargs, target, loss_fn, optimizer, track_saved=False, runtime=runtime,
+                options=options, scaler=scaler)
+    return graph_from_recording(recorder, name, device_type, fake=False)
+
+
+__all__ = ["HOST_NOTE_START", "flat_tensors", "is_distributed", "record_real_step", "records_op",
+           "resized_storages", "with_host_note"]
