@@ -176,7 +176,7 @@ def test_policy_and_hardware_change_the_plan(lab):
     assert lab.status.value == "" and lab.setting.device == "cpu"
     assert lab.device_note.value == ""
     lab.policy.value = "auto"
-    assert chart_title(lab).endswith(f"auto (chose {lab.plan.notes[-1].removeprefix('chose ')})") \
+    assert chart_title(lab).endswith(f"auto (chose {lab.plan.chosen_policy})") \
         or chart_title(lab).endswith(": auto")
 
 

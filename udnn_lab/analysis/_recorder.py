@@ -43,6 +43,7 @@ from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache, partial
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,7 @@ from udnn_lab.analysis._fake.fast_paths import FakeFastPaths
 from udnn_lab.analysis._fake.tensors import HOST_READ, zero_of
 from udnn_lab.analysis._op_work import OpWork
 from udnn_lab.analysis._sharded import ResizedStorage
+from udnn_lab.graph.records import HookEvent
 from udnn_lab.vocabulary import AUTOGRAD_SCOPE, OPTIMIZER_SCOPE, Category
 
 _NO_SEQUENCE = 2**64 - 1  # sequence number of AccumulateGrad nodes
@@ -155,7 +157,7 @@ class StepRecorder(TorchDispatchMode):
         self._sequence_to_op: dict[int, int] = {}
         self._last_sequence = torch._C._autograd._get_sequence_nr()
         self._param_paths: dict[int, str] = {}  # id(parameter) -> name, for AccumulateGrad nodes
-        self.hook_events: list[tuple] = []  # HookEvent fields, in the order the hooks were called
+        self.hook_events: list[HookEvent] = []  # in the order the hooks were called
         self.tracks_host = False  # some storages live on the host: follow each one's side (NOTE [host storages] 3)
 
     # -- storages ------------------------------------------------------------------------
@@ -373,9 +375,9 @@ class StepRecorder(TorchDispatchMode):
                 # The node that saves is already created, so it holds the previous number.
                 self.storages[sid].saved_nodes.append(torch._C._autograd._get_sequence_nr() - 1)
             node = tensor.grad_fn
-            self.hook_events.append(("pack", len(self.ops), -1 if sid is None else sid,
-                                      type(node).__name__ if node is not None else "", str(tensor.dtype),
-                                      tuple(tensor.shape)))
+            self.hook_events.append(HookEvent("pack", len(self.ops), tensor=-1 if sid is None else sid,
+                                              node=type(node).__name__ if node is not None else "",
+                                              dtype=str(tensor.dtype), shape=tuple(tensor.shape)))
             return (len(self.hook_events) - 1, tensor)  # its unpack names this pack
         return tensor
 
@@ -387,7 +389,7 @@ class StepRecorder(TorchDispatchMode):
                 sid = self._live.get(id(tensor.untyped_storage()), -1)
             except (RuntimeError, NotImplementedError):
                 sid = -1
-            self.hook_events.append(("unpack", len(self.ops), sid, "", "", (), packed_at))
+            self.hook_events.append(HookEvent("unpack", len(self.ops), tensor=sid, packed_at=packed_at))
         return tensor
 
     def forward_op_of_node(self, sequence: int) -> int | None:
@@ -399,12 +401,12 @@ class StepRecorder(TorchDispatchMode):
         """Log every module call of this thread as hook events (NOTE [hook points]), as a runtime will see them."""
         thread = threading.get_ident()
 
-        def logged(kind: str, module: torch.nn.Module) -> None:
+        def logged(kind: Literal["enter", "exit"], module: torch.nn.Module) -> None:
             if self.recording and threading.get_ident() == thread:
                 top = torch._C._autograd._top_saved_tensors_default_hooks(False)
                 own = top is not None and top[0] == self.pack  # no hooks pushed inside the step in force
-                self.hook_events.append((kind, len(self.ops), -1, type(module).__name__, "", (), -1, own,
-                                         module.training))
+                self.hook_events.append(HookEvent(kind, len(self.ops), node=type(module).__name__, own_hooks=own,
+                                                  training=module.training))
 
         def entered(module, args) -> None:
             logged("enter", module)

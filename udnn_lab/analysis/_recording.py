@@ -14,7 +14,7 @@ from udnn_lab.analysis._recorder import StepRecorder, StorageRecord
 from udnn_lab.analysis._sharded import resized_storages, resizes_seen
 from udnn_lab.analysis.step import input_tensors, run_step, scaler_state
 from udnn_lab.errors import ModelInputError, PlanMismatch
-from udnn_lab.graph.step_graph import Graph, HookEvent, ModuleCall, OpInfo, TensorInfo
+from udnn_lab.graph.step_graph import Graph, ModuleCall, OpInfo, TensorInfo
 from udnn_lab.vocabulary import LOSS_SCOPE, Category, Phase
 from udnn_lab.workload import DEFAULT_STEP, StepOptions
 
@@ -221,7 +221,7 @@ def _freeze(recorder: StepRecorder, model_name: str, device: str, fake: bool, no
                       for op in ops)
     calls = tuple(ModuleCall(c.path, c.type, c.first_op, c.last_op, c.outputs) for c in recorder.calls)
     # CPU kernels standing in for CUDA ones save other tensors than the device's (cuDNN's batch norm saves more)
-    saved = () if cpu_stands_for_device else tuple(HookEvent(*event) for event in recorder.hook_events)
+    saved = () if cpu_stands_for_device else tuple(recorder.hook_events)
     return Graph(model_name=model_name, device=device, ops=frozen_ops, tensors=tuple(tensors), module_calls=calls,
                  fake=fake, torch_version=torch.__version__, notes=tuple(notes), hook_events=saved)
 

@@ -79,6 +79,8 @@ class Plan:
     op_families: tuple[str, ...] = ()
     # the step's saved-tensor hook calls, when the runtime can follow them alone (NOTE [hook points]); else ()
     hook_events: tuple[HookEvent, ...] = ()
+    # auto and vdnn-dyn: the policy whose plan they chose (the innermost, when one chose another's); '' otherwise
+    chosen_policy: str = ""
 
     def __repr__(self) -> str:
         sized = {site.tensor: site.nbytes for site in self.sites}

@@ -29,16 +29,15 @@ from udnn_lab.planning._auto_options import Chains, Option, auto_options
 from udnn_lab.planning._candidates import first_backward_op
 from udnn_lab.planning._estimate import CurveEstimate
 from udnn_lab.planning.host import plan_host_bytes
-from udnn_lab.planning.registry import POLICIES, keep_all_peak, policy
+from udnn_lab.planning.registry import CHOOSING_POLICIES, POLICIES, SOLVER_POLICIES, keep_all_peak, policy
 from udnn_lab.planning.vdnn import MARGINS, SIZE_FLOOR, pinned_pool_bytes
 from udnn_lab.simulation.simulator import simulate_with
 
 SECOND_GREEDY_OPS = 4000  # up to this many ops, the greedy is run twice, with copies priced alone as well
 COMPLETED = 2  # how many of the fastest plans that do not fit auto completes
-_NOT_CONTENDERS = ("auto", "vdnn-dyn", "optimal")  # vdnn-dyn picks among others; optimal is the exact reference
 
 
-@policy("auto")
+@policy("auto", chooses=True)
 def auto(graph: Graph, cost: CostModel, budget: int | None) -> Plan:
     return _fastest(graph, cost, budget, None)
 
@@ -60,7 +59,9 @@ def _fastest(graph: Graph, cost: CostModel, budget: int | None, host_budget: int
         contenders.append(joint(graph, cost, budget, queued=False))
     if host_budget is not None:
         contenders.append(joint(graph, cost, budget, offloads=False))
-    contenders += [POLICIES[name](graph, cost, budget) for name in POLICIES if name not in _NOT_CONTENDERS]
+    # the policies that choose among others (auto, vdnn-dyn) add none of their own; solvers take up to a minute
+    contenders += [POLICIES[name](graph, cost, budget) for name in POLICIES
+                   if name not in CHOOSING_POLICIES | SOLVER_POLICIES]
     runs = [(simulate_with(graph, plan, cost), plan) for plan in contenders]
     # the fastest plans that act but do not fit, with what they still need chosen by the same greedy
     over = sorted((sim.step_time_s, i) for i, (sim, plan) in enumerate(runs)
@@ -75,7 +76,8 @@ def _fastest(graph: Graph, cost: CostModel, budget: int | None, host_budget: int
     best = min(within or fitting, default=None)
     chosen = runs[best[2]][1] if best else contenders[0]
     return Plan("auto", chosen.graph_fingerprint, budget, chosen.offloads, chosen.recomputes,
-                chosen.pinned_pool_bytes, chosen.size_floor_bytes, chosen.notes + (f"chose {chosen.policy}",))
+                chosen.pinned_pool_bytes, chosen.size_floor_bytes, chosen.notes,
+                chosen_policy=chosen.chosen_policy or chosen.policy)
 
 
 def joint(graph: Graph, cost: CostModel, budget: int, base: Plan | None = None, queued: bool = True,

@@ -189,7 +189,7 @@ def _fitting_policy(graph: Graph, cost: CostModel, budget: int, host_budget: int
     if not simulate_with(graph, chosen, cost).fits or \
             host_budget is not None and plan_host_bytes(graph, chosen) > host_budget:
         return None
-    return next((note.removeprefix("chose ") for note in chosen.notes if note.startswith("chose ")), "auto")
+    return chosen.chosen_policy or "auto"
 
 
 def floor_bytes(graph: Graph) -> int:

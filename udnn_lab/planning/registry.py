@@ -24,6 +24,7 @@ Policy = Callable[[Graph, CostModel, "int | None"], Plan]
 
 POLICIES: dict[str, Policy] = {}
 SOLVER_POLICIES: set[str] = set()  # policies that run a solver for up to a minute: left out where many plans are made
+CHOOSING_POLICIES: set[str] = set()  # policies that pick one of the others' plans (Plan.chosen_policy names it)
 
 
 def quick_policies() -> tuple[str, ...]:
@@ -31,9 +32,10 @@ def quick_policies() -> tuple[str, ...]:
     return tuple(name for name in POLICIES if name not in SOLVER_POLICIES)
 
 
-def policy(name: str, solver: bool = False) -> Callable[[Policy], Policy]:
+def policy(name: str, solver: bool = False, chooses: bool = False) -> Callable[[Policy], Policy]:
     """Register the decorated function as the policy ``name`` (a name is taken once), keeping everything under a
-    budget the keep-all step fits. ``solver``: it runs a solver that may take a minute (see quick_policies)."""
+    budget the keep-all step fits. ``solver``: it runs a solver that may take a minute (see quick_policies).
+    ``chooses``: it picks among the other policies' plans, and says which in ``Plan.chosen_policy``."""
     def register(function: Policy) -> Policy:
         if name in POLICIES:
             raise ValueError(f"policy {name!r} is registered twice: by {POLICIES[name].__module__}."
@@ -42,12 +44,15 @@ def policy(name: str, solver: bool = False) -> Callable[[Policy], Policy]:
         @functools.wraps(function)
         def planned(graph: Graph, cost: CostModel, budget: int | None) -> Plan:
             if budget is not None and keep_all_peak(graph, cost) <= budget:
-                return Plan(name, graph.fingerprint, budget, notes=(f"{KEPT_NOTE}: nothing to move",))
+                return Plan(name, graph.fingerprint, budget, notes=(f"{KEPT_NOTE}: nothing to move",),
+                            chosen_policy="keep-all" if chooses else "")
             return function(graph, cost, budget)
 
         POLICIES[name] = planned
         if solver:
             SOLVER_POLICIES.add(name)
+        if chooses:
+            CHOOSING_POLICIES.add(name)
         return planned
     return register
 

@@ -34,14 +34,14 @@ def vdnn_conv(graph: Graph, cost: CostModel, budget: int | None) -> Plan:
     return _vdnn(graph, budget, "vdnn-conv", [c for c in candidates(graph, SIZE_FLOOR) if c.conv_input])
 
 
-@policy("vdnn-dyn")
+@policy("vdnn-dyn", chooses=True)
 def vdnn_dyn(graph: Graph, cost: CostModel, budget: int | None) -> Plan:
     """vDNN_dyn: the fastest of keep-all, vDNN_conv and vDNN_all that fits (by simulation)."""
     options = [Plan.keep_all(graph, budget), vdnn_conv(graph, cost, budget), vdnn_all(graph, cost, budget)]
     runs = [(simulate_with(graph, option, cost), option) for option in options]
     fitting = [(sim.step_time_s, i) for i, (sim, _) in enumerate(runs) if sim.fits]
     chosen = runs[min(fitting)[1]][1] if fitting else options[-1]
-    return _renamed(chosen, "vdnn-dyn", f"chose {chosen.policy}")
+    return _renamed(chosen, "vdnn-dyn")
 
 
 def _vdnn(graph: Graph, budget: int | None, policy: str, chosen: list[Candidate]) -> Plan:
@@ -101,6 +101,7 @@ def _worth_moving(graph: Graph, candidate: Candidate) -> bool:
         prefetch_point(graph, candidate.first_backward, 1) > candidate.freed_after
 
 
-def _renamed(plan: Plan, policy: str, note: str) -> Plan:
+def _renamed(plan: Plan, policy: str) -> Plan:
     return Plan(policy, plan.graph_fingerprint, plan.budget_bytes, plan.offloads, plan.recomputes,
-                plan.pinned_pool_bytes, plan.size_floor_bytes, plan.notes + (note,))
+                plan.pinned_pool_bytes, plan.size_floor_bytes, plan.notes,
+                chosen_policy=plan.chosen_policy or plan.policy)

@@ -78,7 +78,7 @@ def policy_named(policy: str, plan, infeasible: bool, budget_bytes: int) -> str:
     """The policy the user chose, what auto chose, and whether it fits."""
     if infeasible:
         return f"{policy} cannot fit {format_bytes(budget_bytes)} (shown: every tensor kept)"
-    chose = next((n.removeprefix("chose ") for n in plan.notes if n.startswith("chose ")), None)
+    chose = plan.chosen_policy
     return f"{policy} (chose {chose})" if chose and chose != policy else policy
 
 
