@@ -150,3 +150,13 @@ def test_a_factory_by_its_import_path_builds_your_module(tmp_path, monkeypatch):
         zoo.get("factories:not_a_model", input_shape=(3,))
     with pytest.raises(ModelFactoryError, match="cannot load the model factory factories:missing"):
         zoo.get("factories:missing", input_shape=(3,))
+
+
+def test_get_leaves_the_callers_random_stream_as_it_was():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    first = zoo.get("mlp3", batch=2)
+    assert torch.equal(torch.rand(3), expected)  # asking for a model did not reseed the global generator
+    again = zoo.get("mlp3", batch=2)
+    assert all(torch.equal(a, b) for a, b in zip(first.model.parameters(), again.model.parameters(), strict=True))

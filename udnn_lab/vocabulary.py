@@ -57,6 +57,7 @@ Stall = Literal["stall_memory", "stall_prefetch", "stall_sync", "stall_communica
 STALLS: tuple[Stall, ...] = get_args(Stall)
 Collective = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "point_to_point", "collective"]
 COLLECTIVES: tuple[Collective, ...] = get_args(Collective)
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")  # the op namespaces of a process group's collectives
 # shard_to_device, gradient_to_host: an FSDP2 rank that offloads its parameters copies them across
 TimelineKind = Literal["op", "recompute", "offload", "prefetch", "prefetch_cancelled", "stall_memory",
                        "stall_prefetch", "stall_sync", "stall_communication", "all_gather", "reduce_scatter",

@@ -57,7 +57,7 @@ from udnn_lab.analysis._fake.tensors import HOST_READ, zero_of
 from udnn_lab.analysis._op_work import OpWork
 from udnn_lab.analysis._sharded import ResizedStorage
 from udnn_lab.graph.records import HookEvent
-from udnn_lab.vocabulary import AUTOGRAD_SCOPE, OPTIMIZER_SCOPE, Category
+from udnn_lab.vocabulary import AUTOGRAD_SCOPE, COLLECTIVE_NAMESPACES, OPTIMIZER_SCOPE, Category
 
 _NO_SEQUENCE = 2**64 - 1  # sequence number of AccumulateGrad nodes
 # Not recorded: metadata queries (prim.device), profiler markers, and detach, which never
@@ -66,7 +66,6 @@ _NO_SEQUENCE = 2**64 - 1  # sequence number of AccumulateGrad nodes
 _SKIPPED_NAMESPACES = ("prim", "profiler")
 _SKIPPED_OPS = ("aten.detach.default",)
 _SKIP, _RECORD, _COLLECTIVE = "skip", "record", "collective"
-_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")  # a process group's collectives (all-reduce, all-gather, ...)
 
 
 @cache
@@ -304,7 +303,7 @@ class StepRecorder(TorchDispatchMode):
         self._names[func] = str(func)
         if not records_op(func):
             return _SKIP
-        return _COLLECTIVE if func.namespace in _COLLECTIVE_NAMESPACES else _RECORD
+        return _COLLECTIVE if func.namespace in COLLECTIVE_NAMESPACES else _RECORD
 
     def _record(self, func, args, kwargs, out) -> None:
         index = len(self.ops)

@@ -22,6 +22,7 @@ from udnn_lab.graph.step_graph import Graph, writes_in_place
 from udnn_lab.planning._candidates import candidates, writers
 from udnn_lab.planning.registry import policy
 from udnn_lab.simulation.simulator import simulate_with
+from udnn_lab.vocabulary import COLLECTIVE_NAMESPACES
 
 NAME = "checkpoint-segments"
 
@@ -124,7 +125,7 @@ def checkpointed(graph: Graph, segments: int, budget: int | None, name: str = NA
             continue
         end = max(writers(graph, c.tensor)[-1] for c in inside)  # in-place writes after a producer belong too
         ops = tuple(i for i in range(first, end + 1) if graph.ops[i].phase == "forward")
-        if any(graph.ops[i].name.startswith(("c10d.", "_c10d_functional.")) for i in ops):
+        if any(graph.ops[i].name.split(".")[0] in COLLECTIVE_NAMESPACES for i in ops):
             continue  # DDP's buffer broadcast: a collective, which one rank cannot re-run alone
         action = Recompute(tuple(c.tensor for c in inside), ops, min(c.first_backward for c in inside))
         try:

@@ -17,12 +17,11 @@ import torch
 from udnn_lab.analysis.recording import flat_tensors
 from udnn_lab.errors import ReplayError
 from udnn_lab.graph.plan_ir import Recompute
+from udnn_lab.vocabulary import COLLECTIVE_NAMESPACES
 
 # Ops that update running statistics in training although their schema does not say so.
 _UNDECLARED_WRITES = {"aten.native_batch_norm.default": (3, 4), "aten.cudnn_batch_norm.default": (3, 4),
                       "aten.miopen_batch_norm.default": (3, 4)}
-# A process group's collectives: every rank calls them together, so one rank can never re-run one alone.
-_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
 
 
 @dataclass
@@ -57,7 +56,7 @@ class Replay:
     def refuse(self, func) -> None:
         """Raise before ``func`` runs if the recomputation would have to re-run it: a collective (NOTE [offload
         runtime] 6)."""
-        if func.namespace in _COLLECTIVE_NAMESPACES:
+        if func.namespace in COLLECTIVE_NAMESPACES:  # every rank calls them together: one cannot re-run one alone
             raise ReplayError(f"the plan recomputes tensors by re-running {func}, a collective that every rank calls "
                               "together: one rank cannot re-run it alone in backward. Plan again so that the "
                               "recomputation starts after it (the one-rank graph's collectives are never re-run)")

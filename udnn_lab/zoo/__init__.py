@@ -38,6 +38,7 @@ from udnn_lab.errors import MissingDependency, ModelFactoryError, UnknownModelEr
 from udnn_lab.vocabulary import AttentionImplementation, Precision
 from udnn_lab.workload import COMPUTE_DTYPES, StepOptions, Workload, precision_of
 from udnn_lab.zoo import hf, hf_configs
+from udnn_lab.zoo.seeding import seeded
 
 if TYPE_CHECKING:
     from udnn_lab.parallel import Parallel
@@ -320,8 +321,7 @@ def get(name_or_model: str | nn.Module, batch: int = 8, *, image_size: int | Non
         return Workload(model, example, None, None, _optimizer(optimizer, model), type(model).__name__, batch,
                         precision=options.precision, parallel=parallel)
     found = entry(name_or_model)
-    with torch.device(device):
-        torch.manual_seed(seed)
+    with torch.device(device), seeded(seed, device):
         model = found.build()
     if weights is not None:
         model = model.to(weights)

@@ -10,6 +10,7 @@ from torch import nn
 
 from udnn_lab.vocabulary import ATTENTION_IMPLEMENTATIONS, AttentionImplementation
 from udnn_lab.zoo import hf_configs, hf_lora
+from udnn_lab.zoo.seeding import seeded
 
 DEFAULT_SEQ_LEN = 512
 
@@ -29,8 +30,7 @@ def build(name: str, batch: int, *, seq_len: int | None, small: bool, config_ove
     overrides = _with_attention(config_overrides, attn_implementation)
     config = hf_configs.config(name, small=small, **overrides)  # says so when transformers is missing
     import transformers  # optional dependency: udnn_lab[hf], there once config() is made
-    with torch.device(device):
-        torch.manual_seed(seed)
+    with torch.device(device), seeded(seed, device):
         model = getattr(transformers, found.model_class)(config)
     if getattr(model, "loss_type", "") is None and found.task == "causal-lm":
         model.loss_type = "ForCausalLM"  # the loss transformers falls back to for GPT2LMHeadModel, without its warning
