@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -21,9 +22,28 @@ from udnn_lab.planning._candidates import candidates
 from udnn_lab.planning._copy_queue import CopyQueue
 from udnn_lab.planning._estimate import CurveEstimate
 
-_TRIED = 4  # offloads away at the peak compared at each step, largest first: the cheapest per byte is taken
-_UNPINS = 24  # at most this many (each scans what is pinned; past that a deep graph gains little)
-_UNPINNED = 4  # tensors whose replays' swaps are compared when the greedy is stuck
+# Caps on the search, each trading a little of the greedy's reach for time on deep graphs:
+_TRIED = 4  # offloads away at the peak priced at each step, largest first; the cheapest per byte is taken. Pricing
+#             one walks the copy queues, and past the few largest the cheapest per byte is rarely further down
+_UNPINS = 24  # lengthenings of chosen replays (unpin) at most: each scans every pinned tensor, and past a few dozen
+#               a deep graph's peak has moved on and gains little
+_UNPINNED = 4  # tensors, largest first, whose replays' lengthenings are priced when the greedy is stuck
+
+
+class Priced(NamedTuple):
+    """An option with the time it adds (seconds) if taken now."""
+
+    time_s: float
+    option: Option
+
+
+class Lengthening(NamedTuple):
+    """Chosen replays made longer so that a tensor they read can go: its time per byte freed, the tensor, and the
+    longer replay for each chosen tensor whose replay changes."""
+
+    seconds_per_byte: float
+    tensor: int
+    longer: dict[int, Option]
 
 
 def choose(graph: Graph, options: list[Option], target: float, starts: np.ndarray, hideable: tuple[float, float],
@@ -38,23 +58,22 @@ def choose(graph: Graph, options: list[Option], target: float, starts: np.ndarra
     its reader's wait and the delay it causes the copies queued behind it. An offloaded
     tensor may later be prefetched later, or recomputed instead. When every tensor at the
     peak is chosen or read by a chosen replay, a replay is lengthened to remake what it
-    read (``_unpin``), so that that may go too.
+    read (``_Greedy.unpin``), so that that may go too.
     """
     greedy = _Greedy(graph, options, starts, hideable, base, queued)
     peak, op = greedy.estimate.peak()
     while peak > target:
-        recompute = _first(greedy.recomputes, op, greedy.chosen, greedy.pinned, greedy.away, queued)
-        offload = _cheapest_offload(greedy.offloads, op, greedy.chosen, greedy.pinned, greedy.away, greedy.streams,
-                                    greedy.estimate)
+        recompute = greedy.first_recompute(op)
+        offload = greedy.cheapest_offload(op)
         if recompute is None and offload is None:
             if not greedy.unpin(chains, op):
                 break
         elif offload is None or (recompute is not None and recompute.cost_s / greedy.estimate.size(recompute.candidate)
-                                 < offload[0] / greedy.estimate.size(offload[1].candidate)):
+                                 < offload.time_s / greedy.estimate.size(offload.option.candidate)):
             assert recompute is not None  # not with offload None too
             greedy.take(recompute)
         else:
-            greedy.take(offload[1])
+            greedy.take(offload.option)
         peak, op = greedy.estimate.peak()
     return list(greedy.chosen.values())
 
@@ -112,20 +131,116 @@ class _Greedy:
             if pick.action == "recompute":
                 self.streams.remove(before)
 
-    def unpin(self, chains: Chains, op: int) -> bool:
-        """Free a tensor at ``op`` that chosen replays read, by lengthening them (``_unpin``); False if none."""
-        freed = None if self.unpinned == _UNPINS else \
-            _unpin(self.by_tensor, chains, op, self.chosen, self.pinned, self.held, self.away, self.estimate)
-        if freed is None:
+    def first_recompute(self, op: int) -> Option | None:
+        """The best recompute away at ``op`` (an offloaded tensor may be recomputed instead where copies queue);
+        recomputes no longer allowed are dropped from the ranking on the way, so each is passed over once."""
+        stale = []
+        found = None
+        for index, option in enumerate(self.recomputes):
+            if not self._allowed(option, switch=self.streams.queued):
+                stale.append(index)
+            elif option.window[0] <= op < option.window[1]:
+                found = option
+                break
+        for index in reversed(stale):
+            del self.recomputes[index]
+        return found
+
+    def cheapest_offload(self, op: int) -> Priced | None:
+        """Of the first few offloads away at ``op`` once their copy out has queued, the least time per byte,
+        with the window it has behind the queue."""
+        best: tuple[float, Priced] | None = None
+        tried = 0
+        stale = []
+        for index, option in enumerate(self.offloads):
+            if not self._allowed(option):
+                stale.append(index)
+                continue
+            before = self.chosen.get(option.candidate.tensor)
+            if not (option.candidate.freed_after < op if before is None else option.window[0] <= op) \
+                    or op >= option.window[1]:
+                continue
+            time_s, release = self.streams.price(option, before, op)
+            if release is not None and not self.streams.queued:
+                continue  # priced alone, an offload is away from when its copy would end with the stream to itself
+            size = self.estimate.size(option.candidate)
+            if best is None or time_s / size < best[0]:
+                window = (op if release is not None else option.window[0], option.window[1])
+                best = (time_s / size, Priced(time_s, replace(option, window=window, release=release)))
+            tried += 1
+            if tried == (_TRIED if self.streams.queued else 1):
+                break
+        for index in reversed(stale):
+            del self.offloads[index]
+        return None if best is None else best[1]
+
+    def _allowed(self, option: Option, switch: bool = True) -> bool:
+        """``switch``: an offloaded tensor may be recomputed instead."""
+        tensor = option.candidate.tensor
+        before = self.chosen.get(tensor)
+        if before is not None and before.action == "offload":
+            # an offload may still be prefetched later, to cover a peak closer to its use, or recomputed instead
+            if option.action == "offload":
+                return option.window[1] > before.window[1]
+            return switch and not self._reads_what_goes(option)
+        if before is not None:
             return False
+        return not option.late and tensor not in self.pinned and not self._reads_what_goes(option)
+
+    def _reads_what_goes(self, option: Option) -> bool:
+        """Whether a replay reads a tensor chosen here or moved by the base plan."""
+        return any(s in self.chosen or s in self.away for s in option.sources)
+
+    def unpin(self, chains: Chains, op: int) -> bool:
+        """Free a tensor at ``op`` that chosen replays read, by lengthening them; False if none can be."""
+        lengthening = None if self.unpinned == _UNPINS else self._lengthening(chains, op)
+        if lengthening is None:
+            return False
+        self.chosen.update(lengthening.longer)
         self.unpinned += 1
         self.pinned = self.held | {s for o in self.chosen.values() for s in o.sources}
-        for option in self.by_tensor[freed]:  # back among the options (a copy left there is passed over twice)
+        for option in self.by_tensor[lengthening.tensor]:  # back among the options (a copy left there: passed twice)
             if option.action == "recompute":
                 bisect.insort(self.recomputes, option, key=self._recompute_key)
             elif not option.late:
                 bisect.insort(self.offloads, option, key=self._offload_key)
         return True
+
+    def _lengthening(self, chains: Chains, op: int) -> Lengthening | None:
+        """Stuck at ``op`` with every tensor there chosen or read by a chosen replay: let the replays that read
+        one such tensor remake it instead (a longer chain of theirs), so that it may go too. Of the largest few
+        such tensors, the one whose replays cost the least added time per byte it frees; None if none can be
+        freed that way."""
+        readers: dict[int, list[Option]] = {}
+        for option in self.chosen.values():
+            for source in option.sources:
+                readers.setdefault(source, []).append(option)
+        by_tensor = self.by_tensor
+        there = [t for t in self.pinned - self.held - set(self.chosen) if t in by_tensor
+                 and by_tensor[t][0].candidate.freed_after < op < by_tensor[t][0].candidate.first_backward
+                 and any(o.window[0] <= op < o.window[1] and not o.late and not self._reads_what_goes(o)
+                         for o in by_tensor[t])]
+        best: Lengthening | None = None
+        found = 0
+        for tensor in sorted(there, key=lambda t: (-by_tensor[t][0].candidate.nbytes, t)):
+            longer: dict[int, Option] = {}
+            for reader in readers.get(tensor, ()):
+                chain = next((o for o in chains(reader.candidate.tensor)
+                              if tensor not in o.sources and not self._reads_what_goes(o)), None)
+                if chain is None:
+                    break
+                longer[reader.candidate.tensor] = chain
+            else:
+                if not longer:
+                    continue
+                added = sum(o.cost_s - self.chosen[t].cost_s for t, o in longer.items())
+                score = added / self.estimate.size(by_tensor[tensor][0].candidate)
+                if best is None or score < best.seconds_per_byte:
+                    best = Lengthening(score, tensor, longer)
+                found += 1
+                if found == _UNPINNED:
+                    break
+        return best
 
 
 class _Streams:
@@ -170,110 +285,6 @@ class _Streams:
         else:
             self.back.remove(float(self.starts[before.window[1]]), c.tensor)
         self.back.add(float(self.starts[option.window[1]]), c.tensor, option.h2d_s, float(self.starts[option.reader]))
-
-
-def _cheapest_offload(ranked: list[Option], op: int, chosen: dict[int, Option], pinned: set[int], away: set[int],
-                      streams: _Streams, estimate: CurveEstimate) -> tuple[float, Option] | None:
-    """Of the first few offloads away at ``op`` once their copy out has queued, the least time per byte,
-    with the window it has behind the queue."""
-    best: tuple[float, float, Option] | None = None
-    tried = 0
-    stale = []
-    for index, option in enumerate(ranked):
-        if not _allowed(option, chosen, pinned, away):
-            stale.append(index)
-            continue
-        before = chosen.get(option.candidate.tensor)
-        if not (option.candidate.freed_after < op if before is None else option.window[0] <= op) \
-                or op >= option.window[1]:
-            continue
-        time_s, release = streams.price(option, before, op)
-        if release is not None and not streams.queued:
-            continue  # priced alone, an offload is away from when its copy would end with the stream to itself
-        size = estimate.size(option.candidate)
-        if best is None or time_s / size < best[0]:
-            window = (op if release is not None else option.window[0], option.window[1])
-            best = (time_s / size, time_s, replace(option, window=window, release=release))
-        tried += 1
-        if tried == (_TRIED if streams.queued else 1):
-            break
-    for index in reversed(stale):
-        del ranked[index]
-    return None if best is None else (best[1], best[2])
-
-
-def _unpin(by_tensor: dict[int, list[Option]], chains: Chains, op: int, chosen: dict[int, Option], pinned: set[int],
-           held: set[int], away: set[int], estimate: CurveEstimate) -> int | None:
-    """Stuck at ``op`` with every tensor there chosen or read by a chosen replay: let the replays that read
-    one such tensor remake it instead (a longer chain of theirs), so that it may go too. Of the largest few
-    such tensors, the one whose replays cost the least added time per byte it frees (returned); None if none
-    can be freed that way."""
-    def allowed(option: Option) -> bool:
-        return not any(s in chosen or s in away for s in option.sources)
-
-    readers: dict[int, list[Option]] = {}
-    for option in chosen.values():
-        for source in option.sources:
-            readers.setdefault(source, []).append(option)
-    there = [t for t in pinned - held - set(chosen) if t in by_tensor
-             and by_tensor[t][0].candidate.freed_after < op < by_tensor[t][0].candidate.first_backward
-             and any(o.window[0] <= op < o.window[1] and not o.late and allowed(o) for o in by_tensor[t])]
-    best: tuple[float, int, dict[int, Option]] | None = None
-    found = 0
-    for tensor in sorted(there, key=lambda t: (-by_tensor[t][0].candidate.nbytes, t)):
-        swaps: dict[int, Option] = {}
-        for reader in readers.get(tensor, ()):
-            longer = next((o for o in chains(reader.candidate.tensor) if tensor not in o.sources and allowed(o)),
-                          None)
-            if longer is None:
-                break
-            swaps[reader.candidate.tensor] = longer
-        else:
-            if not swaps:
-                continue
-            added = sum(o.cost_s - chosen[t].cost_s for t, o in swaps.items())
-            score = added / estimate.size(by_tensor[tensor][0].candidate)
-            if best is None or score < best[0]:
-                best = (score, tensor, swaps)
-            found += 1
-            if found == _UNPINNED:
-                break
-    if best is None:
-        return None
-    chosen.update(best[2])
-    return best[1]
-
-
-def _first(ranked: list[Option], op: int, chosen: dict[int, Option], pinned: set[int],
-           away: set[int], switch: bool = True) -> Option | None:
-    """The best option away at ``op``; options no longer allowed are dropped from ``ranked`` on the way
-    (what is chosen or pinned stays so), so each is passed over at most once."""
-    stale = []
-    found = None
-    for index, option in enumerate(ranked):
-        if not _allowed(option, chosen, pinned, away, switch):
-            stale.append(index)
-        elif option.window[0] <= op < option.window[1]:
-            found = option
-            break
-    for index in reversed(stale):
-        del ranked[index]
-    return found
-
-
-def _allowed(option: Option, chosen: dict[int, Option], pinned: set[int], away: set[int],
-             switch: bool = True) -> bool:
-    """``switch``: an offloaded tensor may be recomputed instead."""
-    tensor = option.candidate.tensor
-    before = chosen.get(tensor)
-    if before is not None and before.action == "offload":
-        # an offload may still be prefetched later, to cover a peak closer to its use, or recomputed instead
-        if option.action == "offload":
-            return option.window[1] > before.window[1]
-        return switch and not any(s in chosen or s in away for s in option.sources)
-    if before is not None:
-        return False
-    return not option.late and tensor not in pinned and not any(s in chosen or s in away for s in option.sources)
 
 
 def taken(graph: Graph, base: Plan, estimate: CurveEstimate) -> set[int]:
