@@ -7,6 +7,7 @@ against the budget: its traced peak under keep-all, a feasible ``plan()`` under 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -49,8 +50,8 @@ def max_batch(model: str | Callable[[int], Workload], budget: int | str | None =
     if "batch" in options:
         raise TypeError("max_batch searches the batch size: leave batch out of its options")
     build = _factory(model, options, lambda name, size: zoo.get(name, batch=size, **_on_meta(options)))
-    return _search(build, _label(model), "batch", budget, policy, hardware, start, limit, multiple_of, progress,
-                   "the limit given", host_budget)
+    return _search(build, _label(model), "batch", _Setting(budget, policy, hardware, host_budget),
+                   _Sizes(start, limit, multiple_of, "the limit given"), progress)
 
 
 def max_seq_len(model: str | Callable[[int], Workload], budget: int | str | None = None, *, batch: int = 1,
@@ -73,13 +74,35 @@ def max_seq_len(model: str | Callable[[int], Workload], budget: int | str | None
         if positions is not None and (limit is None or positions < limit):
             limit, why = positions, f"the {positions} positions {model} has"
     build = _factory(model, options, lambda name, size: zoo.get(name, batch=batch, seq_len=size, **_on_meta(options)))
-    return _search(build, _label(model), "seq_len", budget, policy, hardware, start, limit, multiple_of, progress, why,
-                   host_budget)
+    return _search(build, _label(model), "seq_len", _Setting(budget, policy, hardware, host_budget),
+                   _Sizes(start, limit, multiple_of, why), progress)
 
 
-def _search(build: StepFactory, label: str, dimension: Dimension, budget: int | str | None, policy: str,
-            hardware: Hardware | str | None, start: int, limit: int | None, multiple_of: int, progress: bool | None,
-            limit_reason: str, host_budget: int | str | None) -> FitSearch:
+@dataclass(frozen=True)
+class _Setting:
+    """What a size must fit: the budget, under which policy, on which hardware, within which host budget."""
+
+    budget: int | str | None
+    policy: str
+    hardware: Hardware | str | None
+    host_budget: int | str | None
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """The sizes a search may try: from ``start``, multiples of ``multiple_of``, up to ``limit`` (``limit_reason``
+    says where that came from)."""
+
+    start: int
+    limit: int | None
+    multiple_of: int
+    limit_reason: str
+
+
+def _search(build: StepFactory, label: str, dimension: Dimension, setting: _Setting, sizes: _Sizes,
+            progress: bool | None) -> FitSearch:
+    budget, policy, hardware, host_budget = setting.budget, setting.policy, setting.hardware, setting.host_budget
+    start, limit, multiple_of, limit_reason = sizes.start, sizes.limit, sizes.multiple_of, sizes.limit_reason
     profile = resolve_hardware(hardware, PREDICTED_DEVICE)
     budget_bytes = _budget(budget, profile)
     host_budget_bytes, host_note = _host_budget(host_budget, policy, profile.device_type, budget_bytes)

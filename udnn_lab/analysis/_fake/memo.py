@@ -136,7 +136,7 @@ def _shape_rule(func, args: tuple, kwargs: dict):
     if func is _aten.native_batch_norm.default:
         return _batch_norm(*args)
     if func is _aten.native_batch_norm_backward.default:
-        return _batch_norm_backward(*args)
+        return _batch_norm_backward(args)
     return None
 
 
@@ -192,7 +192,10 @@ def _batch_norm(data, weight, bias, running_mean, running_var, training, momentu
     return False, (_like(data), channels, channels)
 
 
-def _batch_norm_backward(grad, data, weight, running_mean, running_var, save_mean, save_invstd, train, eps, mask):
+def _batch_norm_backward(args: tuple):
+    """native_batch_norm_backward(grad, input, weight, running_mean, running_var, save_mean, save_invstd, train,
+    eps, output_mask): what of its ten arguments the outputs' shapes depend on."""
+    grad, data, weight, train, mask = args[0], args[1], args[2], args[7], args[9]
     if not (_plain(grad) and _plain(data) and _like(grad) == _like(data) and isinstance(weight, FakeTensor)
             and train):
         return None
