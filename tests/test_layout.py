@@ -228,3 +228,25 @@ def test_importing_the_package_loads_no_stage_until_a_name_is_used():
     code = ("import sys, udnn_lab as ul; assert 'torch' not in sys.modules; ul.trace; "
             "assert 'torch' in sys.modules and 'altair' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})
+
+
+LONG_FUNCTIONS_ALLOWED = {"udnn_lab.cli._parser"}  # one argparse call per option: a list, read top to bottom
+
+
+def test_functions_are_short_and_private_ones_take_few_parameters():
+    """At most 60 lines a function; a private one takes fewer than ten parameters (group them into a record).
+    Public entry points keep their keyword options, as PyTorch's do."""
+    long, crowded = [], []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            lines = node.end_lineno - node.lineno + 1
+            if lines > 60 and f"{name}.{node.name}" not in LONG_FUNCTIONS_ALLOWED:
+                long.append(f"{name}.{node.name}: {lines} lines")
+            arguments = node.args
+            count = len(arguments.posonlyargs) + len(arguments.args) + len(arguments.kwonlyargs)
+            count -= bool(arguments.args) and arguments.args[0].arg in ("self", "cls")
+            if count >= 10 and node.name.startswith("_") and not node.name.startswith("__"):
+                crowded.append(f"{name}.{node.name}: {count} parameters")
+    assert not long and not crowded, "\n".join(long + crowded)

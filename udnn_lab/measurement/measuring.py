@@ -203,49 +203,23 @@ def measure(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
     if warmup < 0 or repeats < 0:
         raise ValueError(f"warmup and repeats count steps: 0 or more, got warmup={warmup}, repeats={repeats}")
     args, kwargs = split_input(map_tensors(lambda t: t.to(device), work.example_input))
-    target = map_tensors(lambda t: t.to(device), work.target)
-    scaler = grad_scaler(work.step_options, device)
-    step = dict(loss_fn=work.loss_fn, target=target, optimizer=work.optimizer, options=work.step_options,
-                scaler=scaler)
     runtime = OffloadRuntime(check_plan(plan, graph))  # a graph given: the plan must be its step's
     if graph is None and device.type == "cpu":
         graph = _traced(work)
     cost = _announce(graph, warmup + repeats, device)
     show = progress if progress is not None else cost is not None and cost.seconds > PROGRESS_SECONDS
     bar = tqdm(total=warmup + repeats + 1, desc=f"measuring {work.name}", unit="step", disable=not show, leave=False)
-    ops_shown = _OpsShown(bar, len(graph.ops) if graph is not None else 0)
-
-    def one_step() -> None:
-        with runtime:
-            run_step(work.model, args, kwargs, **step)
-        bar.update(1)
-
+    steps = _Steps(work, device, args, kwargs, map_tensors(lambda t: t.to(device), work.target),
+                   grad_scaler(work.step_options, device), runtime, bar,
+                   _OpsShown(bar, len(graph.ops) if graph is not None else 0))
     with bar, preserved(work.model, work.optimizer):
         for _ in range(warmup):
-            one_step()
+            steps.one()
         ensure_optimizer_state(work.optimizer)
-        times = [_timed(one_step, device) for _ in range(repeats)]
+        times = [_timed(steps.one, device) for _ in range(repeats)]
         before = nvml.read(_index(device)) if device.type == "cuda" else None
-
-        def recorded_step() -> tuple[Graph, _CudaSampler | None]:
-            work.model.zero_grad(set_to_none=True)  # the recorded step starts without gradients (allocator baseline)
-            counters = _CudaSampler() if device.type == "cuda" else None
-            ops_shown.done = 0  # a step the GradScaler skipped is recorded again
-
-            def after_op() -> None:
-                if counters is not None:
-                    counters.sample()
-                ops_shown.one_more()
-
-            if counters:
-                counters.start()
-            recorded = record_real_step(work.model, args, kwargs, target=target, loss_fn=work.loss_fn,
-                                        optimizer=work.optimizer, name=work.name, device_type=device.type,
-                                        options=work.step_options, scaler=scaler,
-                                        runtime=runtime if runtime.enabled else None, after_op=after_op)
-            return recorded, counters
-
-        real, counters = _steady(recorded_step, scaler, tries=1 + (SETTLE_STEPS if warmup else 0), name=work.name)
+        real, counters = _steady(steps.recorded, steps.scaler, tries=1 + (SETTLE_STEPS if warmup else 0),
+                                 name=work.name)
         bar.update(max(0, warmup + repeats + 1 - bar.n))
         after = nvml.read(_index(device)) if device.type == "cuda" else None
     return Measurement(
@@ -256,6 +230,47 @@ def measure(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         step_time_s=statistics.median(times) if times else None, step_times_s=tuple(times),
         cuda=counters.freeze() if counters else None, nvml_before=before, nvml_after=after, recorded=real,
     )
+
+
+@dataclass
+class _Steps:
+    """The steps ``measure`` runs: plain ones (under the plan's runtime) and the recorded one."""
+
+    work: Workload
+    device: torch.device
+    args: tuple
+    kwargs: dict
+    target: Any
+    scaler: torch.amp.GradScaler | None
+    runtime: OffloadRuntime
+    bar: Any  # tqdm
+    ops_shown: _OpsShown
+
+    def one(self) -> None:
+        work = self.work
+        with self.runtime:
+            run_step(work.model, self.args, self.kwargs, loss_fn=work.loss_fn, target=self.target,
+                     optimizer=work.optimizer, options=work.step_options, scaler=self.scaler)
+        self.bar.update(1)
+
+    def recorded(self) -> tuple[Graph, _CudaSampler | None]:
+        work = self.work
+        work.model.zero_grad(set_to_none=True)  # the recorded step starts without gradients (allocator baseline)
+        counters = _CudaSampler() if self.device.type == "cuda" else None
+        self.ops_shown.done = 0  # a step the GradScaler skipped is recorded again
+
+        def after_op() -> None:
+            if counters is not None:
+                counters.sample()
+            self.ops_shown.one_more()
+
+        if counters:
+            counters.start()
+        recorded = record_real_step(work.model, self.args, self.kwargs, target=self.target, loss_fn=work.loss_fn,
+                                    optimizer=work.optimizer, name=work.name, device_type=self.device.type,
+                                    options=work.step_options, scaler=self.scaler,
+                                    runtime=self.runtime if self.runtime.enabled else None, after_op=after_op)
+        return recorded, counters
 
 
 def _steady(recorded_step: Callable[[], Any], scaler: torch.amp.GradScaler | None, tries: int, name: str) -> Any:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timezone
+from typing import Any
 
 import pandas as pd
 import torch
@@ -65,41 +66,21 @@ def train(model: torch.nn.Module, batches: Iterable, optimizer: torch.optim.Opti
         return train_ranks(model, batches, optimizer, parallel=parallel, options=options, loss_fn=loss_fn,
                            plan=plan, steps=steps, callbacks=callbacks, stop=stop, progress=progress,
                            track_memory=track_memory, name=name)
-    if plan is not None and not isinstance(plan, Plan):
-        raise TypeError(f"plan is one Plan (a list of Plans, one per rank, is for parallel=), got "
-                        f"{type(plan).__name__}")
-    if fuse_optimizer and (grad_accumulation > 1 or clip_grad_norm is not None or options.scales_loss):
-        raise ValueError("fuse_optimizer=True steps each parameter inside backward, as soon as its gradient is "
-                         "ready, so it cannot accumulate gradients, clip them or unscale them (16-mixed): leave "
-                         "fuse_optimizer off for those")
+    one_plan = _one_process_plan(plan, fuse_optimizer, options)
     device = model_device(model)
-    runtime = OffloadRuntime(plan)
+    runtime = OffloadRuntime(one_plan)
     track = device.type == "cpu" if track_memory is None else track_memory
     fused = _FusedOptimizer(optimizer) if fuse_optimizer and optimizer is not None else None
     scaler = grad_scaler(options, device)
-    rows, stopped = [], "batches"
     bar = progress_bar(steps, progress, name or type(model).__name__)
-    step_batches = groups(iter(batches), grad_accumulation)
+    step = dict(loss_fn=loss_fn, optimizer=None if fused is not None else optimizer, options=options, scaler=scaler)
+
+    def run_one(index: int, group: list) -> dict:
+        return one_step(index, model, [on_device(batch, device) for batch in group], device, step, optimizer,
+                        runtime, track)
+
     try:
-        for index, group in enumerate(step_batches):
-            if steps is not None and index >= steps:
-                stopped = "steps"
-                break
-            if stop is not None and stop.is_set():
-                stopped = "stop requested"
-                break
-            step = dict(loss_fn=loss_fn, optimizer=None if fused is not None else optimizer, options=options,
-                        scaler=scaler)
-            row = one_step(index, model, [on_device(batch, device) for batch in group], device, step, optimizer,
-                            runtime, track)
-            rows.append(row)
-            bar.update(1)
-            bar.set_postfix(loss=f"{row['loss']:.4g}", peak=format_bytes(row["peak_bytes"]))
-            if any(callback(row) is False for callback in callbacks):
-                stopped = "callback"
-                break
-        else:
-            stopped = "steps" if steps is not None and len(rows) >= steps else "batches"
+        rows, stopped = _loop(groups(iter(batches), grad_accumulation), steps, stop, callbacks, bar, run_one)
     finally:
         bar.close()
         if fused is not None:
@@ -107,7 +88,7 @@ def train(model: torch.nn.Module, batches: Iterable, optimizer: torch.optim.Opti
         pinned_bytes = runtime.pool.capacity_bytes if runtime.pool is not None else 0
         runtime.release()
     return Run(model_name=name or type(model).__name__, device=device.type, device_name=device_name(device),
-               policy=plan.policy if plan is not None else "none", fused_optimizer=fused is not None,
+               policy=one_plan.policy if one_plan is not None else "none", fused_optimizer=fused is not None,
                started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                steps=pd.DataFrame(rows, columns=STEP_COLUMNS), stopped=stopped,
                pinned_bytes=pinned_bytes, options=options)
@@ -145,3 +126,42 @@ def _stepper(single: torch.optim.Optimizer):
         single.step()
         param.grad = None
     return step
+
+
+def _one_process_plan(plan: Plan | Sequence[Plan] | None, fuse_optimizer: bool, options: StepOptions) -> Plan | None:
+    """The plan of a run in this process, once the run's settings are checked to be one process's."""
+    if plan is not None and not isinstance(plan, Plan):
+        raise TypeError(f"plan is one Plan (a list of Plans, one per rank, is for parallel=), got "
+                        f"{type(plan).__name__}")
+    if fuse_optimizer and (options.grad_accumulation > 1 or options.clip_grad_norm is not None
+                           or options.scales_loss):
+        raise ValueError("fuse_optimizer=True steps each parameter inside backward, as soon as its gradient is "
+                         "ready, so it cannot accumulate gradients, clip them or unscale them (16-mixed): leave "
+                         "fuse_optimizer off for those")
+    return plan
+
+
+def _why_stop(index: int, steps: int | None, stop: threading.Event | None) -> str | None:
+    """Why the run stops before step ``index`` (None: it goes on)."""
+    if steps is not None and index >= steps:
+        return "steps"
+    if stop is not None and stop.is_set():
+        return "stop requested"
+    return None
+
+
+def _loop(step_batches: Iterable[list], steps: int | None, stop: threading.Event | None,
+          callbacks: Iterable[Callback], bar: Any, run_one: Callable[[int, list], dict]) -> tuple[list[dict], str]:
+    """Run ``run_one`` on each step's batches until they, ``steps``, ``stop`` or a callback end the run: the rows,
+    and why it ended."""
+    rows: list[dict] = []
+    for index, group in enumerate(step_batches):
+        if (why := _why_stop(index, steps, stop)) is not None:
+            return rows, why
+        row = run_one(index, group)
+        rows.append(row)
+        bar.update(1)
+        bar.set_postfix(loss=f"{row['loss']:.4g}", peak=format_bytes(row["peak_bytes"]))
+        if any(callback(row) is False for callback in callbacks):
+            return rows, "callback"
+    return rows, "steps" if steps is not None and len(rows) >= steps else "batches"

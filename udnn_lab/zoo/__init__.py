@@ -285,54 +285,84 @@ def get(name_or_model: str | nn.Module, batch: int = 8, *, image_size: int | Non
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be a positive int, got {batch!r}")
     device = torch.device(device)
-    if isinstance(name_or_model, nn.Module) and precision is None and dtype is None:
-        options = StepOptions(precision_of(name_or_model))  # your own module, in its own dtype
-    else:
-        options = StepOptions(_precision(precision, dtype))
+    options = _step_options(name_or_model, precision, dtype)
     weights = None if options.weights_dtype == torch.float32 else options.weights_dtype
     if isinstance(name_or_model, str) and name_or_model.lower().startswith(hf_configs.PREFIX):
         model, inputs = hf.build(name_or_model, batch, seq_len=seq_len, small=small,
                                  config_overrides=config_overrides, device=device, dtype=weights, seed=seed,
                                  attn_implementation=attn_implementation, lora_rank=lora_rank, lora_alpha=lora_alpha,
                                  lora_target_modules=lora_target_modules)
-        kind = "adamw" if optimizer == "default" else optimizer
-        label = hf_configs.spec(name_or_model).name + ("-small" if small else "")
-        label += hf.variant(model)
-        return Workload(model, inputs, None, hf.output_loss, _optimizer(kind, model), hf_configs.PREFIX + label, batch,
-                        precision=options.precision, parallel=parallel)
-    if seq_len is not None or small or config_overrides is not None:
-        raise ValueError("seq_len, small and config_overrides are for Hugging Face models ('hf:<name>'); "
-                         "for the others use input_shape")
-    hf_only = {"attn_implementation": attn_implementation, "lora_rank": lora_rank, "lora_alpha": lora_alpha,
-               "lora_target_modules": lora_target_modules}
-    if given := [key for key, value in hf_only.items() if value is not None]:
-        raise ValueError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for Hugging Face models "
-                         "('hf:<name>'); for your own module, wrap it with peft.get_peft_model(...) and pass that")
+        return _hf_workload(model, inputs, name_or_model, small, batch, optimizer, options, parallel)
+    _refuse_hf_options(seq_len is not None or small or config_overrides is not None,
+                       {"attn_implementation": attn_implementation, "lora_rank": lora_rank, "lora_alpha": lora_alpha,
+                        "lora_target_modules": lora_target_modules})
     optimizer = "sgd" if optimizer == "default" else optimizer
     generator_seed = torch.Generator().manual_seed(seed)
     if isinstance(name_or_model, str) and ":" in name_or_model:
         name_or_model = from_factory(name_or_model).to(device="cpu" if device.type == "meta" else device,
                                                         dtype=options.weights_dtype)
     if isinstance(name_or_model, nn.Module):
-        if input_shape is None:
-            raise ValueError("for your own module, give input_shape: the shape of one example, e.g. (3, 224, 224)")
-        model = name_or_model
-        example = _random((batch, *input_shape), options.weights_dtype, device, generator_seed)
-        return Workload(model, example, None, None, _optimizer(optimizer, model), type(model).__name__, batch,
-                        precision=options.precision, parallel=parallel)
+        return _own_module(name_or_model, (batch, *_own_shape(input_shape)), options, device, generator_seed,
+                           optimizer, parallel)
     found = entry(name_or_model)
     with torch.device(device), seeded(seed, device):
         model = found.build()
     if weights is not None:
         model = model.to(weights)
-    shape = _sample_shape(found, image_size, input_shape)
-    if found.input_kind == "tokens":
-        example = torch.randint(found.vocabulary, (batch, *shape), generator=generator_seed).to(device)
-    else:
-        example = _random((batch, *shape), options.weights_dtype, device, generator_seed)
-    target = torch.randint(found.num_classes, (batch,), generator=generator_seed).to(device)
+    example, target = _batch_for(found, (batch, *_sample_shape(found, image_size, input_shape)), options, device,
+                                 generator_seed)
     return Workload(model, example, target, classification_loss, _optimizer(optimizer, model), found.name, batch,
                     precision=options.precision, parallel=parallel)
+
+
+def _hf_workload(model: nn.Module, inputs: dict, name: str, small: bool, batch: int, optimizer: str | None,
+                 options: StepOptions, parallel: Parallel | None) -> Workload:
+    """An 'hf:' model's Workload: the loss the model returns, AdamW by default, named with its variant."""
+    label = hf_configs.PREFIX + hf_configs.spec(name).name + ("-small" if small else "") + hf.variant(model)
+    kind = "adamw" if optimizer == "default" else optimizer
+    return Workload(model, inputs, None, hf.output_loss, _optimizer(kind, model), label, batch,
+                    precision=options.precision, parallel=parallel)
+
+
+def _own_shape(input_shape: tuple[int, ...] | None) -> tuple[int, ...]:
+    if input_shape is None:
+        raise ValueError("for your own module, give input_shape: the shape of one example, e.g. (3, 224, 224)")
+    return input_shape
+
+
+def _own_module(model: nn.Module, shape: tuple[int, ...], options: StepOptions, device: torch.device,
+                generator: torch.Generator, optimizer: str | None, parallel: Parallel | None) -> Workload:
+    """Your own module's Workload: a random batch of ``shape``, the sum of its outputs as loss."""
+    example = _random(shape, options.weights_dtype, device, generator)
+    return Workload(model, example, None, None, _optimizer(optimizer, model), type(model).__name__, shape[0],
+                    precision=options.precision, parallel=parallel)
+
+
+def _refuse_hf_options(hf_sizes: bool, hf_only: dict[str, Any]) -> None:
+    """Options for 'hf:' models given with another model: say which, and what to do instead."""
+    if hf_sizes:
+        raise ValueError("seq_len, small and config_overrides are for Hugging Face models ('hf:<name>'); "
+                         "for the others use input_shape")
+    if given := [key for key, value in hf_only.items() if value is not None]:
+        raise ValueError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for Hugging Face models "
+                         "('hf:<name>'); for your own module, wrap it with peft.get_peft_model(...) and pass that")
+
+
+def _batch_for(found: ZooEntry, shape: tuple[int, ...], options: StepOptions, device: torch.device,
+               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random batch of ``shape`` for a zoo model (token ids or floats) and its class targets."""
+    if found.input_kind == "tokens":
+        example = torch.randint(found.vocabulary, shape, generator=generator).to(device)
+    else:
+        example = _random(shape, options.weights_dtype, device, generator)
+    return example, torch.randint(found.num_classes, (shape[0],), generator=generator).to(device)
+
+
+def _step_options(name_or_model: str | nn.Module, precision: Precision | None,
+                  dtype: torch.dtype | None) -> StepOptions:
+    if isinstance(name_or_model, nn.Module) and precision is None and dtype is None:
+        return StepOptions(precision_of(name_or_model))  # your own module, in its own dtype
+    return StepOptions(_precision(precision, dtype))
 
 
 def _precision(precision: Precision | None, dtype: torch.dtype | None) -> Precision:
