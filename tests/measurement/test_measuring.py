@@ -7,7 +7,7 @@ import torch
 import udnn_lab as ul
 from udnn_lab import zoo
 from udnn_lab.errors import LargeMeasurementWarning, TraceMismatch
-from udnn_lab.measurement._estimate import LARGE_SECONDS, estimate
+from udnn_lab.measurement._cost_estimate import LARGE_SECONDS, estimate
 
 # Every zoo model at a small batch; image sides as small as each architecture takes.
 ZOO_CASES = [

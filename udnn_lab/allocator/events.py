@@ -9,7 +9,7 @@ NOTE [event order of a step]
      real allocator hands out no block for them.
   2. Op i allocates the storages it creates in the order of ``op.allocated``; then the
      tensors released after it are freed in the order of ``op.released``.
-  3. Under a plan (simulate.py's NOTE [simulated streams]): an offloaded tensor is freed
+  3. Under a plan (simulation/simulator.py's NOTE [simulated streams]): an offloaded tensor is freed
      when its device-to-host copy ends, placed before the first allocation that starts
      at or after that time; a prefetch allocates when compute issues it (before op
      ``prefetch_at``); a recomputation allocates the tensors it restores just before

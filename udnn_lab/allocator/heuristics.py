@@ -1,10 +1,10 @@
 """Reserved memory and fragmentation of a step under PyTorch's caching allocator, and under alternatives.
 
 ``replay(events)`` runs allocation/free events through a model of the CUDA caching
-allocator (allocator_model.py, NOTE [modelled allocator behaviour]) or through a
-plan-aware arena layout (allocator_offline.py). ``compare(graph, plan)`` does it for
+allocator (caching_model.py, NOTE [modelled allocator behaviour]) or through a
+plan-aware arena layout (offline.py). ``compare(graph, plan)`` does it for
 every heuristic of document 003's comparison, one row each. Events come from
-allocator_events.py (NOTE [event order of a step]).
+allocator/events.py (NOTE [event order of a step]).
 
 What the numbers mean (bytes):
   live_bytes      requests rounded to 512 B: udnn_lab's ``cuda_live_bytes`` prediction

@@ -22,7 +22,7 @@ NOTE [local shard steps]
      its next ones (SGD makes its momentum by a copy, then updates it in place), and an op that DTensor first
      meets in the recorded step would bring its propagation's own ops into the trace. After two steps every op
      of the steady step has been met, and the trace is the same whatever ran before it in the process
-     (checked with clipping and a GradScaler in tests/analysis/test_local_shards.py).
+     (checked with clipping and a GradScaler in tests/analysis/test_one_rank.py).
 """
 
 from __future__ import annotations

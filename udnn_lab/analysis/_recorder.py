@@ -56,7 +56,7 @@ from udnn_lab.analysis._fake.fast_paths import FakeFastPaths
 from udnn_lab.analysis._fake.tensors import HOST_READ, zero_of
 from udnn_lab.analysis._op_work import OpWork
 from udnn_lab.analysis._sharded import ResizedStorage
-from udnn_lab.graph.records import HookEvent
+from udnn_lab.graph.step_records import HookEvent
 from udnn_lab.vocabulary import AUTOGRAD_SCOPE, COLLECTIVE_NAMESPACES, OPTIMIZER_SCOPE, Category
 
 _NO_SEQUENCE = 2**64 - 1  # sequence number of AccumulateGrad nodes
@@ -131,7 +131,7 @@ class StepRecorder(TorchDispatchMode):
         """``after_op`` is called after each recorded op, e.g. to read CUDA allocator counters.
 
         ``fake_mode``: the step runs on fake tensors of this mode, and ops run as NOTE [fake
-        fast paths] (fake_fast.py) says; ``fast_paths=False`` leaves them to fake mode.
+        fast paths] (_fake/fast_paths.py) says; ``fast_paths=False`` leaves them to fake mode.
         """
         super().__init__()
         self.after_op = after_op

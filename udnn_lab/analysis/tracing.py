@@ -56,7 +56,7 @@ def trace(model: torch.nn.Module | Workload, example_input: Any = None, loss_fn:
     run ('cpu', 'cuda'); by default the model's. With ``fake=False`` the step runs for
     real on that device; the model and optimizer are restored afterwards.
     ``fast_paths=False`` runs every op through fake mode's own dispatch (slower; it is
-    how the fast paths of fake_fast.py are checked). ``precision`` ('32-true', 'bf16-mixed',
+    how the fast paths of _fake/fast_paths.py are checked). ``precision`` ('32-true', 'bf16-mixed',
     '16-mixed', 'bf16-true', ...; by default the model's own dtype), ``grad_accumulation``
     (micro-batches per optimizer step) and ``clip_grad_norm`` (max total gradient norm): how
     the step runs (a Workload's own unless given here).

@@ -6,7 +6,7 @@ Big models have thousands of ops (DenseNet-201: ~5,500; ResNet-1001: ~8,700) and
 refuses more than 5,000 rows per dataset. Curves are therefore downsampled on purpose:
 ``points`` buckets of consecutive ops, each bucket keeping the op where the bytes peak, so
 the step's peak is always kept. Timelines coalesce consecutive events of a lane
-(see frames_streams.py).
+(see streams.py).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ from typing import Protocol
 import numpy as np
 import pandas as pd
 
-from udnn_lab.graph.memo import per_graph
-from udnn_lab.graph.records import ModuleCall, OpInfo, TensorInfo
+from udnn_lab.graph.cached import per_graph
+from udnn_lab.graph.step_records import ModuleCall, OpInfo, TensorInfo
 from udnn_lab.units import cuda_block_bytes
 from udnn_lab.vocabulary import CATEGORIES as CATEGORY_ORDER
 

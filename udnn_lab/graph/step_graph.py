@@ -20,7 +20,7 @@ from functools import cached_property
 import pandas as pd
 
 from udnn_lab.graph import liveness
-from udnn_lab.graph.records import HookEvent, ModuleCall, OpInfo, TensorInfo
+from udnn_lab.graph.step_records import HookEvent, ModuleCall, OpInfo, TensorInfo
 from udnn_lab.units import Bytes, format_bytes
 from udnn_lab.vocabulary import PHASES
 

@@ -1,7 +1,7 @@
 """Run one training step for real and record live bytes per op, aligned to the traced Graph.
 
 On CPU the live bytes are the real storages that exist after each op (see NOTE
-[storage lifetimes] in recorder.py). On CUDA they are also read from the caching
+[storage lifetimes] in analysis/_recorder.py). On CUDA they are also read from the caching
 allocator (``memory_allocated``, ``max_memory_allocated``, ``memory_reserved``) after
 each op, and NVML reports the device as the driver sees it (or why it cannot).
 The step runs as plain eager PyTorch; the model and optimizer are restored afterwards.
@@ -37,7 +37,7 @@ from udnn_lab.errors import LargeMeasurementWarning, TraceMismatch, UdnnLabError
 from udnn_lab.graph.plan_ir import check_plan
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.measurement import nvml
-from udnn_lab.measurement._estimate import PROGRESS_SECONDS, MeasurementEstimate, estimate
+from udnn_lab.measurement._cost_estimate import PROGRESS_SECONDS, MeasurementEstimate, estimate
 from udnn_lab.runtime.offload import OffloadRuntime
 from udnn_lab.units import Bytes, format_bytes
 from udnn_lab.vocabulary import Precision

@@ -20,7 +20,7 @@ from udnn_lab.graph.step_graph import Graph
 from udnn_lab.planning._auto_options import Chains, Option
 from udnn_lab.planning._candidates import candidates
 from udnn_lab.planning._copy_queue import CopyQueue
-from udnn_lab.planning._estimate import CurveEstimate
+from udnn_lab.planning._curve_estimate import CurveEstimate
 
 # Caps on the search, each trading a little of the greedy's reach for time on deep graphs:
 _TRIED = 4  # offloads away at the peak priced at each step, largest first; the cheapest per byte is taken. Pricing

@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from udnn_lab.graph.memo import per_graph
+from udnn_lab.graph.cached import per_graph
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.vocabulary import PLANNED_CATEGORIES
 

@@ -14,7 +14,7 @@ from udnn_lab.cost.model import CostModel
 from udnn_lab.graph.plan_ir import Recompute, written_after
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.planning._candidates import Candidate, candidates, first_backward_op, writers
-from udnn_lab.planning._estimate import CurveEstimate
+from udnn_lab.planning._curve_estimate import CurveEstimate
 
 _KEPT = ("parameter", "buffer", "input")
 

@@ -27,7 +27,7 @@ from udnn_lab.graph.step_graph import Graph
 from udnn_lab.planning._auto_greedy import choose, taken
 from udnn_lab.planning._auto_options import Chains, Option, auto_options
 from udnn_lab.planning._candidates import first_backward_op
-from udnn_lab.planning._estimate import CurveEstimate
+from udnn_lab.planning._curve_estimate import CurveEstimate
 from udnn_lab.planning.host import plan_host_bytes
 from udnn_lab.planning.registry import CHOOSING_POLICIES, POLICIES, SOLVER_POLICIES, keep_all_peak, policy
 from udnn_lab.planning.vdnn import MARGINS, SIZE_FLOOR, pinned_pool_bytes

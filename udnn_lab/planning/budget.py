@@ -14,7 +14,7 @@ from udnn_lab.graph.plan_ir import Plan
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware.profiles import Hardware
 from udnn_lab.planning._candidates import candidates
-from udnn_lab.planning._estimate import CurveEstimate
+from udnn_lab.planning._curve_estimate import CurveEstimate
 from udnn_lab.planning.auto import auto_within_host
 from udnn_lab.planning.host import LOCAL, host_budget_bytes, plan_host_bytes
 from udnn_lab.planning.registry import POLICIES, quick_policies

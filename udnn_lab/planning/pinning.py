@@ -27,7 +27,7 @@ from udnn_lab.cost.model import CostModel
 from udnn_lab.graph.plan_ir import Offload, Plan
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.planning._candidates import Candidate, candidates, first_backward_op, prefetch_point
-from udnn_lab.planning._estimate import CurveEstimate
+from udnn_lab.planning._curve_estimate import CurveEstimate
 from udnn_lab.planning.registry import policy
 from udnn_lab.planning.vdnn import MARGINS, SIZE_FLOOR, pinned_pool_bytes
 from udnn_lab.simulation.simulator import simulate_with

@@ -16,7 +16,7 @@ import bisect
 import math
 
 from udnn_lab.cost.model import CostModel
-from udnn_lab.graph.memo import per_graph
+from udnn_lab.graph.cached import per_graph
 from udnn_lab.graph.plan_ir import Plan, PlanError, Recompute, check_recompute
 from udnn_lab.graph.step_graph import Graph, writes_in_place
 from udnn_lab.planning._candidates import candidates, writers

@@ -1,6 +1,6 @@
 """Live bytes of a step on a CPU, where there is no allocator to ask: storages counted as they come and go.
 
-A lighter cousin of the recorder (NOTE [storage lifetimes] in recorder.py): it keeps no
+A lighter cousin of the recorder (NOTE [storage lifetimes] in analysis/_recorder.py): it keeps no
 op records, only the bytes alive now and the most seen at once. As the recorder does (NOTE [wrapper tensors]),
 it lets a DTensor run its own dispatch and counts the plain tensors inside, and it reads the size of the
 storages FSDP2 empties and refills in place (NOTE [resized storages]) again before each op.

@@ -48,7 +48,7 @@ NOTE [offload runtime]
      the RNG state before a random op; when the op before ``at_op`` ends (autograd unpacks
      a node's saved tensors before the node's first op runs) they are replayed with that
      state, into clones of any buffer they write, so running statistics stay as eager
-     leaves them (replay.py). A collective is never recorded: every rank calls it together,
+     leaves them (_replay.py). A collective is never recorded: every rank calls it together,
      so a plan whose recomputation would re-run one raises ReplayError before it runs.
   7. Release. A slot's restored storage is dropped when the last handle of it is
      collected: autograd frees saved variables as their backward node finishes. A handle

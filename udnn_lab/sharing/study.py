@@ -6,7 +6,7 @@ measured; that share is measured from the signals (``interference``), and a Q1 r
 pair above ``max_interference`` is measured again, up to ``retries`` times, keeping the
 least disturbed attempt.
 
-One worker process per job (sharing_procs.py). A job that fails at any point is
+One worker process per job (_procs.py). A job that fails at any point is
 recorded with its error and left out of what follows; the others go on. A cap below a
 job's minimum is refused before any job runs.
 

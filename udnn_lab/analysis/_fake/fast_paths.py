@@ -11,8 +11,8 @@ NOTE [fake fast paths]
   3. An in-place op whose only written argument is its first, and which changes no
      metadata (not an inplace_view op, not resize_/set_), returns that argument and
      allocates nothing (optimizer updates, gradient accumulation).
-  4. Other ops go through the memo of fake_memo.py (NOTE [fake op memo]).
-  tests/test_fake_fast.py traces the zoo with and without these paths and requires
+  4. Other ops go through the memo of memo.py (NOTE [fake op memo]).
+  tests/analysis/test_fake_fast_paths.py traces the zoo with and without these paths and requires
   identical graphs. Two rules hold with or without them: an op all of whose tensor
   arguments are real runs for real, outside fake mode (host-side scalars such as Adam's
   step counters stay real and can be read with .item()), and ops whose meta kernels
