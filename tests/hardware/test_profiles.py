@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from udnn_lab.devices import device_name
-from udnn_lab.hardware.probing import SWEEP_COLUMNS
+from udnn_lab.hardware.machine_probes import SWEEP_COLUMNS
 from udnn_lab.hardware.profiles import Hardware, HardwareMismatchWarning, HardwareProfileError, UnknownHardwareError
 
 

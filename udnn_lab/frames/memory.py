@@ -15,9 +15,9 @@ import numpy as np
 import pandas as pd
 
 from udnn_lab.cost.profiling import Profile
+from udnn_lab.frames.runs import TRAINING_COLUMNS, training
 from udnn_lab.frames.streams import LANES, STALL_KINDS, TIMELINE_FRAME_COLUMNS, timeline
 from udnn_lab.frames.sweeps import bandwidth, budget_sweep, savings, simulations
-from udnn_lab.frames.training import TRAINING_COLUMNS, training
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.measurement.measuring import Measurement
 from udnn_lab.simulation.simulator import Simulation

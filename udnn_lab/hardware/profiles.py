@@ -31,7 +31,7 @@ import torch
 
 from udnn_lab.devices import as_device, device_name
 from udnn_lab.errors import HardwareMismatchWarning, HardwareProfileError, UnknownHardwareError
-from udnn_lab.hardware.probing import measure_hardware
+from udnn_lab.hardware.machine_probes import measure_hardware
 from udnn_lab.units import format_bytes, parse_bytes
 from udnn_lab.vocabulary import DIRECTIONS, memory_kind
 
@@ -202,7 +202,7 @@ class Hardware:
 
         ``collectives=True`` (CPU): also time all-reduces between two gloo ranks on this machine, the link
         figures a CPU rank of several is simulated with (a few seconds more). ``measure_with_sweep`` takes the
-        same arguments and also returns the copy sweep. See :func:`udnn_lab.hardware.probing.measure_hardware`.
+        same arguments and also returns the copy sweep. See :func:`udnn_lab.hardware.machine_probes.measure_hardware`.
         """
         return cls.measure_with_sweep(device, sizes, repeats, matmul_size, conv_size, progress, collectives)[0]
 
