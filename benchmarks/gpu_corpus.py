@@ -17,7 +17,8 @@ Diagnostics, so that a machine without a GPU can work from them (under ``<out>/g
 over budget or off by more than 1% (peak) the allocator's history of one more step
 (``torch.cuda.memory._snapshot()``, gzip'd pickle, stacks included: memory_viz reads it); the keep-all step's
 per-op measured curve beside the predicted one when its peak is off by more than 1%; kernel times by op and
-input shapes (``torch.profiler``) of the keep-all step and of one recompute plan's step.
+input shapes (``torch.profiler``) of the keep-all step and of one recompute plan's step; ``ul.profile`` of the
+keep-all step (every op timed alone), which ``benchmarks/fit_rates.py`` turns into the machine's rate curve.
 
 Rows go to ``<out>/gpu_corpus.jsonl`` one line per run as they finish. Without a CUDA device it says so and
 exits 0 unless ``--device cpu`` asks for a dry run of the same code on small sizes (no peaks there).
@@ -280,6 +281,22 @@ class Model:
             json.dump(rows[:400], file)
         return path.name
 
+    def op_profile(self) -> str:
+        """``ul.profile`` of the step (each op timed alone, two repeats): what ``benchmarks/fit_rates.py`` fits a
+        rate curve for this machine's profile from."""
+        import dataclasses
+
+        import udnn_lab as ul
+        from udnn_lab.cost.model import _compute_dtype
+
+        found = ul.profile(self.work, repeats=2, warmup=1)
+        same_ops = tuple(op.name for op in self.graph.ops) == found.ops
+        dtypes = [_compute_dtype(self.graph, op) for op in self.graph.ops] if same_ops else None
+        path = self.diagnostics / f"{self.case.name}-profile.json.gz"
+        with gzip.open(path, "wt") as file:
+            json.dump({**dataclasses.asdict(found), "compute_dtypes": dtypes}, file)
+        return path.name
+
     def measured_curve(self) -> str | None:
         """The keep-all step's live bytes per op, measured beside predicted (ul.measure)."""
         import udnn_lab as ul
@@ -355,6 +372,7 @@ def run_model(case: Case, device: torch.device, small: bool, out: Path, emit) ->
                 row.update(capped_runs=not capped.error, capped_error=capped.error,
                            capped_step_s=capped.seconds[-1] if capped.seconds else None)
             row["kernels"] = subject.kernel_times(None, "keep-all")
+            row["profile"] = subject.op_profile()
             if row["peak_error"] is not None and abs(row["peak_error"]) > PEAK_TOLERANCE:
                 row["curve"] = subject.measured_curve()
         except Exception as err:

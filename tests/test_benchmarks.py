@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import udnn_lab as ul
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -46,6 +48,12 @@ def test_gpu_corpus_dry_run_on_cpu_holds_every_plan_to_eager(tmp_path):
     assert (tmp_path / "gpu_corpus" / "gpt2-keep-all-kernels.json.gz").exists()
     again = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=600, env=_threads())
     assert "gpt2: in gpu_corpus.jsonl already" in again.stdout
+    curve = tmp_path / "rates.json"  # the keep-all step's per-op profile makes a rate curve
+    fitted = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fit_rates.py"), str(tmp_path / "gpu_corpus"),
+                             "--hardware", "cpu-amd-epyc-2cpu", "--out", str(curve)], capture_output=True, text=True,
+                            timeout=300)
+    assert fitted.returncode == 0, fitted.stderr[-2000:]
+    assert "gpt2" in fitted.stdout and ul.RateCurve.load(curve).points
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the check runs for real (make gpu-check)")
