@@ -508,7 +508,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--small", action="store_true", help="small sizes (a dry run of the code path)")
     parser.add_argument("--total-s", type=float, default=360.0, help="time for the whole corpus")
-    parser.add_argument("--model-s", type=float, default=60.0, help="time for one model at most")
+    parser.add_argument("--model-s", type=float, default=90.0, help="time for one model at most")
     parser.add_argument("--resume", action="store_true", help="skip the models <out>/gpu_corpus.jsonl already has")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child: one model
     args = parser.parse_args()
