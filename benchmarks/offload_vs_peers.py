@@ -2,7 +2,10 @@
 
 Methods: the unconstrained step; ours (auto, vdnn-all, vdnn++ plans run by OffloadRuntime);
 PyTorch's torch.autograd.graph.save_on_cpu(pin_memory=True); torchtune's OffloadActivations
-when it is installed; torch.utils.checkpoint over the model's top-level stages. For each
+when it is installed; torch.utils.checkpoint over the model's top-level stages, and PyTorch's selective
+activation checkpointing inside them (matmuls and convolutions saved); torch.compile with
+activation_memory_budget (PyTorch's own recompute planner; not with --quick). After each peer, ours (auto)
+planned for the peak that peer measured: the two at equal memory. For each
 model and budget (a fraction of the keep-all peak): step time relative to unconstrained,
 measured peak against the budget, and (ours) predicted against measured. Then the largest
 batch each method fits under a fixed memory cap. On CUDA, peaks are
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gc
 import json
 import platform
@@ -138,22 +142,40 @@ def torchtune_offload():
     return (lambda: OffloadActivations()), ""
 
 
-def checkpointed(model: nn.Module) -> nn.Module | None:
-    """The model's top-level stages under torch.utils.checkpoint, for models whose forward is a chain of them."""
+def checkpointed(model: nn.Module, selective: bool = False) -> nn.Module | None:
+    """The model's top-level stages under torch.utils.checkpoint, for models whose forward is a chain of them.
+    ``selective``: PyTorch's selective activation checkpointing inside each stage (matmuls and convolutions
+    saved, the rest recomputed)."""
     stages = _stages(model)
     if stages is None:
         return None
-    return _Checkpointed(stages)
+    return _Checkpointed(stages, selective)
+
+
+_SAVED_BY_SELECTIVE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                       torch.ops.aten.convolution.default, torch.ops.aten._scaled_dot_product_flash_attention.default,
+                       torch.ops.aten._scaled_dot_product_efficient_attention.default}
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class _Checkpointed(nn.Module):
-    def __init__(self, stages: list[nn.Module]) -> None:
+    def __init__(self, stages: list[nn.Module], selective: bool = False) -> None:
         super().__init__()
         self.stages = nn.ModuleList(stages)
+        self.selective = selective
 
     def forward(self, x):
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+        extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _selective_policy)} \
+            if self.selective else {}
         for stage in self.stages[:-1]:
-            x = torch.utils.checkpoint.checkpoint(stage, x, use_reentrant=False)
+            x = checkpoint(stage, x, use_reentrant=False, **extra)
         return self.stages[-1](x)
 
 
@@ -209,28 +231,56 @@ def budgets_for(bench: Bench, unconstrained: dict, quick: bool) -> list[dict]:
     return rows
 
 
-def peers(bench: Bench, unconstrained: dict) -> list[dict]:
+def peers(bench: Bench, unconstrained: dict, quick: bool = False) -> list[dict]:
+    """Each peer's step, then ours (auto) planned for the peak that peer measured: the two at equal memory."""
     rows = []
     base = {"model": bench.name, "batch": bench.batch}
-    measured = bench.measure(save_on_cpu(bench))
-    rows.append({**base, "method": "save_on_cpu", **measured,
-                 "relative_step_time": measured["step_time_s"] / unconstrained["step_time_s"]})
-    at_equal = ours(bench, "auto", measured["peak_bytes"])[0] if _fits(bench, measured["peak_bytes"]) else None
-    if at_equal is not None:
-        try:
-            ours_equal = bench.measure(at_equal)
-        except HostMemoryError as err:
-            ours_equal = {"note": f"host memory: {err}"}
-        rows.append({**base, "method": "udnn_lab auto at save_on_cpu's peak", **ours_equal,
-                     "speedup_over_save_on_cpu": measured["step_time_s"] / ours_equal["step_time_s"]})
     factory, why = torchtune_offload()
-    rows.append({**base, "method": "torchtune OffloadActivations",
-                 **(bench.measure(factory) if factory else {"note": why})})
-    model = checkpointed(copy.deepcopy(bench.work.model))
-    rows.append({**base, "method": "torch.utils.checkpoint",
-                 **(bench.measure(nullcontext, model) if model is not None else
-                    {"note": "no chain of top-level stages to checkpoint in this model"})})
+    candidates = [("save_on_cpu", save_on_cpu(bench), None, ""),
+                  ("torchtune OffloadActivations", factory, None, why),
+                  ("torch.utils.checkpoint", nullcontext, checkpointed(copy.deepcopy(bench.work.model)),
+                   NO_STAGES),
+                  ("selective activation checkpointing", nullcontext,
+                   checkpointed(copy.deepcopy(bench.work.model), selective=True), NO_STAGES)]
+    if not quick:  # compiling takes a minute or more per model
+        budget = COMPILE_MEMORY_BUDGET
+        candidates.append((f"torch.compile activation_memory_budget={budget}", _compile_budget(budget),
+                           torch.compile(copy.deepcopy(bench.work.model)), ""))
+    for method, context, model, why_not in candidates:
+        if context is None or (model is None and why_not == NO_STAGES):
+            rows.append({**base, "method": method, "note": why_not})
+            continue
+        try:
+            measured = bench.measure(context, model)
+        except Exception as err:  # a peer that cannot run this model is a row saying why, not a stopped benchmark
+            rows.append({**base, "method": method, "note": f"{type(err).__name__}: {str(err).splitlines()[0]}"})
+            continue
+        rows.append({**base, "method": method, **measured,
+                     "relative_step_time": measured["step_time_s"] / unconstrained["step_time_s"]})
+        rows.append(_ours_at(bench, method, measured))
     return rows
+
+
+NO_STAGES = "no chain of top-level stages to checkpoint in this model"
+COMPILE_MEMORY_BUDGET = 0.5  # torch._functorch.config.activation_memory_budget: PyTorch's own recompute planner
+
+
+def _compile_budget(budget: float):
+    return lambda: torch._functorch.config.patch(activation_memory_budget=budget)
+
+
+def _ours_at(bench: Bench, peer: str, measured: dict) -> dict:
+    """auto planned for the peak a peer measured, and how its step compares with the peer's."""
+    row = {"model": bench.name, "batch": bench.batch, "method": f"udnn_lab auto at {peer}'s peak",
+           "budget_bytes": measured["peak_bytes"]}
+    if not _fits(bench, measured["peak_bytes"]):
+        return {**row, "note": "no plan fits that peak"}
+    try:
+        ours_equal = bench.measure(ours(bench, "auto", measured["peak_bytes"])[0])
+    except HostMemoryError as err:
+        return {**row, "note": f"host memory: {err}"}
+    return {**row, **ours_equal, "speedup_over_peer": measured["step_time_s"] / ours_equal["step_time_s"],
+            "fits": ours_equal["peak_bytes"] <= measured["peak_bytes"]}
 
 
 def _fits(bench: Bench, budget: int) -> bool:
@@ -366,7 +416,7 @@ def run(device: torch.device, quick: bool, models: list[str] | None = None) -> d
         results.append({"model": name, "batch": batch, "method": "unconstrained", **unconstrained,
                         "predicted_peak_bytes": bench.predicted_peak})
         results += budgets_for(bench, unconstrained, quick)
-        results += peers(bench, unconstrained)
+        results += peers(bench, unconstrained, quick)
         cap = int(unconstrained["peak_bytes"] * 1.1)  # the unconstrained step fits its own batch, no more
         del bench  # its model and batch would count against the cap below
         gc.collect()
@@ -388,13 +438,14 @@ def _print_batches(rows: list[dict]) -> None:
 
 
 def _print(document: dict) -> None:
-    print(f"\n{'model':12s} {'method':40s} {'budget':>7s} {'step':>9s} {'rel':>6s} {'peak':>10s} {'fits':>5s}")
+    print(f"\n{'model':12s} {'method':58s} {'budget':>7s} {'step':>9s} {'rel':>6s} {'peak':>10s} {'fits':>5s}")
     for row in document["rows"]:
         budget = f"{row['fraction']:.0%}" if "fraction" in row else ""
         step = f"{row['step_time_s'] * 1e3:8.1f}ms" if "step_time_s" in row else "        -"
-        rel = f"{row['relative_step_time']:5.2f}x" if "relative_step_time" in row else ""
+        rel = f"{row['relative_step_time']:5.2f}x" if "relative_step_time" in row else \
+            f"/{row['speedup_over_peer']:4.2f}" if "speedup_over_peer" in row else ""
         peak = f"{row['peak_bytes'] / 2**20:9.1f}M" if "peak_bytes" in row else ""
-        print(f"{row['model']:12s} {row['method']:40s} {budget:>7s} {step} {rel:>6s} {peak:>10s} "
+        print(f"{row['model']:12s} {row['method']:58s} {budget:>7s} {step} {rel:>6s} {peak:>10s} "
               f"{str(row.get('fits', '')):>5s} {row.get('note', '')[:60]}")
 
 
