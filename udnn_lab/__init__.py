@@ -10,80 +10,158 @@ Every public name loads on first use: ``import udnn_lab`` costs no torch import,
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from udnn_lab import zoo
-    from udnn_lab.analysis import trace
-    from udnn_lab.cost import CostModel, Profile, RateCurve, profile
+    from udnn_lab import zoo as zoo
+    from udnn_lab.analysis import trace as trace
+    from udnn_lab.cost import CostModel as CostModel
+    from udnn_lab.cost import Profile as Profile
+    from udnn_lab.cost import RateCurve as RateCurve
+    from udnn_lab.cost import profile as profile
     from udnn_lab.errors import (
-        BudgetTooSmall,
-        FakeTensorUnsupported,
-        HardwareMismatchWarning,
-        HardwareProfileError,
-        HostMemoryError,
-        LargeMeasurementWarning,
-        MissingDependency,
-        ModelFactoryError,
-        ModelInputError,
-        PlanError,
-        PlanInfeasible,
-        PlanMismatch,
-        ShippedProfileWarning,
-        TraceMismatch,
-        UdnnLabError,
-        UnknownHardwareError,
-        UnknownModelError,
+        BudgetTooSmall as BudgetTooSmall,
     )
-    from udnn_lab.fitting import FitSearch, WorldSizeSearch, max_batch, max_seq_len, min_world_size, sweep
-    from udnn_lab.graph import Graph, NetworkWide, Offload, Plan, Recompute, network_wide
-    from udnn_lab.hardware import Hardware
-    from udnn_lab.measurement import Measurement, measure
-    from udnn_lab.parallel import DDP, FSDP
-    from udnn_lab.planning import min_budget, plan
-    from udnn_lab.runtime import OffloadRuntime, Run, train
-    from udnn_lab.simulation import Simulation, network_wide_saving, simulate
-    from udnn_lab.units import Bytes, format_bytes, format_seconds, parse_bytes
-    from udnn_lab.widgets import MemoryLab
-    from udnn_lab.workload import Workload
+    from udnn_lab.errors import (
+        FakeTensorUnsupported as FakeTensorUnsupported,
+    )
+    from udnn_lab.errors import (
+        HardwareMismatchWarning as HardwareMismatchWarning,
+    )
+    from udnn_lab.errors import (
+        HardwareProfileError as HardwareProfileError,
+    )
+    from udnn_lab.errors import (
+        HostMemoryError as HostMemoryError,
+    )
+    from udnn_lab.errors import (
+        LargeMeasurementWarning as LargeMeasurementWarning,
+    )
+    from udnn_lab.errors import (
+        MissingDependency as MissingDependency,
+    )
+    from udnn_lab.errors import (
+        ModelFactoryError as ModelFactoryError,
+    )
+    from udnn_lab.errors import (
+        ModelInputError as ModelInputError,
+    )
+    from udnn_lab.errors import (
+        PlanError as PlanError,
+    )
+    from udnn_lab.errors import (
+        PlanInfeasible as PlanInfeasible,
+    )
+    from udnn_lab.errors import (
+        PlanMismatch as PlanMismatch,
+    )
+    from udnn_lab.errors import (
+        ShippedProfileWarning as ShippedProfileWarning,
+    )
+    from udnn_lab.errors import (
+        TraceMismatch as TraceMismatch,
+    )
+    from udnn_lab.errors import (
+        UdnnLabError as UdnnLabError,
+    )
+    from udnn_lab.errors import (
+        UnknownHardwareError as UnknownHardwareError,
+    )
+    from udnn_lab.errors import (
+        UnknownModelError as UnknownModelError,
+    )
+    from udnn_lab.fitting import (
+        FitSearch as FitSearch,
+    )
+    from udnn_lab.fitting import (
+        WorldSizeSearch as WorldSizeSearch,
+    )
+    from udnn_lab.fitting import (
+        max_batch as max_batch,
+    )
+    from udnn_lab.fitting import (
+        max_seq_len as max_seq_len,
+    )
+    from udnn_lab.fitting import (
+        min_world_size as min_world_size,
+    )
+    from udnn_lab.fitting import (
+        sweep as sweep,
+    )
+    from udnn_lab.graph import (
+        Graph as Graph,
+    )
+    from udnn_lab.graph import (
+        NetworkWide as NetworkWide,
+    )
+    from udnn_lab.graph import (
+        Offload as Offload,
+    )
+    from udnn_lab.graph import (
+        Plan as Plan,
+    )
+    from udnn_lab.graph import (
+        Recompute as Recompute,
+    )
+    from udnn_lab.graph import (
+        network_wide as network_wide,
+    )
+    from udnn_lab.hardware import Hardware as Hardware
+    from udnn_lab.measurement import Measurement as Measurement
+    from udnn_lab.measurement import measure as measure
+    from udnn_lab.parallel import DDP as DDP
+    from udnn_lab.parallel import FSDP as FSDP
+    from udnn_lab.planning import min_budget as min_budget
+    from udnn_lab.planning import plan as plan
+    from udnn_lab.runtime import OffloadRuntime as OffloadRuntime
+    from udnn_lab.runtime import Run as Run
+    from udnn_lab.runtime import train as train
+    from udnn_lab.simulation import (
+        Simulation as Simulation,
+    )
+    from udnn_lab.simulation import (
+        network_wide_saving as network_wide_saving,
+    )
+    from udnn_lab.simulation import (
+        simulate as simulate,
+    )
+    from udnn_lab.units import (
+        Bytes as Bytes,
+    )
+    from udnn_lab.units import (
+        format_bytes as format_bytes,
+    )
+    from udnn_lab.units import (
+        format_seconds as format_seconds,
+    )
+    from udnn_lab.units import (
+        parse_bytes as parse_bytes,
+    )
+    from udnn_lab.widgets import MemoryLab as MemoryLab
+    from udnn_lab.workload import Workload as Workload
 
-# public name -> the module it lives in (a module's own name for the zoo)
-_HOMES = {
-    "zoo": "udnn_lab.zoo", "trace": "udnn_lab.analysis",
-    **dict.fromkeys(["CostModel", "Profile", "RateCurve", "profile"], "udnn_lab.cost"),
-    **dict.fromkeys(["FakeTensorUnsupported", "HardwareMismatchWarning", "HardwareProfileError", "HostMemoryError",
-                     "LargeMeasurementWarning", "MissingDependency", "ModelFactoryError", "ModelInputError",
-                     "PlanError", "PlanInfeasible", "PlanMismatch", "ShippedProfileWarning", "TraceMismatch",
-                     "UdnnLabError", "UnknownHardwareError", "UnknownModelError"], "udnn_lab.errors"),
-    **dict.fromkeys(["Graph", "NetworkWide", "Offload", "Plan", "Recompute", "network_wide"], "udnn_lab.graph"),
-    **dict.fromkeys(["FitSearch", "WorldSizeSearch", "max_batch", "max_seq_len", "min_world_size", "sweep"],
-                    "udnn_lab.fitting"),
-    "BudgetTooSmall": "udnn_lab.errors",
-    "Hardware": "udnn_lab.hardware",
-    **dict.fromkeys(["Measurement", "measure"], "udnn_lab.measurement"),
-    **dict.fromkeys(["DDP", "FSDP"], "udnn_lab.parallel"),
-    **dict.fromkeys(["min_budget", "plan"], "udnn_lab.planning"),
-    **dict.fromkeys(["OffloadRuntime", "Run", "train"], "udnn_lab.runtime"),
-    **dict.fromkeys(["Simulation", "network_wide_saving", "simulate"], "udnn_lab.simulation"),
-    **dict.fromkeys(["Bytes", "format_bytes", "format_seconds", "parse_bytes"], "udnn_lab.units"),
-    "MemoryLab": "udnn_lab.widgets",  # the app pulls in altair and ipywidgets
-    "Workload": "udnn_lab.workload",
-}
 
-__all__ = [
-    "Bytes", "CostModel", "FakeTensorUnsupported", "Graph", "Hardware", "HardwareMismatchWarning",
-    "HardwareProfileError", "HostMemoryError", "LargeMeasurementWarning", "Measurement", "MemoryLab",
-    "MissingDependency", "ModelFactoryError", "ModelInputError", "NetworkWide", "Offload", "OffloadRuntime", "Plan",
-    "PlanError", "PlanInfeasible", "PlanMismatch", "Profile", "RateCurve", "Recompute", "Run",
-    "ShippedProfileWarning", "Simulation", "TraceMismatch", "UdnnLabError", "UnknownHardwareError",
-    "UnknownModelError", "Workload", "format_bytes", "format_seconds", "measure", "min_budget", "network_wide",
-    "network_wide_saving", "parse_bytes", "plan",
-    "profile", "simulate", "sweep", "trace", "train", "zoo",
-    "BudgetTooSmall", "FitSearch", "max_batch", "max_seq_len", "DDP", "FSDP", "WorldSizeSearch", "min_world_size",
-]
-assert sorted(__all__) == sorted(_HOMES), "every public name has a home, and only those"
+def _homes() -> dict[str, str]:
+    """Public name -> the module it lives in (a module's own name for the zoo), read from the imports under
+    TYPE_CHECKING above: that block is the one list of public names, for type checkers and for this."""
+    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    block = next(node for node in tree.body if isinstance(node, ast.If) and isinstance(node.test, ast.Name)
+                 and node.test.id == "TYPE_CHECKING")
+    homes = {}
+    for node in block.body:
+        if isinstance(node, ast.ImportFrom) and node.module:  # 'from udnn_lab.x import y as y', all there are
+            for alias in node.names:
+                homes[alias.asname or alias.name] = \
+                    f"udnn_lab.{alias.name}" if node.module == "udnn_lab" else node.module
+    return homes
+
+
+_HOMES = _homes()
+__all__ = sorted(_HOMES)
 __version__ = "0.1.0"
 
 
