@@ -1,5 +1,5 @@
 # make lab  - create .venv if needed, install, open JupyterLab on the quickstart
-# make gpu-check - every GPU test and GPU benchmark; raw JSON under data/benchmarks/gpu/ (needs a CUDA device). It runs
+# make gpu-check - the GPU corpus and every GPU test; raw JSON under data/benchmarks/gpu/ (needs a CUDA device). It runs
 #                  in .venv where there is one, else in the machine's own python (a GPU image with its own torch), and
 #                  installs from .whl/ what that lacks; make gpu-wheels fills .whl/ here, to carry there
 # make test - create .venv if needed, install, lint (ruff, mypy), run the whole test suite (on Debian it first installs
