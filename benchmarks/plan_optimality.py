@@ -10,7 +10,7 @@ of the optimum wherever it is proven, never slower than another policy, its step
 rising as the budget grows; and auto's planning time on ResNet-1001 at batch 64 (target < 2 s).
 Prints tables and writes JSON.
 
-    python benchmarks/plan_optimality.py [--hardware h100-sxm] [--time-limit 60] [--models alexnet ...]
+    python benchmarks/plan_optimality.py [--hardware h100-sxm] [--time-limit 60] [--models alexnet ...] [--large]
                                          [--out data/benchmarks/plan_optimality.json]
 """
 
@@ -36,17 +36,28 @@ from udnn_lab.units import format_bytes
 
 MODELS = [("alexnet", 64, {}), ("vgg11", 32, {}), ("resnet18", 32, {"image_size": 128}), ("resnet18", 64, {}),
           ("resnet50", 64, {}), ("lstm", 256, {}), ("transformer", 32, {})]
+# --large: the sizes people train, at fractions of the keep-all peak (ResNet-50 batch 256; a Llama-style decoder of
+# 4 layers at hidden 2048 in bf16-mixed, batch 4 x 1024 tokens, AdamW, whose weights, gradients and AdamW state
+# are most of its peak, so its budgets are higher)
+LARGE_MODELS = [("resnet50", 256, {}, (0.35, 0.5, 0.7, 0.85)),
+                ("hf:llama-3-8b", 4, {"precision": "bf16-mixed", "seq_len": 1024, "config_overrides": {
+                    "hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 16,
+                    "num_key_value_heads": 8, "num_hidden_layers": 4}}, (0.9, 0.95))]
 BUDGETS = 8
 WITHIN = 0.02  # auto's target: within 2% of a proven optimum
 SINGLE = [name for name in POLICIES if name != "optimal"]
 TOLERANCE = 1e-9  # relative: float rounding of the same op times summed in another order
 
 
-def model_rows(name: str, batch: int, options: dict, hardware: str, time_limit_s: float) -> dict:
+def model_rows(name: str, batch: int, options: dict, hardware: str, time_limit_s: float,
+               fractions: tuple[float, ...] = ()) -> dict:
+    """``fractions``: budgets at these fractions of the keep-all peak (those auto can meet); by default BUDGETS
+    budgets from the smallest auto meets to the peak."""
     graph = ul.trace(ul.zoo.get(name, batch=batch, device="meta", **options), device="cuda")
     cost = cost_model(graph, hardware)
     low, high = min_budget(graph, "auto", cost=cost), graph.cuda_peak_bytes
-    budgets = sorted({low + (high - low) * i // (BUDGETS - 1) for i in range(BUDGETS)})
+    budgets = sorted({int(high * f) for f in fractions if int(high * f) >= low}) if fractions else \
+        sorted({low + (high - low) * i // (BUDGETS - 1) for i in range(BUDGETS)})
     rows = []
     for budget in budgets:
         policies = {}
@@ -150,14 +161,16 @@ def main() -> None:
     parser.add_argument("--hardware", default="h100-sxm")
     parser.add_argument("--time-limit", type=float, default=60.0, help="seconds the solver gets per budget")
     parser.add_argument("--models", nargs="*", help="only these zoo names")
+    parser.add_argument("--large", action="store_true",
+                        help="the sizes people train (LARGE_MODELS), at fractions of their keep-all peak")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "data" / "benchmarks"
                         / "plan_optimality.json")
     args = parser.parse_args()
     torch.set_num_threads(2)
     models = []
-    for name, batch, options in MODELS:
+    for name, batch, options, fractions in LARGE_MODELS if args.large else [(*m, ()) for m in MODELS]:
         if not args.models or name in args.models:
-            models.append(model_rows(name, batch, options, args.hardware, args.time_limit))
+            models.append(model_rows(name, batch, options, args.hardware, args.time_limit, fractions))
             _print(models[-1:])
     planning = resnet1001_planning(args.hardware)
     met = targets(models)
