@@ -57,8 +57,9 @@ def _fastest(graph: Graph, cost: CostModel, budget: int | None, host_budget: int
     contenders = [joint(graph, cost, budget)]
     if len(graph.ops) <= SECOND_GREEDY_OPS:
         contenders.append(joint(graph, cost, budget, queued=False))
-    if host_budget is not None:
-        contenders.append(joint(graph, cost, budget, offloads=False))
+    # recompute alone, then completed (below) when it falls short: a host budget or not, auto weighs it (with none,
+    # a superset of the plans a host budget allows, auto must not do worse than with one)
+    contenders.append(joint(graph, cost, budget, offloads=False))
     # the policies that choose among others (auto, vdnn-dyn) add none of their own; solvers take up to a minute
     contenders += [POLICIES[name](graph, cost, budget) for name in POLICIES
                    if name not in CHOOSING_POLICIES | SOLVER_POLICIES]
