@@ -262,9 +262,22 @@ def test_plan_mismatch_a_plan_for_another_step_is_refused_at_the_first_op_that_d
         other.eval()
     else:
         loss_fn = lambda out, target: nn.functional.mse_loss(out, nn.functional.one_hot(target, 4).float())  # noqa: E731
-    with pytest.raises(PlanMismatch, match=r"not the one the plan was made for: (after )?its op \d+"):
+    with pytest.raises(PlanMismatch, match=r"not the one the plan was made for: (after )?its op \d+") as refused:
         _run_under(chosen, other, loss_fn)
+    said = str(refused.value)  # both ways of following a step name the causes, the tracer's own among them
+    assert "changed since the plan was made" in said and ("if nothing changed" in said or "if none of these" in said)
     _run_under(chosen, copy.deepcopy(model))  # the runtime is left usable
+
+
+def test_a_step_followed_op_by_op_that_differs_names_the_tracer_among_the_causes():
+    model = _small_convnet(nn.ReLU)
+    x, y = torch.randn(4, 3, 64, 64), torch.tensor([0, 3, 1, 2])
+    graph = ul.trace(model, x, loss_fn=nn.functional.cross_entropy, target=y, optimizer=None)
+    chosen = plan(graph, None, "vdnn-all", hardware=CPU).located(graph, on_hooks=False)
+    assert OffloadRuntime(chosen).follows.startswith("op by op")
+    with pytest.raises(PlanMismatch, match=r"not the one the plan was made for: its op \d+") as refused:
+        _run_under(chosen, _small_convnet(nn.GELU))
+    assert "fake kernels took another path" in str(refused.value) and "fake=False" in str(refused.value)
 
 
 class _OwnGeneratorDropout(nn.Module):

@@ -454,7 +454,9 @@ class _Step:
             "the model, its mode (train or eval), the loss, the optimizer or the input changed since the plan was "
             "made: plan for this step with ul.plan(ul.trace(...), ...)",
             "a model wrapped in DDP or FSDP2 reaches the traced step after two steps (FSDP's lazy initialization in "
-            "the first, DDP's bucket rebuild in the second): run those without the runtime")
+            "the first, DDP's bucket rebuild in the second): run those without the runtime",
+            "if none of these changed, the trace's fake kernels took another path than this device's real ones (a "
+            "view where the trace saw a copy): plan from ul.trace(..., fake=False) on a real batch here instead")
 
     def _found(self, site, args, out) -> None:
         """The planned tensor is op ``site.producer``'s ``site.position``-th new storage (NOTE [offload runtime] 1)."""
