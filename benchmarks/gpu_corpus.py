@@ -41,6 +41,7 @@ import subprocess
 import sys
 import time
 import traceback
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from tests.corpus.promise import describe  # noqa: E402  (one line per error, where it was raised)
 
 POLICIES = ("auto", "vdnn++", "recompute")
 BUDGETS = ("midway", "50%", "min+5%")
@@ -188,7 +191,7 @@ class Model:
                 self._reset_peak()
                 torch.use_deterministic_algorithms(index == 0, warn_only=True)
                 started = time.perf_counter()
-                with runtime if runtime is not None else _nothing():
+                with runtime if runtime is not None else nullcontext():
                     _, loss = run_step(model, args, kwargs, loss_fn=self.work.loss_fn, target=self.work.target,
                                        optimizer=optimizer, options=options, scaler=scaler)
                 self._sync()
@@ -199,7 +202,7 @@ class Model:
                     outcome.grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
                 del loss
         except Exception as err:  # a finding, recorded with the row
-            outcome.error = _describe(err)
+            outcome.error = describe(err)
             outcome.traceback = traceback.format_exc()[-2500:]
         finally:
             torch.use_deterministic_algorithms(False)
@@ -311,21 +314,6 @@ class Model:
         return path.name
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _describe(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    where = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
-    at = f" (at {where.filename.rsplit('/', 1)[-1]}:{where.lineno})" if where else ""
-    return f"{type(err).__name__}: {lines[0] if lines else ''}{at}"
-
-
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
@@ -345,7 +333,7 @@ def run_model(case: Case, device: torch.device, small: bool, out: Path, emit) ->
     try:
         subject = Model(case, device, small, out)
     except Exception as err:
-        emit({"model": case.name, "policy": "keep-all", "status": "setup error", "error": _describe(err),
+        emit({"model": case.name, "policy": "keep-all", "status": "setup error", "error": describe(err),
               "seconds": time.perf_counter() - started})
         return
     control = subject.steps(None)  # eager again, from the same state
@@ -376,7 +364,7 @@ def run_model(case: Case, device: torch.device, small: bool, out: Path, emit) ->
             if row["peak_error"] is not None and abs(row["peak_error"]) > PEAK_TOLERANCE:
                 row["curve"] = subject.measured_curve()
         except Exception as err:
-            row["diagnostics_error"] = _describe(err)
+            row["diagnostics_error"] = describe(err)
     row["seconds"] = time.perf_counter() - started
     emit(row)
     if eager.error:
@@ -386,7 +374,7 @@ def run_model(case: Case, device: torch.device, small: bool, out: Path, emit) ->
         try:
             low = ul.min_budget(subject.graph, policy)
         except Exception as err:
-            emit(subject.row(policy=policy, status="min_budget error", error=_describe(err)))
+            emit(subject.row(policy=policy, status="min_budget error", error=describe(err)))
             continue
         budgets = {"midway": (low + predicted) // 2, "50%": predicted // 2, "min+5%": int(low * 1.05)}
         for kind in (BUDGETS if policy not in SEED_POLICIES or policy == "vdnn++" else ("none",)):
@@ -412,7 +400,7 @@ def _run_plan(subject: Model, policy: str, kind: str, budget: int | None, low: i
         sim = ul.simulate(subject.graph, plan)
         runtime = ul.OffloadRuntime(plan)
     except Exception as err:
-        row.update(status="plan error", error=_describe(err), seconds=time.perf_counter() - started)
+        row.update(status="plan error", error=describe(err), seconds=time.perf_counter() - started)
         emit(row)
         return False
     outcome = subject.steps(runtime)
@@ -443,7 +431,7 @@ def _run_plan(subject: Model, policy: str, kind: str, budget: int | None, low: i
         if profile:
             row["kernels"] = subject.kernel_times(ul.OffloadRuntime(plan), f"{policy}-{kind}")
     except Exception as err:
-        row["diagnostics_error"] = _describe(err)
+        row["diagnostics_error"] = describe(err)
     row["seconds"] = time.perf_counter() - started
     emit(row)
     return profile
