@@ -28,12 +28,16 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e '.[dev,timm,hf,exact]'
 	touch $(STAMP)
 
-# the oldest releases stay pinned while the project is installed (a constraints file: pip may not upgrade them)
-$(OLDEST_STAMP): pyproject.toml Makefile
+# the oldest releases stay pinned while the project is installed (a constraints file: pip may not upgrade them);
+# its torch loads .venv's CUDA libraries (same CUDA major) rather than a second 3 GB copy: the tests run on the CPU
+$(OLDEST_STAMP): pyproject.toml Makefile $(STAMP)
 	test -x $(OLDEST)/bin/python || $(PYTHON) -m venv $(OLDEST)
 	printf '%s\n' $(TORCH_OLDEST) '$(TRANSFORMERS_OLDEST)' > $(OLDEST)/constraints.txt
-	$(OLDEST)/bin/python -m pip install --quiet -c $(OLDEST)/constraints.txt $(TORCH_OLDEST)
-	$(OLDEST)/bin/python -m pip install --quiet -c $(OLDEST)/constraints.txt -e '.[dev,timm,hf,exact]'
+	$(OLDEST)/bin/python -m pip install --quiet --no-cache-dir --no-deps $(TORCH_OLDEST)
+	$(OLDEST)/bin/python .ci/share_cuda_libraries.py $$($(OLDEST)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') \
+		$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') || test $$? = 3
+	$(OLDEST)/bin/python -m pip install --quiet --no-cache-dir -c $(OLDEST)/constraints.txt $(TORCH_OLDEST)
+	$(OLDEST)/bin/python -m pip install --quiet --no-cache-dir -c $(OLDEST)/constraints.txt -e '.[dev,timm,hf,exact]'
 	touch $(OLDEST_STAMP)
 
 lab: $(STAMP)
