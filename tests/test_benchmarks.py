@@ -36,6 +36,17 @@ def test_step_matrix_runs_one_setup(tmp_path):
     assert all(row["trace_exact"] and row["measured_fits"] and row["training_equal"] for row in rows)
 
 
+def test_host_proxy_runs_one_workload(tmp_path):
+    out = tmp_path / "host_proxy.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_proxy.py"), "--quick", "--repeats", "2",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and {"auto midway", "recompute midway"} <= {row["plan"] for row in rows}
+    assert all(row["measured_slowdown"] > 0 and row["simulated_slowdown"] >= 1.0 for row in rows)
+    assert "target" in done.stdout
+
+
 def test_gpu_corpus_dry_run_on_cpu_holds_every_plan_to_eager(tmp_path):
     command = [sys.executable, str(ROOT / "benchmarks" / "gpu_corpus.py"), "--device", "cpu", "--small",
                "--models", "gpt2", "--out", str(tmp_path)]

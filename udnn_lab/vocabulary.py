@@ -53,16 +53,19 @@ Stream = Literal["compute", "d2h", "h2d", "comm", "comm_copy_in"]
 STREAMS: tuple[Stream, ...] = get_args(Stream)
 
 # compute waiting: for memory, a prefetch, a copy, a collective's result
-Stall = Literal["stall_memory", "stall_prefetch", "stall_sync", "stall_communication"]
+# stall_host: a GPU waiting for a host that follows the step op by op (NOTE [simulated streams] 6)
+Stall = Literal["stall_memory", "stall_prefetch", "stall_sync", "stall_communication", "stall_host"]
 STALLS: tuple[Stall, ...] = get_args(Stall)
 Collective = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "point_to_point", "collective"]
 COLLECTIVES: tuple[Collective, ...] = get_args(Collective)
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")  # the op namespaces of a process group's collectives
+UNTRACED_NAMESPACES = ("prim", "profiler")  # ops no tool that aligns to a Graph counts
+UNTRACED_OPS = ("aten.detach.default",)
 # shard_to_device, gradient_to_host: an FSDP2 rank that offloads its parameters copies them across
 TimelineKind = Literal["op", "recompute", "offload", "prefetch", "prefetch_cancelled", "stall_memory",
-                       "stall_prefetch", "stall_sync", "stall_communication", "all_gather", "reduce_scatter",
-                       "all_reduce", "all_to_all", "point_to_point", "collective", "shard_to_device",
-                       "gradient_to_host"]
+                       "stall_prefetch", "stall_sync", "stall_communication", "stall_host", "all_gather",
+                       "reduce_scatter", "all_reduce", "all_to_all", "point_to_point", "collective",
+                       "shard_to_device", "gradient_to_host"]
 TIMELINE_KINDS: tuple[TimelineKind, ...] = get_args(TimelineKind)
 
 Direction = Literal["h2d", "d2h"]  # host-to-device and device-to-host copies
@@ -88,3 +91,8 @@ def memory_kind(pinned: bool) -> str:
 
 Dimension = Literal["batch", "seq_len"]  # what a fit search grows: the batch size, or the sequence length
 DIMENSIONS: tuple[Dimension, ...] = get_args(Dimension)
+
+
+def traced_op(func) -> bool:
+    """Whether a trace records ops of this kind (an OpOverload): every tool that aligns to a Graph counts the same."""
+    return func.namespace not in UNTRACED_NAMESPACES and str(func) not in UNTRACED_OPS

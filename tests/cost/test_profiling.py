@@ -28,6 +28,7 @@ def test_profile_times_are_measured_per_op(prof):
     assert all(m <= t for m, t in zip(prof.time_min_s, prof.time_s))
     assert prof.step_time_s > 0 and prof.op_time_s > 0 and prof.overhead_per_op_s >= 0
     assert prof.device == "cpu" and prof.repeats == 2 and prof.threads == torch.get_num_threads()
+    assert prof.dispatch_mode_op_s is not None and 0 <= prof.dispatch_mode_op_s < 1e-3  # a Python call per op
     frame = prof.frame()
     convs = frame[frame.op == "aten.convolution.default"]
     assert (convs.flops > 0).all() and (convs.flops_per_s > 0).all()

@@ -5,7 +5,7 @@ from torch import nn
 
 import udnn_lab as ul
 from udnn_lab import zoo
-from udnn_lab.graph.hook_points import first_packs, hook_points
+from udnn_lab.graph.hook_points import first_packs, hook_points, recording_windows
 from udnn_lab.planning import plan
 
 CPU = ul.Hardware.load("cpu-amd-epyc-2cpu")
@@ -85,13 +85,48 @@ def test_a_moved_plan_simulates_within_the_budget_it_was_made_for():
         assert ul.simulate(graph, chosen, hardware=CPU).peak_bytes <= budget
 
 
-def test_a_plan_is_left_as_made_when_asked_and_when_it_recomputes():
+def test_a_plan_is_left_as_made_when_asked():
     graph = _graph()
     chosen = plan(graph, None, "vdnn-all", hardware=CPU)
     as_made = chosen.located(graph, on_hooks=False)
-    assert not as_made.hook_events
-    recomputing = plan(graph, None, "recompute", hardware=CPU)
-    assert recomputing.recomputes and not recomputing.hook_events
+    assert not as_made.hook_events and as_made.followed_op_by_op(graph)
+    assert as_made.dispatched_ops(graph) == (range(len(graph.ops)),)
+    recomputing = plan(graph, None, "recompute", hardware=CPU).located(graph, on_hooks=False)
+    assert recomputing.recomputes and not recomputing.hook_events and not recomputing.recording
+
+
+def test_a_recomputing_plan_carries_windows_that_hold_its_recorded_ops():
+    """NOTE [hook points] 6: the recording mode is on around each recomputation's forward ops, from a module call
+    at or before the first to one after the last, and sees no other op."""
+    graph = _graph()
+    budget = (ul.min_budget(graph, "recompute", hardware=CPU) + graph.peak_bytes) // 2
+    recomputing = plan(graph, budget, "recompute", hardware=CPU)
+    assert recomputing.recomputes and recomputing.hook_events and recomputing.recording
+    assert not recomputing.followed_op_by_op(graph)
+    events = graph.hook_events
+    seen = set().union(*recomputing.dispatched_ops(graph))
+    for opening, closing in recomputing.recording:
+        assert events[opening].kind in ("enter", "exit") and (closing == len(events) or
+                                                              events[closing].kind in ("enter", "exit"))
+    for recompute in recomputing.recomputes:
+        assert set(recompute.ops) <= seen
+    assert len(seen) < len(graph.ops) // 2  # backward, and most of forward, go without the mode
+    everything = plan(graph, None, "recompute", hardware=CPU)  # the loss too: after the last module call
+    assert everything.recording[-1][1] == len(events) and everything.dispatched_ops(graph)[-1].stop == len(graph.ops)
+
+
+def test_recording_windows_merge_where_they_overlap_and_close_at_the_end_without_a_call_after():
+    graph = _graph()
+    events = graph.hook_events
+    calls = [i for i, e in enumerate(events) if e.kind in ("enter", "exit")]
+    last_forward = max(i for i, e in enumerate(events) if e.kind != "unpack")
+    first, second = events[calls[2]].boundary, events[calls[4]].boundary
+    windows = recording_windows(events, [(first, first), (first, second)])
+    opening = max(i for i in calls if events[i].boundary <= first)  # the last call before the op
+    assert len(windows) == 1 and windows[0][0] == opening and events[windows[0][1]].boundary > second
+    beyond = max(e.boundary for e in events[:last_forward + 1])  # past the last module call of forward
+    assert recording_windows(events, [(beyond, beyond)])[0][1] == len(events)  # on to the step's end
+    assert recording_windows(events, [(-1, 0)]) is None  # no module call at or before the op
 
 
 def test_a_step_traced_with_cpu_kernels_for_cuda_has_no_hook_events():

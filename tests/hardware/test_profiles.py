@@ -200,6 +200,8 @@ def test_measure_on_cpu_gives_positive_figures_and_the_sweep():
     assert profile.memory_bytes > 0 and profile.memory_bytes_per_s > 0
     assert profile.fp32_flops_per_s > 0 and profile.conv_fp32_achieved_flops_per_s > 0
     assert profile.h2d_pinned_bytes_per_s > 0 and profile.d2h_pageable_latency_s >= 0
+    assert profile.dispatch_mode_op_s is not None and profile.dispatch_mode_op_s > 0
+    assert "pass-through dispatch mode" in profile.sources["dispatch_mode_op_s"]
     assert list(sweep.columns) == list(SWEEP_COLUMNS)
     assert sorted(sweep["nbytes"]) == [4096, 65536] and (sweep["bytes_per_s"] > 0).all()
     assert (sweep["repeats"] == 2).all()

@@ -63,6 +63,18 @@ def test_a_cache_file_that_does_not_read_is_measured_again(machine, monkeypatch)
     assert json.loads(path.read_text())["device_type"] == "cpu"
 
 
+def test_a_profile_cached_before_the_dispatch_figure_was_measured_is_measured_again(machine, monkeypatch):
+    _fake_cpu(monkeypatch, XEON)
+    first = machine_hardware("cpu", measure=machine.measure)
+    assert first.dispatch_mode_op_s is not None
+    path = this_machine.cached_path(MachineDevice.of("cpu"))
+    older = json.loads(path.read_text())
+    del older["dispatch_mode_op_s"], older["sources"]["dispatch_mode_op_s"]
+    path.write_text(json.dumps(older))
+    assert machine_hardware("cpu", measure=machine.measure).dispatch_mode_op_s is not None
+    assert machine.calls == ["cpu", "cpu"]
+
+
 def test_an_unknown_cpu_without_measuring_gets_the_shipped_cpu_profile_and_a_warning_naming_it(machine, monkeypatch):
     _fake_cpu(monkeypatch, XEON)
     with pytest.warns(ShippedProfileWarning, match="'cpu-amd-epyc-2cpu'.*no shipped profile is for 'Intel"):

@@ -342,19 +342,27 @@ def test_a_step_eager_rejects_is_rejected_under_the_runtime_too(policy):
             nn.functional.cross_entropy(twin(x), y).backward()
 
 
-def test_an_offload_plan_is_followed_by_hooks_alone_and_a_recompute_plan_op_by_op():
-    work = zoo.get("resnet18", batch=2, image_size=32)
+def test_plans_are_followed_by_hooks_with_a_dispatch_mode_only_where_a_recomputation_records():
+    """An offload plan: no dispatch mode at all; a recompute plan: one only in its recording windows (NOTE [hook
+    points] 6); the same plan located with on_hooks=False: one throughout. Eager's gradients in every case."""
+    work = zoo.get("resnet18", batch=8, image_size=32)  # activations above the weights
     graph = ul.trace(work)
     loss, grads, _ = _step(copy.deepcopy(work.model), work)
-    for policy, by_hooks in (("vdnn-all", True), ("recompute", False)):
+    budget = (ul.min_budget(graph, "recompute", hardware=CPU) + graph.peak_bytes) // 2
+    recomputing = plan(graph, budget, "recompute", hardware=CPU)
+    cases = ((plan(graph, None, "vdnn-all", hardware=CPU), True, {0}),
+             (recomputing, True, {0, 1}), (recomputing.located(graph, on_hooks=False), False, {1}))
+    for chosen, by_hooks, modes in cases:
         modes_seen = []
         model = copy.deepcopy(work.model)
-        model.layer2.register_forward_hook(lambda *_: modes_seen.append(torch._C._len_torch_dispatch_stack()))
-        runtime = OffloadRuntime(plan(graph, None, policy, hardware=CPU))
+        for module in model.modules():
+            module.register_forward_pre_hook(lambda *_: modes_seen.append(torch._C._len_torch_dispatch_stack()))
+        runtime = OffloadRuntime(chosen)
         loss_b, grads_b, _ = _step(model, work, runtime)
         assert runtime.last_step.by_hook_events is by_hooks
-        assert modes_seen == [0 if by_hooks else 1]  # no dispatch mode under the hooks-only runtime
+        assert set(modes_seen) == modes, chosen
         assert torch.equal(loss, loss_b) and all(torch.equal(a, b) for a, b in zip(grads, grads_b))
+    assert sum(modes_seen) == len(modes_seen)  # op by op: the mode throughout
 
 
 def test_hook_windows_saved_tensor_hooks_are_on_only_in_the_windows_that_hold_planned_tensors():

@@ -262,13 +262,16 @@ def _fail(*_) -> None:
     raise RuntimeError("rank 1 fails mid-step")
 
 
-FOLLOWING = {"recompute": "op by op", "vdnn-all": "by module and saved-tensor hooks"}  # policy: how it is followed
+# (policy, on hooks): how the runtime follows its plan (NOTE [hook points] 4 and 6)
+FOLLOWING = {("recompute", False): "op by op", ("recompute", True): "by module and saved-tensor hooks",
+             ("vdnn-all", True): "by module and saved-tensor hooks"}
 
 
 def test_a_rank_that_fails_mid_step_ends_the_other_which_leaves_no_hook(tmp_path):
-    """Each way of following a plan (a dispatch mode; global module hooks) is undone on the error path."""
+    """Each way of following a plan (a dispatch mode; global module hooks, with a recording mode in windows) is
+    undone on the error path."""
     graph = ul.trace(_workload("mlp3"), parallel=DDP(RANKS))
-    plans = tuple(_planned(graph, policy) for policy in FOLLOWING)
+    plans = tuple(_planned(graph, policy).located(graph, on_hooks=on_hooks) for policy, on_hooks in FOLLOWING)
     for plan, follows in zip(plans, FOLLOWING.values(), strict=True):
         assert (plan.offloads or plan.recomputes) and OffloadRuntime(plan).follows.startswith(follows)
     started = time.monotonic()

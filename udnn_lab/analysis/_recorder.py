@@ -57,21 +57,19 @@ from udnn_lab.analysis._fake.tensors import HOST_READ, zero_of
 from udnn_lab.analysis._op_work import OpWork
 from udnn_lab.analysis._sharded import ResizedStorage
 from udnn_lab.graph.step_records import HookEvent
-from udnn_lab.vocabulary import AUTOGRAD_SCOPE, COLLECTIVE_NAMESPACES, OPTIMIZER_SCOPE, Category
+from udnn_lab.vocabulary import AUTOGRAD_SCOPE, COLLECTIVE_NAMESPACES, OPTIMIZER_SCOPE, Category, traced_op
 
 _NO_SEQUENCE = 2**64 - 1  # sequence number of AccumulateGrad nodes
 # Not recorded: metadata queries (prim.device), profiler markers, and detach, which never
 # allocates and whose placement moves when saved-tensor hooks are installed (so a traced
 # step and a plain eager step would otherwise disagree on op indices).
-_SKIPPED_NAMESPACES = ("prim", "profiler")
-_SKIPPED_OPS = ("aten.detach.default",)
 _SKIP, _RECORD, _COLLECTIVE = "skip", "record", "collective"
 
 
 @cache
 def records_op(func) -> bool:
     """Whether ops of this kind are recorded: every tool that aligns to a Graph skips the same ones."""
-    return func.namespace not in _SKIPPED_NAMESPACES and str(func) not in _SKIPPED_OPS
+    return traced_op(func)
 
 
 @dataclass(slots=True)

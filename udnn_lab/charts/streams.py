@@ -11,8 +11,8 @@ from udnn_lab.charts.base import byte_unit, check_columns, rules
 KIND_COLORS = {
     "op": "#4c78a8", "recompute": "#b279a2", "offload": "#e6a700", "prefetch": "#54a24b",
     "prefetch_cancelled": "#bab0ac", "stall_memory": "#d62728", "stall_prefetch": "#a50f15", "stall_sync": "#fb6a4a",
-    "stall_communication": "#e7298a", "all_gather": "#17becf", "reduce_scatter": "#9467bd", "all_reduce": "#8c564b",
-    "all_to_all": "#bcbd22", "point_to_point": "#7f7f7f", "collective": "#c49c94",
+    "stall_communication": "#e7298a", "stall_host": "#fdae6b", "all_gather": "#17becf", "reduce_scatter": "#9467bd",
+    "all_reduce": "#8c564b", "all_to_all": "#bcbd22", "point_to_point": "#7f7f7f", "collective": "#c49c94",
     "shard_to_device": "#72b7b2", "gradient_to_host": "#f58518",
 }
 _LANE_TITLES = {"compute": "compute", "d2h": "device → host", "h2d": "host → device", "comm": "collectives",

@@ -167,6 +167,15 @@ class CostModel:
         return np.array([self.roofline_s(op.name, op.flops, op.bytes_read + op.bytes_written, _compute_dtype(graph, op))
                          for op in graph.ops])
 
+    @property
+    def dispatch_mode_op_s(self) -> float:
+        """Host seconds a step followed op by op pays per op (NOTE [simulated streams] 6): the profiled step's own
+        figure where there is one, else the hardware profile's; 0 where neither was measured."""
+        measured = self.profile.dispatch_mode_op_s if self.profile is not None else None
+        if measured is None:
+            measured = self.hardware.dispatch_mode_op_s
+        return measured or 0.0
+
     def roofline_s(self, name: str, flops: int, nbytes: int, dtype: str = "float32") -> float:
         """``overhead + max(flops / achieved rate, bytes / memory bandwidth)`` for one op computing in ``dtype``."""
         rate = self.rates.flops_per_s(name, flops) if self.rates is not None and flops else None

@@ -4,7 +4,8 @@ FLOPs come from torch.utils.flop_counter's formulas, bytes from the tensors each
 reads and writes. Times are CUDA events around each op on a GPU, and perf_counter
 around each op on a CPU (where ops run synchronously), taken over ``repeats`` steps
 after ``warmup`` steps; the median of each op is kept. Plain steps are also timed,
-so the framework's cost between ops (Python, autograd) is known: ``overhead_per_op_s``.
+so the framework's cost between ops (Python, autograd) is known: ``overhead_per_op_s``; and steps under a
+pass-through dispatch mode, so what following this step op by op costs is known: ``dispatch_mode_op_s``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import copy
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
@@ -35,6 +37,7 @@ from udnn_lab.analysis.step import (
 from udnn_lab.devices import device_name, model_device
 from udnn_lab.errors import TraceMismatch
 from udnn_lab.graph.step_graph import Graph
+from udnn_lab.hardware import PassThroughMode
 from udnn_lab.units import format_seconds
 from udnn_lab.workload import Workload, as_workload, check_one_process
 
@@ -60,6 +63,9 @@ class Profile:
     repeats: int
     step_time_s: float  # median of plain (untimed) steps
     threads: int  # torch CPU threads during the measurement
+    # host seconds per op that a step under a pass-through dispatch mode takes beyond a plain one (NOTE [simulated
+    # streams] 6); None: not measured
+    dispatch_mode_op_s: float | None = None
 
     def __repr__(self) -> str:
         return (f"Profile({self.model_name!r} on {self.device_name}, ops={len(self.ops)}, "
@@ -164,6 +170,10 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
                                  options=work.step_options, scaler=scaler)
         per_op = [_timed_step(work.model, args, kwargs, step, where, graph) for _ in range(repeats)]
         plain = [_plain_step(work.model, args, kwargs, step, where) for _ in range(repeats)]
+        host, moded = [], []
+        for _ in range(repeats):  # in turn, so that a change in the machine's load hits both alike
+            host.append(_host_step(work.model, args, kwargs, step, where, None))
+            moded.append(_host_step(work.model, args, kwargs, step, where, PassThroughMode()))
     times = np.array(per_op)
     return Profile(
         model_name=work.name, device=where.type, device_name=device_name(where), torch_version=torch.__version__,
@@ -173,6 +183,7 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         bytes_read=tuple(op.bytes_read for op in graph.ops), bytes_written=tuple(op.bytes_written for op in graph.ops),
         time_s=tuple(float(v) for v in np.median(times, axis=0)), time_min_s=tuple(float(v) for v in times.min(axis=0)),
         repeats=repeats, step_time_s=statistics.median(plain), threads=torch.get_num_threads(),
+        dispatch_mode_op_s=max(0.0, statistics.median(moded) - statistics.median(host)) / max(len(graph.ops), 1),
     )
 
 
@@ -184,6 +195,21 @@ def _timed_step(model, args, kwargs, step: dict, where: torch.device, graph: Gra
         raise TraceMismatch(f"the timed step ran {len(timer.names)} ops, the recorded one {len(graph.ops)}: the "
                             "model does not run the same ops every step (data-dependent control flow?)")
     return timer.seconds()
+
+
+def _host_step(model, args, kwargs, step: dict, where: torch.device, mode: PassThroughMode | None) -> float:
+    """Host seconds of one step: until its last op is issued (on a GPU the device may still be running); on a CPU,
+    the process's CPU time (other processes on the machine do not count)."""
+    clock = time.perf_counter if where.type == "cuda" else time.process_time
+    if where.type == "cuda":
+        torch.cuda.synchronize(where)
+    begin = clock()
+    with mode if mode is not None else nullcontext():
+        run_step(model, args, kwargs, **step)
+    seconds = clock() - begin
+    if where.type == "cuda":
+        torch.cuda.synchronize(where)
+    return seconds
 
 
 def _plain_step(model, args, kwargs, step: dict, where: torch.device) -> float:

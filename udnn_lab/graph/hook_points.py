@@ -23,8 +23,9 @@ NOTE [hook points]
   3. A planned tensor's release point comes after its last use in forward, so every
      forward write into it comes before the runtime lets go of the alias autograd saved
      and reads its version (NOTE [offload runtime] 5).
-  4. A plan with recomputations, or with an offload that has no hook point where one is
-     needed, is not moved: the runtime follows it op by op, with a dispatch mode.
+  4. A plan with an offload that has no hook point where one is needed, or with a
+     recomputation that cannot be recorded in windows (6), is not moved: the runtime follows
+     it op by op, with a dispatch mode.
   5. Windows. A saved-tensor hook is a Python call for every tensor autograd saves, which
      costs about what the step's own host work per op does; so the runtime keeps its hooks
      on only in windows: the module calls that hold a pack of a planned tensor (innermost
@@ -39,11 +40,23 @@ NOTE [hook points]
      hooks stay on for the whole step. Outside windows the step is checked by its module
      calls only (class and mode): a change between modules, other than in the loss, goes
      unseen there.
+  6. Recording windows. A recomputation replays the forward ops it names, so the runtime must
+     see those ops: a dispatch mode records them, on only from the last module call (enter or
+     exit) at or before the first of them to the first module call after the last, or to the
+     step's end where there is none (``recording_windows``; windows that overlap are one). It
+     counts ops from the boundary it opens at, so op indices are the plan's there. The replay
+     runs at the recomputation's op, which must be a hook point (the first unpack of its node),
+     else the plan is followed op by op (4). Forward lets a recomputed tensor go before the op
+     after its last forward use: at that hook point, or, where it is none, the window reaches
+     that op and the mode lets go there. Outside the windows no op goes through Python; the
+     simulator charges the mode's host time to the ops inside them only (NOTE [simulated
+     streams] 6).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from collections.abc import Iterable
 from dataclasses import replace
 
 from udnn_lab.graph.step_graph import Graph, HookEvent
@@ -89,6 +102,29 @@ def on_hook_points(graph: Graph, offloads: tuple) -> tuple | None:
         moved.append(replace(offload, after_op=start - 1, release_before=release, prefetch_at=prefetch,
                              wait_before=wait))
     return tuple(moved)
+
+
+def recording_windows(events: tuple[HookEvent, ...],
+                      spans: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...] | None:
+    """NOTE [hook points] 6: (opening, closing) positions in ``events`` of the module calls between which a
+    dispatch mode sees each span of ops (first, last), merged where they overlap. A span with no module call
+    after it closes at the step's end (``len(events)``); None where one has no module call at or before it."""
+    calls = [(ordinal, event.boundary) for ordinal, event in enumerate(events) if event.kind in ("enter", "exit")]
+    boundaries = [boundary for _, boundary in calls]
+    windows = []
+    for first, last in spans:
+        opening = bisect_right(boundaries, first) - 1  # the last call at or before the first op
+        closing = bisect_right(boundaries, last)  # the first call after the last op
+        if opening < 0:
+            return None
+        windows.append((calls[opening][0], calls[closing][0] if closing < len(calls) else len(events)))
+    merged: list[tuple[int, int]] = []
+    for opening, closing in sorted(windows):
+        if merged and opening <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], closing))
+        else:
+            merged.append((opening, closing))
+    return tuple(merged)
 
 
 def _either(preferred: int | None, otherwise: int | None) -> int | None:

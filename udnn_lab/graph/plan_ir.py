@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from udnn_lab.errors import PlanError, PlanForAnotherStep
-from udnn_lab.graph.hook_points import on_hook_points
+from udnn_lab.graph.hook_points import hook_points, on_hook_points, recording_windows
 from udnn_lab.graph.step_graph import Graph, HookEvent, op_family, writes_in_place
 from udnn_lab.units import cuda_block_bytes, format_bytes
 
@@ -81,6 +81,9 @@ class Plan:
     hook_events: tuple[HookEvent, ...] = ()
     # auto and vdnn-dyn: the policy whose plan they chose (the innermost, when one chose another's); '' otherwise
     chosen_policy: str = ""
+    # with hook events and recomputations: where the runtime records them (NOTE [hook points] 6), positions in
+    # hook_events of the module calls that open and close each window (len(hook_events): the step's end)
+    recording: tuple[tuple[int, int], ...] = ()
 
     def __repr__(self) -> str:
         sized = {site.tensor: site.nbytes for site in self.sites}
@@ -114,12 +117,35 @@ class Plan:
         step's hook events: the runtime then follows those hooks only (NOTE [hook points])."""
         self.check_belongs(graph)
         sites = tuple(_site(graph, t) for t in sorted(self._actions))
-        followable = on_hooks and graph.hook_events and not self.recomputes
-        moved = on_hook_points(graph, self.offloads) if followable else None
+        followed = _followed_by_hooks(graph, self) if on_hooks else None
         located = replace(self, sites=sites, op_count=len(graph.ops), op_families=_families(graph))
-        if moved is None:
-            return replace(located, hook_events=())
-        return replace(located, offloads=moved, hook_events=graph.hook_events)
+        if followed is None:
+            return replace(located, hook_events=(), recording=())
+        return replace(located, offloads=followed[0], hook_events=graph.hook_events, recording=followed[1])
+
+    def followed_op_by_op(self, graph: Graph) -> bool:
+        """Whether the runtime follows this plan's step op by op, under a dispatch mode (NOTE [hook points] 4),
+        rather than by its module and saved-tensor hooks; False for a plan with nothing to do."""
+        if not (self.offloads or self.recomputes):
+            return False
+        if self.sites:  # located: it carries the step's hook events exactly when it is followed by them
+            return not self.hook_events
+        return _followed_by_hooks(graph, self) is None
+
+    def dispatched_ops(self, graph: Graph) -> tuple[range, ...]:
+        """The ops of ``graph``'s step that the runtime sees through a dispatch mode under this plan: every op
+        when it follows the step op by op, those of its recording windows when it follows the hooks (NOTE [hook
+        points] 6), none when there is nothing to do."""
+        if not (self.offloads or self.recomputes):
+            return ()
+        if self.sites and not self.hook_events:
+            return (range(len(graph.ops)),)
+        followed = (self.offloads, self.recording) if self.sites else _followed_by_hooks(graph, self)
+        if followed is None:
+            return (range(len(graph.ops)),)
+        events = graph.hook_events
+        return tuple(range(events[opening].boundary, events[closing].boundary if closing < len(events)
+                           else len(graph.ops)) for opening, closing in followed[1])
 
     def with_releases(self, released_before: Mapping[int, int]) -> Plan:
         """This plan with each offload's release point set where a simulation let its memory go.
@@ -210,6 +236,25 @@ def _difference(plan: Plan, graph: Graph) -> str:
     if len(ours) != len(plan.op_families):
         return f"this step has {len(ours)} forward and backward ops, the plan's {len(plan.op_families)}"
     return "the same forward and backward ops, with another optimizer step or other tensor sizes (batch, input size)"
+
+
+def _followed_by_hooks(graph: Graph, plan: Plan) -> tuple[tuple[Offload, ...], tuple[tuple[int, int], ...]] | None:
+    """The plan's offloads moved onto hook points and its recording windows, when the runtime can follow it by
+    its module and saved-tensor hooks (NOTE [hook points]); None when it follows the step op by op."""
+    if not graph.hook_events:
+        return None
+    moved = on_hook_points(graph, plan.offloads)
+    if moved is None or not plan.recomputes:
+        return None if moved is None else (moved, ())
+    points = set(hook_points(graph.hook_events))
+    if not {r.at_op for r in plan.recomputes} <= points:
+        return None
+    spans = []  # each recomputation's recorded ops, and the ops before which forward lets go where no hook is
+    for recompute in plan.recomputes:
+        let_go = [_site(graph, t).held_until + 1 for t in recompute.tensors]
+        spans.append((min(recompute.ops), max([*recompute.ops, *(b for b in let_go if b not in points)])))
+    windows = recording_windows(graph.hook_events, spans)
+    return None if windows is None else (moved, windows)
 
 
 def _site(graph: Graph, tensor_id: int) -> TensorSite:

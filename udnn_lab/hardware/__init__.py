@@ -1,8 +1,9 @@
 """Hardware profiles: sourced figures of a device (bandwidths, FLOP rates, memory), and measuring one.
 
-May import: devices, units and errors.
+May import: devices, units, errors and vocabulary.
 """
 
+from udnn_lab.hardware._dispatch_probe import PassThroughMode
 from udnn_lab.hardware.profiles import Hardware, HardwareMismatchWarning, HardwareProfileError, UnknownHardwareError
 from udnn_lab.hardware.this_machine import (
     CACHE_VARIABLE,
@@ -16,5 +17,5 @@ from udnn_lab.hardware.this_machine import (
 )
 
 __all__ = ["CACHE_VARIABLE", "CHOICES", "HARDWARE_VARIABLE", "Hardware", "HardwareMismatchWarning",
-           "HardwareProfileError", "MachineDevice", "PREDICTED_DEVICE", "ShippedProfileWarning", "UnknownHardwareError",
-           "cache_dir", "machine_hardware"]
+           "HardwareProfileError", "MachineDevice", "PassThroughMode", "PREDICTED_DEVICE", "ShippedProfileWarning",
+           "UnknownHardwareError", "cache_dir", "machine_hardware"]

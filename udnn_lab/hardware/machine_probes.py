@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from udnn_lab.devices import as_device, device_name
 from udnn_lab.errors import HardwareProfileError
+from udnn_lab.hardware._dispatch_probe import dispatch_mode_op_s
 from udnn_lab.hardware._gloo_links import link_figures, measure_gloo
 from udnn_lab.units import format_bytes, parse_bytes
 from udnn_lab.vocabulary import DIRECTIONS, memory_kind
@@ -183,7 +184,7 @@ def _measure_cpu(sizes: tuple[int, ...], repeats: int, matmul_size: int, conv_si
     source = torch.ones(largest, dtype=torch.uint8)
     target = torch.zeros(largest, dtype=torch.uint8)
     rows = []
-    with _progress(len(sizes) + 2, progress, f"measuring {name}") as tick:
+    with _progress(len(sizes) + 3, progress, f"measuring {name}") as tick:
         for nbytes in sorted(sizes):
             src, dst = source[:nbytes], target[:nbytes]
             times = _cpu_times(lambda: dst.copy_(src), repeats)
@@ -191,6 +192,7 @@ def _measure_cpu(sizes: tuple[int, ...], repeats: int, matmul_size: int, conv_si
             tick()
         rates = _compute_rates(torch.device("cpu"), {"fp32": torch.float32}, matmul_size, conv_size,
                                lambda work: _cpu_times(work, repeats), tick)
+        dispatch = _dispatch_figure(torch.device("cpu"), repeats, tick)
     bandwidth, latency = _fit_link(rows)
     how = _measured_source(name, f"{torch.get_num_threads()} torch threads")
     link = {f"{d}_{k}_{q}": v for d in DIRECTIONS for k in ("pinned", "pageable")
@@ -201,7 +203,8 @@ def _measure_cpu(sizes: tuple[int, ...], repeats: int, matmul_size: int, conv_si
         name=f"cpu-{_slug(name)}-{os.cpu_count()}cpu", title=f"{name}, {os.cpu_count()} CPUs (measured)",
         device_type="cpu", device_names=(name,), measured=True, memory_bytes=_host_memory_bytes(),
         memory_bytes_per_s=2 * bandwidth, **_rate_figures(rates), **link, notes=_measured_note(),
-        sources={**sources, **_rate_sources(how, rates, matmul_size, conv_size),
+        dispatch_mode_op_s=dispatch[0],
+        sources={**sources, **_rate_sources(how, rates, matmul_size, conv_size), **_dispatch_source(how, dispatch),
                  "memory_bytes": f"{how}: os.sysconf physical pages x page size",
                  "memory_bytes_per_s": f"{how}: 2 x memcpy rate of {format_bytes(largest)} (read + write)"},
     )
@@ -233,7 +236,7 @@ def _measure_cuda(device: torch.device, sizes: tuple[int, ...], repeats: int, ma
     timer: Callable[[Callable[[], Any]], list[float]] = lambda work: _cuda_times(work, repeats, stream)  # noqa: E731
     dtypes = _cuda_dtypes(device)
     rows = []
-    with _progress(4 * len(sizes) + 1 + len(dtypes) + 1, progress, f"measuring {name}") as tick:
+    with _progress(4 * len(sizes) + 1 + len(dtypes) + 2, progress, f"measuring {name}") as tick:
         for pinned in (True, False):
             for nbytes in sorted(sizes):
                 src, dst = host[pinned][:nbytes], on_device[:nbytes]
@@ -244,7 +247,8 @@ def _measure_cuda(device: torch.device, sizes: tuple[int, ...], repeats: int, ma
         rows.append(_sweep_row(name, "d2d", False, largest, timer(lambda: device_copy.copy_(on_device))))
         tick()
         rates = _compute_rates(device, dtypes, matmul_size, conv_size, timer, tick)
-    return _cuda_profile(device, name, rows, rates, sizes, matmul_size, conv_size), \
+        dispatch = _dispatch_figure(device, repeats, tick)
+    return _cuda_profile(device, name, rows, rates, dispatch, sizes, matmul_size, conv_size), \
         pd.DataFrame(rows, columns=list(SWEEP_COLUMNS))
 
 
@@ -256,7 +260,8 @@ def _cuda_dtypes(device: torch.device) -> dict[str, torch.dtype]:
 
 
 def _cuda_profile(device: torch.device, name: str, rows: list[dict[str, Any]], rates: dict[str, float],
-                  sizes: tuple[int, ...], matmul_size: int, conv_size: int) -> dict[str, Any]:
+                  dispatch: tuple[float, int], sizes: tuple[int, ...], matmul_size: int,
+                  conv_size: int) -> dict[str, Any]:
     how = _measured_source(name, f"torch {torch.__version__}, CUDA events")
     link, sources = {}, {}
     for direction in DIRECTIONS:
@@ -272,10 +277,22 @@ def _cuda_profile(device: torch.device, name: str, rows: list[dict[str, Any]], r
         name=f"{_slug(name)}-measured", title=f"{name} (measured)", device_type="cuda", device_names=(name,),
         measured=True, memory_bytes=torch.cuda.get_device_properties(device).total_memory,
         memory_bytes_per_s=2 * d2d["bytes_per_s"], **_rate_figures(rates), **link, notes=_measured_note(),
-        sources={**sources, **_rate_sources(how, rates, matmul_size, conv_size),
+        dispatch_mode_op_s=dispatch[0],
+        sources={**sources, **_rate_sources(how, rates, matmul_size, conv_size), **_dispatch_source(how, dispatch),
                  "memory_bytes": f"{how}: torch.cuda.get_device_properties().total_memory",
                  "memory_bytes_per_s": f"{how}: 2 x device-to-device copy of {format_bytes(d2d['nbytes'])}"},
     )
+
+
+def _dispatch_figure(device: torch.device, repeats: int, tick: Callable[[], Any]) -> tuple[float, int]:
+    figure = dispatch_mode_op_s(device, repeats)
+    tick()
+    return figure
+
+
+def _dispatch_source(how: str, figure: tuple[float, int]) -> dict[str, str]:
+    return {"dispatch_mode_op_s": f"{how}: host time of a small residual network's step ({figure[1]} traced ops, "
+                                  "forward and backward) under a pass-through dispatch mode, less without, per op"}
 
 
 def _rate_figures(rates: dict[str, float]) -> dict[str, float | None]:

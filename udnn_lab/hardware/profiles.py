@@ -78,6 +78,9 @@ class Hardware:
     inter_node_bytes_per_s: float | None = _figure("rate?", default=None)  # per GPU across nodes (its NIC), each way
     inter_node_latency_s: float | None = _figure("seconds?", default=None)  # per step of a ring across nodes
     host_memory_bytes_per_s: float | None = _figure("rate?", default=None)  # one node's host memory, read + write
+    # host seconds a Python dispatch mode adds to each op: what a step followed op by op pays (NOTE [simulated
+    # streams] 6); measured only (Hardware.measure), None: not measured, and such steps are not priced
+    dispatch_mode_op_s: float | None = _figure("seconds?", default=None)
     sources: Mapping[str, str] = _figure("sources", hash=False)  # figure field name -> where it comes from
     notes: str = _figure("notes", default="")
 

@@ -159,9 +159,10 @@ def load_cached(device: MachineDevice) -> Hardware | None:
     if not path.is_file():
         return None
     try:
-        return Hardware.load(path)
+        cached = Hardware.load(path)
     except (HardwareProfileError, OSError):
         return None  # a file cut short or from another version: measured again and replaced
+    return cached if cached.dispatch_mode_op_s is not None else None  # measured before that figure was
 
 
 def save_cached(device: MachineDevice, hardware: Hardware) -> Path | None:

@@ -24,7 +24,7 @@ class HookSchedule:
     """
 
     def __init__(self, events: tuple[HookEvent, ...], acting: set[int], op_families: tuple[str, ...],
-                 planned: Collection[int] = ()) -> None:
+                 planned: Collection[int] = (), recording: tuple[tuple[int, int], ...] = ()) -> None:
         self.op_families = op_families
         self.seen = 0
         windows = _windows_for(events, acting, planned)
@@ -33,12 +33,19 @@ class HookSchedule:
         self.events = tuple(event for event, visible in zip(events, shown) if visible)
         # module events (by position in self.events) where hooks go on (+1) or off (-1)
         self.switches: dict[int, int] = {}
+        # module events (by position) where the recording mode opens (at the op index given) or closes (-1)
+        # (NOTE [hook points] 6)
+        self.recording: dict[int, int] = {}
+        opens = {opening: events[opening].boundary for opening, _ in recording}
+        closes = {closing for _, closing in recording}
         position, before = -1, False
-        for event, visible, after in zip(events, shown, on):
+        for ordinal, (event, visible, after) in enumerate(zip(events, shown, on)):
             position += visible
             if windows is not None and event.kind in ("enter", "exit") and after != before:
                 self.switches[position] = 1 if after else -1
             before = after
+            if ordinal in opens or ordinal in closes:  # module calls: always shown
+                self.recording[position] = opens.get(ordinal, -1)
         self.triggers = _triggers(self.events, acting)  # position -> the boundary it stands for
         self.last_trigger = max(self.triggers, default=-1)
 
@@ -69,9 +76,10 @@ class HookSchedule:
         assert expected is not None  # _mismatch raised otherwise
         return expected, self.triggers.get(ordinal)
 
-    def module_called(self, kind: str, module: torch.nn.Module) -> tuple[int | None, int]:
+    def module_called(self, kind: str, module: torch.nn.Module) -> tuple[int | None, int, int | None]:
         """A module's forward starts ('enter') or returns ('exit'): the boundary to act at now (None: none),
-        and whether saved-tensor hooks go on (1), off (-1) or stay as they are (0) (NOTE [hook points] 5)."""
+        whether saved-tensor hooks go on (1), off (-1) or stay as they are (0) (NOTE [hook points] 5), and
+        whether the recording mode opens here (the index of the next op), closes (-1) or neither (None) (6)."""
         ordinal = self.seen
         self.seen += 1
         name = type(module).__name__
@@ -80,7 +88,7 @@ class HookSchedule:
             mode = "" if expected is None or expected.training == module.training else \
                 f" in {'training' if module.training else 'eval'} mode"
             self._mismatch(ordinal, expected, f"it {'enters' if kind == 'enter' else 'leaves'} a {name}{mode}")
-        return self.triggers.get(ordinal), self.switches.get(ordinal, 0)
+        return self.triggers.get(ordinal), self.switches.get(ordinal, 0), self.recording.get(ordinal)
 
     def unpacked(self) -> int | None:
         """An unpack call: the boundary to act at before it (None: none)."""

@@ -2,15 +2,18 @@
 
 NOTE [offload runtime]
   1. Identity. Where the plan carries the step's saved-tensor events (NOTE [hook points]:
-     offloads only, every action on a hook point), the runtime counts module calls, and
-     autograd's pack and unpack calls inside its windows (NOTE [hook points] 5), and nothing
-     else: each must be the traced one (a module by its class and mode, a pack by its
+     every action on a hook point, every recomputation in a recording window), the runtime
+     counts module calls, and autograd's pack and unpack calls inside its windows (NOTE [hook
+     points] 5): each must be the traced one (a module by its class and mode, a pack by its
      tensor's autograd node, dtype and shape), so a step that differs (another activation,
      loss or mode) raises PlanMismatch at the first call that differs; a planned tensor is
      the storage packed at its first traced pack (its size is checked); the plan acts at the
-     call that stands for its boundary. No dispatch mode runs, so the step pays only for
-     the module hooks and the saved-tensor hooks of the windows. Otherwise a dispatch mode counts the step's ops by the
-     recorder's rules (records_op), so op indices are the plan's, and each op's family
+     call that stands for its boundary. The step pays for the module hooks and the
+     saved-tensor hooks of the windows, and, where the plan recomputes, for a dispatch mode in
+     its recording windows only (NOTE [hook points] 6): it counts ops from the boundary it
+     opens at, checks their families, records the ops a Recompute re-runs, and lets a
+     recomputed tensor go where no hook call stands for that op. Otherwise a dispatch mode
+     counts all the step's ops by the recorder's rules (records_op), so op indices are the plan's, and each op's family
      (op_family) must be the plan's op at that index; when op ``site.producer`` returns,
      its ``site.position``-th new output storage is the planned tensor. One backend's ops are
      not the step's: gloo's reduce-scatter copies its result out of a buffer of its own (a
@@ -46,10 +49,11 @@ NOTE [offload runtime]
   6. Recompute. The ops of a Recompute are recorded in forward (dropped tensors by
      reference into the recording, never by a reference that would keep them alive), with
      the RNG state before a random op; when the op before ``at_op`` ends (autograd unpacks
-     a node's saved tensors before the node's first op runs) they are replayed with that
-     state, into clones of any buffer they write, so running statistics stay as eager
-     leaves them (_replay.py). A collective is never recorded: every rank calls it together,
-     so a plan whose recomputation would re-run one raises ReplayError before it runs.
+     a node's saved tensors before the node's first op runs), or, followed by hooks, at the
+     first unpack of ``at_op``'s boundary, they are replayed with that state, into clones of
+     any buffer they write, so running statistics stay as eager leaves them (_replay.py). A
+     collective is never recorded: every rank calls it together, so a plan whose
+     recomputation would re-run one raises ReplayError before it runs.
   7. Release. A slot's restored storage is dropped when the last handle of it is
      collected: autograd frees saved variables as their backward node finishes. A handle
      collected before its prefetch completed (never unpacked) first waits for that copy, so
@@ -75,7 +79,7 @@ from typing import Literal, Protocol
 
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from udnn_lab.analysis.recording import flat_tensors, records_op
 from udnn_lab.analysis.step import view_replay
@@ -222,13 +226,18 @@ class OffloadRuntime:
     def hook_schedule(self) -> HookSchedule | None:
         """A fresh count of the step's hook calls, when the plan can be followed by them (NOTE [hook points])."""
         plan = self.plan
-        if self._schedule is None and plan is not None and plan.hook_events and not plan.recomputes:
+        if self._schedule is None and plan is not None and plan.hook_events:
+            recomputed = {t for r in plan.recomputes for t in r.tensors}
+            points = {event.boundary for event in plan.hook_events}
+            # forward lets a recomputed tensor go at a hook point, or in a recording window (NOTE [hook points] 6)
+            let_go = {s.held_until + 1 for s in plan.sites if s.tensor in recomputed} & points
             acting = {o.after_op + 1 for o in plan.offloads} | {o.prefetch_at for o in plan.offloads} \
                 | {o.release_op for o in plan.offloads} \
-                | {o.wait_before for o in plan.offloads if o.wait_before is not None}
-            if HookSchedule.covers(plan.hook_events, acting):
+                | {o.wait_before for o in plan.offloads if o.wait_before is not None} \
+                | {r.at_op for r in plan.recomputes} | let_go
+            if (plan.recording or not plan.recomputes) and HookSchedule.covers(plan.hook_events, acting):
                 self._schedule = HookSchedule(plan.hook_events, acting, plan.op_families,
-                                              {o.tensor for o in plan.offloads})
+                                              {o.tensor for o in plan.offloads} | recomputed, plan.recording)
         if self._schedule is not None:
             self._schedule.seen = 0
         return self._schedule
@@ -290,6 +299,8 @@ class _Step:
         # NOTE [offload runtime] 1: by saved-tensor events where the plan carries them, else op by op
         self.events = runtime.hook_schedule()
         self._mode = _OpByOp(self) if self.events is None else None
+        self._recorder = _Recording(self) if self.events is not None and plan.recomputes else None
+        self._recording = False  # the recorder is on (NOTE [hook points] 6)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks_on = False
         self._top_at_start: tuple | None = None  # autograd's innermost saved-tensor hooks when the step started
@@ -319,13 +330,34 @@ class _Step:
 
     def _module_event(self, thread: int, kind: str, module: torch.nn.Module) -> None:
         if threading.get_ident() == thread and self.events is not None:
-            boundary, switch = self.events.module_called(kind, module)
+            boundary, switch, recording = self.events.module_called(kind, module)
+            if recording is not None and recording < 0:
+                self._switch_recording(None)
             if switch < 0:
                 self._switch_hooks(False)
             if boundary is not None:
                 self._at_boundary(boundary)
             if switch > 0:
                 self._switch_hooks(True)
+            if recording is not None and recording >= 0:
+                self._switch_recording(recording)
+
+    def _switch_recording(self, index: int | None) -> None:
+        """The recording mode on from op ``index``, or off (None) (NOTE [hook points] 6)."""
+        assert self._recorder is not None  # a schedule with recording windows is made only for recomputations
+        if index is not None:
+            self.index = index
+            self._recorder.__enter__()
+            self._recording = True
+        elif self._recording:
+            self._recording = False
+            if _get_current_dispatch_mode() is not self._recorder:
+                self._recorder.__exit__(None, None, None)
+                raise PlanMismatch(
+                    "a dispatch mode entered inside the step is still on where the runtime's recording of a "
+                    "recomputation ends (NOTE [hook points] 6): enter it around the whole step, or follow the plan "
+                    "op by op with plan.located(graph, on_hooks=False)")
+            self._recorder.__exit__(None, None, None)
 
     def _switch_hooks(self, on: bool) -> None:
         """Saved-tensor hooks on or off, at the top of autograd's stack of them (NOTE [hook points] 5)."""
@@ -349,6 +381,8 @@ class _Step:
         try:
             if self._mode is not None:
                 self._mode.__exit__(None, None, None)
+            if self._recording:  # an error inside a recording window
+                self._switch_recording(None)
             for handle in self._module_hooks:
                 handle.remove()
         finally:
@@ -414,17 +448,9 @@ class _Step:
     def _act(self, index: int, func, args: tuple, kwargs: dict, written_args: tuple[int | str, ...]):
         """An op at which the plan acts: before it, after it, or by recording it for a replay."""
         self._before_op(index)
-        recording = self.recording.get(index, ())
-        for replay in recording:
-            replay.refuse(func)
-        state = rng_state(func, self._device(args), kwargs) if recording else None
-        versions = [a._version if isinstance(a, torch.Tensor) else None for a in args] if recording else ()
-        out = func(*args, **kwargs)
+        out = self._call(index, func, args, kwargs)
         if written_args:
             self._count_writes(written_args, args, kwargs)
-        written = tuple(i for i, (a, v) in enumerate(zip(args, versions)) if v is not None and a._version != v)
-        for replay in recording:
-            replay.record(func, args, kwargs, out, state, written)
         for site in self.sites.get(index, ()):
             self._found(site, args, out)
         for offload in self.offload_after.get(index, ()):
@@ -432,6 +458,36 @@ class _Step:
         for replay in self.replay_at.get(index, ()):
             self._replay(replay)
         return out
+
+    def _call(self, index: int, func, args: tuple, kwargs: dict):
+        """Run op ``index``, recording it for the replays that re-run it (NOTE [offload runtime] 6)."""
+        recording = self.recording.get(index, ())
+        if not recording:
+            return func(*args, **kwargs)
+        for replay in recording:
+            replay.refuse(func)
+        state = rng_state(func, self._device(args), kwargs)
+        versions = [a._version if isinstance(a, torch.Tensor) else None for a in args]
+        out = func(*args, **kwargs)
+        written = tuple(i for i, (a, v) in enumerate(zip(args, versions)) if v is not None and a._version != v)
+        for replay in recording:
+            replay.record(func, args, kwargs, out, state, written)
+        return out
+
+    def on_recorded_op(self, func, args: tuple, kwargs: dict):
+        """One op inside a recording window (NOTE [hook points] 6): counted, checked, recorded where planned."""
+        known = self.families.get(func)
+        if known is None:
+            known = self.families[func] = (op_family(str(func)) if records_op(func) else "", _written(func))
+        if not known[0]:
+            return func(*args, **kwargs)
+        index = self.index
+        self.index += 1
+        if index < len(self.expected) and known[0] != self.expected[index]:
+            self._mismatch(index, known[0])
+        for slot in self.let_go.get(index, ()):  # where no hook call stands for the op (NOTE [hook points] 6)
+            _last_look(slot)
+        return self._call(index, func, args, kwargs)
 
     def _count_writes(self, written: tuple[int | str, ...], args: tuple, kwargs: dict) -> None:
         """An op wrote in place into a planned storage: a handle whose saved tensor's version moved is stale (5).
@@ -577,6 +633,8 @@ class _Step:
         """After op ``boundary - 1`` and before op ``boundary`` (NOTE [hook points]): what the plan does there."""
         for offload in self.offload_after.get(boundary - 1, ()):
             self._offload(self.slots[offload.tensor])
+        for replay in self.replay_at.get(boundary - 1, ()):
+            self._replay(replay)
         self._before_op(boundary)
 
     def _before_op(self, index: int) -> None:
@@ -660,6 +718,17 @@ class _OpByOp(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return self.step.on_op(func, args, kwargs or {})
+
+
+class _Recording(TorchDispatchMode):
+    """Records a recomputation's forward ops, on only in its windows (NOTE [hook points] 6)."""
+
+    def __init__(self, step: _Step) -> None:
+        super().__init__()
+        self.step = step
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.step.on_recorded_op(func, args, kwargs or {})
 
 
 def _last_look(slot: _Slot) -> None:

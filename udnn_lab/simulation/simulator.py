@@ -5,9 +5,10 @@ NOTE [simulated streams]
      exceed the budget (document 000: M_used + M_alloc <= M), for offload copies in flight
      to complete and free memory; waits for copies the plan synchronizes on (vDNN); runs
      the plan's recomputations for op i; and waits for the prefetches op i reads. Those
-     waits are stalls. A recomputation holds the tensors it restores from the op before
-     (the runtime replays as that op ends, before autograd's node unpacks them); its
-     scratch outputs are not counted.
+     waits are stalls. A recomputation followed op by op holds the tensors it restores from
+     the op before (the runtime replays as that op ends, before autograd's node unpacks
+     them); followed by hooks, from its own op (it replays at the node's first unpack, once
+     the op before is done: NOTE [hook points] 6). Its scratch outputs are not counted.
   2. Device-to-host copies run in order on their own stream; an offloaded tensor's copy
      starts when both the stream and its ``after_op`` are done, and its device memory is
      freed when the copy completes, not before. An offload with a release point
@@ -24,6 +25,14 @@ NOTE [simulated streams]
   5. A graph of one rank of several also has collectives: they run on a communication stream, FSDP2's
      all-gather copy-ins on a copy-in stream, and compute waits for them where it reads what they wrote
      (NOTE [collectives] in _communication.py). A graph without collectives never builds that state.
+  6. The forward and backward ops the runtime sees through a dispatch mode (``Plan.dispatched_ops``:
+     every one when it follows the step op by op, those of its recording windows otherwise, NOTE
+     [hook points] 6) pay the mode's host time (``CostModel.dispatch_mode_op_s``, measured by
+     ``ul.profile`` or ``Hardware.measure``). On a CPU the host runs the ops, so each takes that
+     much longer (replays run without the mode: NOTE [offload runtime] 8). On a GPU the host
+     issues ops ahead of the device: its clock advances by that time per such op, and compute
+     waits for an op not issued yet (``stall_host``). That clock counts the mode alone, not the
+     host's own work per op: a lower bound.
 """
 
 from __future__ import annotations
@@ -133,6 +142,12 @@ class _Run:
         self.not_before: dict[int, int] = {}  # offloaded tensor -> the first op before which forward lets it go
         self.held: set[int] = set()  # copies done, tensors forward still holds
         self.comm = Communication(graph, cost, self.times) if has_collectives(graph) else None
+        # NOTE [simulated streams] 1: a replay followed op by op holds what it restores from the op before
+        self.restored_early = 1 if plan.recomputes and plan.followed_op_by_op(graph) else 0
+        self.dispatched = _dispatched(graph, plan) if cost.dispatch_mode_op_s else set()  # NOTE [simulated streams] 6
+        pace = cost.dispatch_mode_op_s if self.dispatched else 0.0
+        self.host_pace, self.host_clock = (pace, 0.0) if self.cuda else (0.0, 0.0)
+        self.host_extra = 0.0 if self.cuda else pace
         self._index_host_copies()
         self._index_actions()
 
@@ -353,6 +368,11 @@ class _Run:
                                       "", 0))
             start = ready
         end = start + self.times[i]
+        if i in self.dispatched:  # NOTE [simulated streams] 6
+            self.host_clock += self.host_pace
+            self._stall(start, self.host_clock, i, "stall_host")
+            start = max(start, self.host_clock)
+            end = start + self.times[i] + self.host_extra
         self.timeline.append(("compute", "op", start, end, i, op.name, op.module, "", 0))
         self.counted += self.own[i] - self.gone[i]
         if self.comm is not None:
@@ -400,8 +420,8 @@ class _Run:
 
     def _recompute(self, recompute: Recompute, start: float, op: int) -> float:
         restored = self._restored(recompute)
-        for tensor in restored:  # the runtime replays as the op before ends (NOTE [offload runtime] 6)
-            self._change(tensor, +1, max(op - 1, 0))
+        for tensor in restored:  # NOTE [simulated streams] 1
+            self._change(tensor, +1, max(op - self.restored_early, 0))
         end = start + float(sum(self.times[j] for j in recompute.ops))
         names = ", ".join(self.graph.tensors[t].name for t in recompute.tensors)
         nbytes = sum(self.graph.tensors[t].nbytes for t in restored)
@@ -430,3 +450,8 @@ class _Run:
             exposed_communication_s=comm.waited_s + max(0.0, comm.end_s() - clock) if comm is not None else 0.0,
             communication_bytes=comm.bytes if comm is not None else 0, hardware=self.cost.hardware.name,
         )
+
+
+def _dispatched(graph: Graph, plan: Plan) -> set[int]:
+    """The forward and backward ops the runtime sees through a dispatch mode (NOTE [simulated streams] 6)."""
+    return {i for ops in plan.dispatched_ops(graph) for i in ops if graph.ops[i].phase != "optimizer"}

@@ -1,0 +1,143 @@
+"""Simulated against measured step time on this CPU, for every quick policy: the host-bound proxy of a GPU run.
+
+On a GPU, the host work a plan adds per op (a Python dispatch mode when the runtime follows a step op by
+op) becomes the step once ops are small. On one CPU thread, with small inputs, the same host work shows
+directly. For each workload (ResNet-50 batch 2 at 64x64, the zoo transformer, a small GPT-2 decoder):
+``ul.profile`` measures every op and what a pass-through dispatch mode costs that step per op; each
+quick policy is planned at a budget midway between its smallest and the keep-all peak, and at 50% of
+that peak where it fits, and simulated with that profile; then eager steps and steps under the runtime
+are timed in turn. The figure compared is the slowdown against eager, measured and simulated, with the
+simulation also shown without the dispatch mode's price (what it said before it had one).
+Target: every plan's measured slowdown within 3% of its simulated one.
+
+    python benchmarks/host_proxy.py [--quick] [--repeats 15] [--out data/benchmarks/host_proxy.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import udnn_lab as ul  # noqa: E402
+from udnn_lab.analysis.step import compute_loss, split_input  # noqa: E402
+from udnn_lab.devices import device_name  # noqa: E402
+from udnn_lab.errors import PlanInfeasible  # noqa: E402
+
+TARGET = 0.03
+WORKLOADS = [("resnet50", {"batch": 2, "image_size": 64}), ("transformer", {"batch": 2}),
+             ("hf:gpt2", {"batch": 2, "small": True, "seq_len": 64})]
+QUICK_WORKLOADS = [("resnet18", {"batch": 16, "image_size": 32})]
+POLICIES = ("auto", "vdnn++", "recompute", "checkpoint-segments", "pin-greedy")
+
+
+def _steps(work: ul.Workload, contexts: dict, repeats: int) -> dict[str, float]:
+    """Median CPU seconds of forward and backward under each context, taken in turn (a change in load hits all)."""
+    models = {name: copy.deepcopy(work.model) for name in contexts}
+    args, kwargs = split_input(work.example_input)
+    times: dict[str, list[float]] = {name: [] for name in contexts}
+    for index in range(repeats + 2):  # two warm-up rounds
+        for name, context in contexts.items():
+            model = models[name]
+            model.zero_grad(set_to_none=True)
+            start = time.process_time()
+            with context():
+                compute_loss(model(*args, **kwargs), work.loss_fn, work.target).backward()
+            if index >= 2:
+                times[name].append(time.process_time() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _budgets(graph: ul.Graph, policy: str, hardware: ul.Hardware, profile: ul.Profile) -> dict[str, int]:
+    try:
+        smallest = ul.min_budget(graph, policy, hardware, profile)
+    except PlanInfeasible:
+        return {}
+    budgets = {"midway": (smallest + graph.peak_bytes) // 2}
+    if smallest <= graph.peak_bytes // 2:
+        budgets["50%"] = graph.peak_bytes // 2
+    return budgets
+
+
+def _rows(name: str, options: dict, repeats: int) -> list[dict]:
+    work = ul.zoo.get(name, optimizer="none", **options)
+    profile = ul.profile(work, repeats=repeats)
+    graph = ul.trace(work)
+    unpriced = dataclasses.replace(profile, dispatch_mode_op_s=None)
+    hardware = ul.Hardware.load("cpu-amd-epyc-2cpu")
+    hardware = dataclasses.replace(hardware, dispatch_mode_op_s=None, device_names=(profile.device_name,))
+    keep_all = ul.simulate(graph, hardware=hardware, profile=profile).step_time_s
+    plans = {}
+    for policy in POLICIES:
+        for kind, budget in _budgets(graph, policy, hardware, profile).items():
+            plan = ul.plan(graph, budget, policy, hardware=hardware, profile=profile)
+            if plan.offloads or plan.recomputes:
+                plans[f"{policy} {kind}"] = plan
+    runtimes = {label: ul.OffloadRuntime(plan) for label, plan in plans.items()}
+    measured = _steps(work, {"eager": nullcontext, **{label: (lambda r=r: r) for label, r in runtimes.items()}},
+                      repeats)
+    rows = []
+    for label, plan in plans.items():
+        simulated = ul.simulate(graph, plan, hardware=hardware, profile=profile).step_time_s / keep_all
+        before = ul.simulate(graph, plan, hardware=hardware, profile=unpriced).step_time_s / keep_all
+        slowdown = measured[label] / measured["eager"]
+        rows.append({
+            "workload": name, "options": options, "ops": len(graph.ops), "plan": label,
+            "budget_bytes": plan.budget_bytes, "offloads": len(plan.offloads),
+            "recomputes": len(plan.recomputes), "followed_by": runtimes[label].follows,
+            "dispatch_mode_op_s": profile.dispatch_mode_op_s, "eager_s": measured["eager"],
+            "step_s": measured[label], "measured_slowdown": slowdown, "simulated_slowdown": simulated,
+            "simulated_slowdown_unpriced": before, "error": slowdown / simulated - 1,
+            "error_unpriced": slowdown / before - 1, "within_target": abs(slowdown / simulated - 1) <= TARGET,
+        })
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one small workload (CI)")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--out", type=Path, default=ROOT / "data" / "benchmarks" / "host_proxy.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+    for name, options in QUICK_WORKLOADS if args.quick else WORKLOADS:
+        rows.extend(_rows(name, options, args.repeats))
+    print(f"{'workload':12s} {'plan':28s} {'follows':10s} {'measured':>9s} {'simulated':>9s} {'error':>7s} "
+          f"{'unpriced':>9s} {'error':>7s}")
+    for row in rows:
+        print(f"{row['workload']:12s} {row['plan']:28s} {row['followed_by'][:10]:10s} "
+              f"{row['measured_slowdown']:8.3f}x {row['simulated_slowdown']:8.3f}x {row['error']:+7.1%} "
+              f"{row['simulated_slowdown_unpriced']:8.3f}x {row['error_unpriced']:+7.1%}")
+    met = bool(rows) and all(row["within_target"] for row in rows)
+    print(f"target: every plan's measured slowdown within {TARGET:.0%} of its simulated one; met: {met} "
+          f"({sum(r['within_target'] for r in rows)} of {len(rows)})")
+    document = {
+        "benchmark": "host_proxy", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"device": "cpu", "device_name": device_name(torch.device("cpu")), "torch": torch.__version__,
+                    "python": platform.python_version(), "threads": 1, "cores": os.cpu_count(),
+                    "load_average_1min": os.getloadavg()[0]},
+        "target": {"error_at_most": TARGET, "judged_on": "CPU time of the process, medians of steps taken in turn"},
+        "meets_target": met, "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(document, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""A plan followed op by op pays its dispatch mode's host time (NOTE [simulated streams] 6)."""
+
+import dataclasses
+
+import pytest
+
+import udnn_lab as ul
+from udnn_lab import zoo
+from udnn_lab.hardware.profiles import Hardware
+from udnn_lab.planning import Offload, Plan
+
+
+def _with_dispatch(hardware: Hardware, seconds: float | None) -> Hardware:
+    return dataclasses.replace(hardware, dispatch_mode_op_s=seconds,
+                               sources={**hardware.sources, "dispatch_mode_op_s": "set by the test"})
+
+
+CPU = Hardware.load("cpu-amd-epyc-2cpu")
+H100 = Hardware.load("h100-sxm")
+
+
+@pytest.fixture(scope="module")
+def cpu_graph():
+    return ul.trace(zoo.get("resnet18", batch=4, image_size=32))
+
+
+@pytest.fixture(scope="module")
+def cuda_graph():
+    return ul.trace(zoo.get("resnet18", batch=2, image_size=32, device="meta"), device="cuda")
+
+
+def _recompute_plan(graph) -> Plan:
+    plan = ul.plan(graph, None, "recompute", hardware=CPU if graph.device == "cpu" else H100)
+    assert plan.recomputes
+    return plan
+
+
+def test_the_shipped_cpu_profile_was_measured_with_its_dispatch_figure():
+    assert CPU.dispatch_mode_op_s is not None and 1e-7 < CPU.dispatch_mode_op_s < 1e-3
+    assert "pass-through dispatch mode" in CPU.sources["dispatch_mode_op_s"]
+
+
+def test_on_a_cpu_every_forward_and_backward_op_followed_op_by_op_takes_the_mode_longer(cpu_graph):
+    plan = _recompute_plan(cpu_graph).located(cpu_graph, on_hooks=False)
+    assert plan.followed_op_by_op(cpu_graph)
+    unpriced = ul.simulate(cpu_graph, plan, hardware=_with_dispatch(CPU, None))
+    priced = ul.simulate(cpu_graph, plan, hardware=_with_dispatch(CPU, 1e-4))
+    ops = sum(op.phase != "optimizer" for op in cpu_graph.ops)
+    assert priced.step_time_s - unpriced.step_time_s == pytest.approx(ops * 1e-4, rel=1e-6)
+    assert priced.peak_bytes == unpriced.peak_bytes
+
+
+def test_followed_by_hooks_only_the_ops_of_its_recording_windows_pay(cpu_graph):
+    """NOTE [hook points] 6: the mode is on around the recorded ops only."""
+    plan = _recompute_plan(cpu_graph)
+    assert not plan.followed_op_by_op(cpu_graph) and plan.recording
+    seen = {i for ops in plan.dispatched_ops(cpu_graph) for i in ops if cpu_graph.ops[i].phase != "optimizer"}
+    assert {i for r in plan.recomputes for i in r.ops} <= seen
+    unpriced = ul.simulate(cpu_graph, plan, hardware=_with_dispatch(CPU, None))
+    priced = ul.simulate(cpu_graph, plan, hardware=_with_dispatch(CPU, 1e-4))
+    assert priced.step_time_s - unpriced.step_time_s == pytest.approx(len(seen) * 1e-4, rel=1e-6)
+
+
+def test_a_plan_followed_by_its_hooks_pays_nothing(cpu_graph):
+    plan = ul.plan(cpu_graph, None, "vdnn-all", hardware=CPU)
+    assert not plan.followed_op_by_op(cpu_graph) and plan.hook_events
+    assert ul.simulate(cpu_graph, plan, hardware=_with_dispatch(CPU, 1e-4)).step_time_s == \
+        ul.simulate(cpu_graph, plan, hardware=_with_dispatch(CPU, None)).step_time_s
+    keep_all = Plan.keep_all(cpu_graph)
+    assert not keep_all.followed_op_by_op(cpu_graph)
+
+
+def test_the_same_offloads_without_hook_points_are_priced(cpu_graph):
+    plan = ul.plan(cpu_graph, None, "vdnn-all", hardware=CPU)
+    op_by_op = dataclasses.replace(plan, hook_events=())  # located, but carrying no hook events
+    assert op_by_op.followed_op_by_op(cpu_graph)
+    assert ul.simulate(cpu_graph, op_by_op, hardware=_with_dispatch(CPU, 1e-4)).step_time_s > \
+        ul.simulate(cpu_graph, op_by_op, hardware=_with_dispatch(CPU, None)).step_time_s
+
+
+def test_on_a_gpu_compute_waits_for_a_host_that_falls_behind(cuda_graph):
+    plan = _recompute_plan(cuda_graph)
+    assert plan.followed_op_by_op(cuda_graph)  # traced without CUDA: no hook events (cuDNN saves other tensors)
+    unpriced = ul.simulate(cuda_graph, plan, hardware=_with_dispatch(H100, None))
+    assert "stall_host" not in set(unpriced.timeline.kind)
+    slow_host = ul.simulate(cuda_graph, plan, hardware=_with_dispatch(H100, 1e-3))  # far slower than the kernels
+    ops = sum(op.phase != "optimizer" for op in cuda_graph.ops)
+    assert "stall_host" in set(slow_host.timeline.kind)
+    assert slow_host.step_time_s >= ops * 1e-3  # the device cannot finish before the host has issued every op
+    assert slow_host.peak_bytes == unpriced.peak_bytes
+    fast_host = ul.simulate(cuda_graph, plan, hardware=_with_dispatch(H100, 1e-12))  # ahead of the device
+    assert fast_host.step_time_s == pytest.approx(unpriced.step_time_s, rel=1e-6)
+
+
+def test_the_profiled_steps_own_figure_comes_first(cpu_graph):
+    from udnn_lab.cost.model import CostModel
+
+    measured = dataclasses.replace(ul.profile(zoo.get("mlp3", batch=4), repeats=2), dispatch_mode_op_s=3e-5)
+    assert CostModel(_with_dispatch(CPU, 1e-6), measured).dispatch_mode_op_s == 3e-5
+    assert CostModel(_with_dispatch(CPU, 1e-6)).dispatch_mode_op_s == 1e-6
+    assert CostModel(_with_dispatch(CPU, None)).dispatch_mode_op_s == 0.0
+
+
+def test_a_planner_sees_the_price_of_a_dispatch_mode():
+    """Behind a slow link auto recomputes; once seeing the recorded ops through a dispatch mode costs more than
+    the copies, it offloads (a plan followed by its hooks alone) instead."""
+    graph = ul.trace(zoo.get("resnet18", batch=32, image_size=64, device="meta", optimizer="none"), device="cpu")
+    slow_link = dataclasses.replace(CPU, **{f"{d}_{m}_bytes_per_s": getattr(CPU, f"{d}_{m}_bytes_per_s") / 100
+                                            for d in ("h2d", "d2h") for m in ("pinned", "pageable")})
+    budget = (graph.peak_bytes + ul.min_budget(graph, "recompute", hardware=CPU)) // 2
+    free, expensive = _with_dispatch(slow_link, None), _with_dispatch(slow_link, 1e-2)
+    assert ul.plan(graph, budget, "auto", hardware=free).recomputes
+    plan = ul.plan(graph, budget, "auto", hardware=expensive)
+    assert plan.offloads and not plan.recomputes and plan.dispatched_ops(graph) == (), plan
+    recompute = ul.plan(graph, budget, "recompute", hardware=expensive)
+    assert ul.simulate(graph, plan, hardware=expensive).step_time_s < \
+        ul.simulate(graph, recompute, hardware=expensive).step_time_s
+
+
+def test_offloads_of_an_unlocated_plan_are_priced_by_where_they_can_move(cpu_graph):
+    saved = [t for t in cpu_graph.tensors if t.category == "feature_map" and t.first_backward_use is not None][:3]
+    offloads = tuple(Offload(t.id, t.last_forward_use, t.first_backward_use - 1) for t in saved)
+    plan = Plan("test", cpu_graph.fingerprint, offloads=offloads)
+    assert not plan.sites and cpu_graph.hook_events
+    assert plan.followed_op_by_op(cpu_graph) == (plan.located(cpu_graph).hook_events == ())
