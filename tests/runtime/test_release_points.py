@@ -73,12 +73,12 @@ def test_a_handle_dropped_before_its_prefetch_finished_waits_for_the_copy():
     """NOTE [offload runtime] 7: when autograd lets go of a handle it never unpacked, the block and the host slice
     may still be in use by the prefetch: dropping them must wait for it."""
     from udnn_lab.runtime._copies import Copies
-    from udnn_lab.runtime.offload import _Step
+    from udnn_lab.runtime._by_ops import OpByOpStep
 
     work = zoo.get("resnet18", batch=16, image_size=64, device="cuda")
     graph = ul.trace(work)
     runtime = ul.OffloadRuntime(ul.plan(graph, None, "vdnn-all", hardware="h100-sxm"))
-    step = _Step(runtime)
+    step = OpByOpStep(runtime)
     step.copies = Copies(torch.device("cuda", torch.cuda.current_device()))
     slot = next(iter(step.slots.values()))
     host = torch.ones(64 << 20, dtype=torch.uint8).pin_memory()
