@@ -72,8 +72,8 @@ def test_every_policy_is_exact_while_the_gpu_lags_behind_the_host(policy):
 def test_a_handle_dropped_before_its_prefetch_finished_waits_for_the_copy():
     """NOTE [offload runtime] 7: when autograd lets go of a handle it never unpacked, the block and the host slice
     may still be in use by the prefetch: dropping them must wait for it."""
-    from udnn_lab.runtime._copies import Copies
     from udnn_lab.runtime._by_ops import OpByOpStep
+    from udnn_lab.runtime._copies import Copies
 
     work = zoo.get("resnet18", batch=16, image_size=64, device="cuda")
     graph = ul.trace(work)
