@@ -5,7 +5,9 @@ shows): eager; the runtime with a plan that offloads 10 tensors, following the s
 module calls and, inside the windows that hold those tensors, its saved-tensor hooks (NOTE
 [hook points] 5); the runtime with vDNN's plan of every convolution input (windows over most
 of the step); torch.autograd.graph.save_on_cpu; and the 10-tensor plan followed op by op under
-a dispatch mode (what plans with recomputations use). The methods take turns, step by step;
+a dispatch mode; and a plan that recomputes (ResNet-50's recompute policy midway between its smallest budget and
+the peak), followed by its hooks with a dispatch mode only in its recording windows (NOTE [hook points] 6), and
+the same plan op by op. The methods take turns, step by step;
 each is the median of --repeats steps after warm-up. Target: at most 2 us of host time per op,
 or 3% of the eager step, for the 10-tensor plan.
 
@@ -78,16 +80,24 @@ def main() -> None:
     ten = replace(everything, offloads=everything.offloads[:10])
     on_hooks, op_by_op = ten.located(graph), ten.located(graph, on_hooks=False)
     assert on_hooks.hook_events, "the plan could not be moved onto hook points (NOTE [hook points])"
+    midway = (ul.min_budget(graph, "recompute", hardware=hardware) + graph.peak_bytes) // 2
+    recomputing = ul.plan(graph, midway, "recompute", hardware=hardware)
+    assert recomputing.recomputes and recomputing.recording, "the recompute plan has no recording windows"
     forward_backward = sum(op.phase != "optimizer" for op in graph.ops)
     # one runtime across steps, as in training: its pool is allocated once
     runtime, runtime_by_op = ul.OffloadRuntime(on_hooks), ul.OffloadRuntime(op_by_op)
     runtime_all = ul.OffloadRuntime(everything)
+    recompute_hooks = ul.OffloadRuntime(recomputing)
+    recompute_by_op = ul.OffloadRuntime(recomputing.located(graph, on_hooks=False))
+    recorded = sum(len(ops) for ops in recomputing.dispatched_ops(graph))
     methods = {
         "eager": nullcontext,
         "udnn_lab runtime, 10 offloads": lambda: runtime,
         f"udnn_lab runtime, {len(everything.offloads)} offloads": lambda: runtime_all,
         "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"),
         "udnn_lab runtime op by op (dispatch mode)": lambda: runtime_by_op,
+        f"recompute plan ({len(recomputing.recomputes)} recomputations), recording windows": lambda: recompute_hooks,
+        "the same recompute plan op by op": lambda: recompute_by_op,
     }
     rows = []
     for name, (times, cpu_times) in _timed(work, methods, args.repeats, device).items():
@@ -108,7 +118,11 @@ def main() -> None:
                     "load_average_1min": os.getloadavg()[0]},
         "model": "resnet50, batch 2, 64x64", "ops_forward_backward": forward_backward,
         "followed_by": {"10 offloads": runtime.follows, f"{len(everything.offloads)} offloads": runtime_all.follows,
-                        "op by op": runtime_by_op.follows},
+                        "op by op": runtime_by_op.follows, "recompute plan": recompute_hooks.follows,
+                        "recompute plan op by op": recompute_by_op.follows},
+        "recompute_plan": {"recomputations": len(recomputing.recomputes),
+                           "ops_rerun": sum(len(r.ops) for r in recomputing.recomputes),
+                           "ops_in_recording_windows": recorded, "budget_bytes": recomputing.budget_bytes},
         "target": {"us_per_op": TARGET_US_PER_OP, "fraction_of_eager": TARGET_FRACTION,
                    "judged_on": "CPU time of the process (host work; wall time on a shared machine also counts "
                                 "the time other processes held the core)"},
