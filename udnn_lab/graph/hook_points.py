@@ -127,6 +127,15 @@ def recording_windows(events: tuple[HookEvent, ...],
     return tuple(merged)
 
 
+def window_ops(events: tuple[HookEvent, ...], windows: tuple[tuple[int, int], ...] | None,
+               op_count: int) -> tuple[range, ...]:
+    """The ops a dispatch mode sees in recording ``windows`` (NOTE [hook points] 6); None: every op (op by op)."""
+    if windows is None:
+        return (range(op_count),)
+    return tuple(range(events[opening].boundary, events[closing].boundary if closing < len(events) else op_count)
+                 for opening, closing in windows)
+
+
 def _either(preferred: int | None, otherwise: int | None) -> int | None:
     return preferred if preferred is not None else otherwise
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from udnn_lab.errors import PlanError, PlanForAnotherStep
-from udnn_lab.graph.hook_points import hook_points, on_hook_points, recording_windows
+from udnn_lab.graph.hook_points import hook_points, on_hook_points, recording_windows, window_ops
 from udnn_lab.graph.step_graph import Graph, HookEvent, op_family, writes_in_place
 from udnn_lab.units import cuda_block_bytes, format_bytes
 
@@ -126,11 +126,15 @@ class Plan:
     def followed_op_by_op(self, graph: Graph) -> bool:
         """Whether the runtime follows this plan's step op by op, under a dispatch mode (NOTE [hook points] 4),
         rather than by its module and saved-tensor hooks; False for a plan with nothing to do."""
-        if not (self.offloads or self.recomputes):
-            return False
+        return bool(self.offloads or self.recomputes) and self.windows_on_hooks(graph) is None
+
+    def windows_on_hooks(self, graph: Graph) -> tuple[tuple[int, int], ...] | None:
+        """Where the runtime follows this plan by its hooks: its recording windows (NOTE [hook points] 6; () when
+        it records nothing); None where it follows the step op by op."""
         if self.sites:  # located: it carries the step's hook events exactly when it is followed by them
-            return not self.hook_events
-        return _followed_by_hooks(graph, self) is None
+            return self.recording if self.hook_events else None
+        followed = _followed_by_hooks(graph, self)
+        return None if followed is None else followed[1]
 
     def dispatched_ops(self, graph: Graph) -> tuple[range, ...]:
         """The ops of ``graph``'s step that the runtime sees through a dispatch mode under this plan: every op
@@ -138,14 +142,7 @@ class Plan:
         points] 6), none when there is nothing to do."""
         if not (self.offloads or self.recomputes):
             return ()
-        if self.sites and not self.hook_events:
-            return (range(len(graph.ops)),)
-        followed = (self.offloads, self.recording) if self.sites else _followed_by_hooks(graph, self)
-        if followed is None:
-            return (range(len(graph.ops)),)
-        events = graph.hook_events
-        return tuple(range(events[opening].boundary, events[closing].boundary if closing < len(events)
-                           else len(graph.ops)) for opening, closing in followed[1])
+        return window_ops(graph.hook_events, self.windows_on_hooks(graph), len(graph.ops))
 
     def with_releases(self, released_before: Mapping[int, int]) -> Plan:
         """This plan with each offload's release point set where a simulation let its memory go.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import nullcontext
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -60,10 +61,7 @@ def _host_seconds(network: torch.nn.ModuleList, x: torch.Tensor, mode: PassThrou
     if x.device.type == "cuda":
         torch.cuda.synchronize(x.device)
     start = time.perf_counter()
-    if mode is not None:
-        with mode:
-            _step(network, x)
-    else:
+    with mode if mode is not None else nullcontext():
         _step(network, x)
     seconds = time.perf_counter() - start  # host time: a GPU runs these tiny kernels faster than they are issued
     network.zero_grad(set_to_none=True)

@@ -55,10 +55,7 @@ class OpByOpStep(Step):
                 self.backend_ops.popleft()
                 return func(*args, **kwargs)
             self.backend_ops.clear()
-        index = self.index
-        self.index += 1
-        if index < len(self.expected) and family != self.expected[index]:
-            self._mismatch(index, family)
+        index = self._counted(family)
         if family == _REDUCE_SCATTER and self.expected[index + 1:index + 2] != (_GLOO_COPY_OUT_FAMILY,):
             self.backend_ops.extend(_GLOO_COPY_OUT)
         if index in self.watched:

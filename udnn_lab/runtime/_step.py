@@ -162,6 +162,14 @@ class Step:
             known = self.families[func] = (op_family(str(func)) if records_op(func) else "", written_positions(func))
         return known
 
+    def _counted(self, family: str) -> int:
+        """The next op's index; it must be the plan's op there (NOTE [offload runtime] 1)."""
+        index = self.index
+        self.index += 1
+        if index < len(self.expected) and family != self.expected[index]:
+            self._mismatch(index, family)
+        return index
+
     def _call(self, index: int, func, args: tuple, kwargs: dict):
         """Run op ``index``, recording it for the replays that re-run it (NOTE [offload runtime] 6)."""
         recording = self.recording.get(index, ())

@@ -41,6 +41,7 @@ import heapq
 
 from udnn_lab.cost.model import CostModel, RateCurve
 from udnn_lab.cost.profiling import Profile
+from udnn_lab.graph.hook_points import window_ops
 from udnn_lab.graph.liveness import op_table
 from udnn_lab.graph.plan_ir import Offload, Plan, Recompute
 from udnn_lab.graph.step_graph import Graph
@@ -142,9 +143,10 @@ class _Run:
         self.not_before: dict[int, int] = {}  # offloaded tensor -> the first op before which forward lets it go
         self.held: set[int] = set()  # copies done, tensors forward still holds
         self.comm = Communication(graph, cost, self.times) if has_collectives(graph) else None
+        windows = plan.windows_on_hooks(graph) if plan.offloads or plan.recomputes else ()
         # NOTE [simulated streams] 1: a replay followed op by op holds what it restores from the op before
-        self.restored_early = 1 if plan.recomputes and plan.followed_op_by_op(graph) else 0
-        self.dispatched = _dispatched(graph, plan) if cost.dispatch_mode_op_s else set()  # NOTE [simulated streams] 6
+        self.restored_early = 1 if plan.recomputes and windows is None else 0
+        self.dispatched = _dispatched(graph, windows) if cost.dispatch_mode_op_s and windows != () else set()
         pace = cost.dispatch_mode_op_s if self.dispatched else 0.0
         self.host_pace, self.host_clock = (pace, 0.0) if self.cuda else (0.0, 0.0)
         self.host_extra = 0.0 if self.cuda else pace
@@ -452,6 +454,7 @@ class _Run:
         )
 
 
-def _dispatched(graph: Graph, plan: Plan) -> set[int]:
+def _dispatched(graph: Graph, windows: tuple[tuple[int, int], ...] | None) -> set[int]:
     """The forward and backward ops the runtime sees through a dispatch mode (NOTE [simulated streams] 6)."""
-    return {i for ops in plan.dispatched_ops(graph) for i in ops if graph.ops[i].phase != "optimizer"}
+    return {i for ops in window_ops(graph.hook_events, windows, len(graph.ops)) for i in ops
+            if graph.ops[i].phase != "optimizer"}
