@@ -202,6 +202,9 @@ def test_measure_on_cpu_gives_positive_figures_and_the_sweep():
     assert profile.h2d_pinned_bytes_per_s > 0 and profile.d2h_pageable_latency_s >= 0
     assert profile.dispatch_mode_op_s is not None and profile.dispatch_mode_op_s > 0
     assert "pass-through dispatch mode" in profile.sources["dispatch_mode_op_s"]
+    for figure in ("hook_call_s", "offload_action_s", "replay_op_s"):  # NOTE [host probes]: the runtime's probe
+        assert getattr(profile, figure) is not None and 0 <= getattr(profile, figure) < 1e-2, figure
+        assert "the runtime's host probe" in profile.sources[figure]
     assert list(sweep.columns) == list(SWEEP_COLUMNS)
     assert sorted(sweep["nbytes"]) == [4096, 65536] and (sweep["bytes_per_s"] > 0).all()
     assert (sweep["repeats"] == 2).all()

@@ -105,7 +105,9 @@ def test_a_planner_sees_the_price_of_a_dispatch_mode():
     """Behind a slow link auto recomputes; once seeing the recorded ops through a dispatch mode costs more than
     the copies, it offloads (a plan followed by its hooks alone) instead."""
     graph = ul.trace(zoo.get("resnet18", batch=32, image_size=64, device="meta", optimizer="none"), device="cpu")
-    slow_link = dataclasses.replace(CPU, **{f"{d}_{m}_bytes_per_s": getattr(CPU, f"{d}_{m}_bytes_per_s") / 100
+    # on a CPU a copy holds compute up (NOTE [simulated streams] 7): a link 10 times slower makes it dearer than a
+    # recomputation, and still cheaper than a recomputation seen through a dispatch mode at 10 ms an op
+    slow_link = dataclasses.replace(CPU, **{f"{d}_{m}_bytes_per_s": getattr(CPU, f"{d}_{m}_bytes_per_s") / 10
                                             for d in ("h2d", "d2h") for m in ("pinned", "pageable")})
     budget = (graph.peak_bytes + ul.min_budget(graph, "recompute", hardware=CPU)) // 2
     free, expensive = _with_dispatch(slow_link, None), _with_dispatch(slow_link, 1e-2)
@@ -123,3 +125,57 @@ def test_offloads_of_an_unlocated_plan_are_priced_by_where_they_can_move(cpu_gra
     plan = Plan("test", cpu_graph.fingerprint, offloads=offloads)
     assert not plan.sites and cpu_graph.hook_events
     assert plan.followed_op_by_op(cpu_graph) == (plan.located(cpu_graph).hook_events == ())
+
+
+def _with_host(hardware: Hardware, hook: float, action: float, replay: float) -> Hardware:
+    figures = {"hook_call_s": hook, "offload_action_s": action, "replay_op_s": replay}
+    return dataclasses.replace(hardware, **figures, sources={**hardware.sources, **dict.fromkeys(figures, "test")})
+
+
+@pytest.mark.parametrize("policy", ["vdnn-all", "vdnn-conv", "recompute"])
+def test_the_hook_calls_priced_are_those_the_runtime_counts(cpu_graph, policy):
+    plan = ul.plan(cpu_graph, None, policy, hardware=CPU)
+    schedule = ul.OffloadRuntime(plan).hook_schedule()
+    assert schedule is not None and (plan.offloads or plan.recomputes)
+    assert sum(plan.hook_calls(cpu_graph).values()) == len(schedule.events)
+
+
+def test_a_plan_followed_by_its_hooks_pays_each_hook_call_and_offload(cpu_graph):
+    """NOTE [simulated streams] 6: the runtime's own host work, from its probe's figures (NOTE [host probes])."""
+    plan = ul.plan(cpu_graph, None, "vdnn-conv", hardware=CPU)
+    calls = sum(plan.hook_calls(cpu_graph).values())
+    module_calls = sum(e.kind in ("enter", "exit") for e in cpu_graph.hook_events)
+    assert module_calls < calls < len(cpu_graph.hook_events)  # every module call, the packs of its windows only
+    free = ul.simulate(cpu_graph, plan, hardware=_with_host(CPU, 0.0, 0.0, 0.0))
+    priced = ul.simulate(cpu_graph, plan, hardware=_with_host(CPU, 1e-4, 3e-4, 0.0))
+    assert priced.step_time_s - free.step_time_s == pytest.approx(calls * 1e-4 + len(plan.offloads) * 3e-4, rel=1e-6)
+    assert priced.peak_bytes == free.peak_bytes
+
+
+def test_a_recomputation_pays_for_each_op_it_records_and_re_runs(cpu_graph):
+    plan = _recompute_plan(cpu_graph)
+    free = ul.simulate(cpu_graph, plan, hardware=_with_host(CPU, 0.0, 0.0, 0.0))
+    priced = ul.simulate(cpu_graph, plan, hardware=_with_host(CPU, 0.0, 0.0, 1e-4))
+    rerun = sum(len(r.ops) for r in plan.recomputes)
+    assert priced.step_time_s - free.step_time_s == pytest.approx(rerun * 1e-4, rel=1e-6)
+
+
+def test_on_a_gpu_the_runtimes_host_work_stalls_compute_only_when_the_host_falls_behind(cuda_graph):
+    plan = _recompute_plan(cuda_graph)
+    quick = ul.simulate(cuda_graph, plan, hardware=_with_host(_with_dispatch(H100, None), 0.0, 0.0, 1e-12))
+    free = ul.simulate(cuda_graph, plan, hardware=_with_host(_with_dispatch(H100, None), 0.0, 0.0, 0.0))
+    assert quick.step_time_s == pytest.approx(free.step_time_s, rel=1e-6)
+    slow = ul.simulate(cuda_graph, plan, hardware=_with_host(_with_dispatch(H100, None), 0.0, 0.0, 1.0))
+    assert "stall_host" in set(slow.timeline.kind)
+    assert slow.step_time_s >= sum(len(r.ops) for r in plan.recomputes) * 1.0
+
+
+def test_on_a_cpu_a_copy_holds_compute_up(cpu_graph):
+    """NOTE [simulated streams] 7: the host makes the copy while compute waits."""
+    hardware = _with_host(CPU, 0.0, 0.0, 0.0)
+    plan = ul.plan(cpu_graph, None, "vdnn-all", hardware=CPU)
+    sim = ul.simulate(cpu_graph, plan, hardware=hardware)
+    keep = ul.simulate(cpu_graph, None, hardware=hardware)
+    copies = sim.d2h_bytes / hardware.d2h_pinned_bytes_per_s + sim.h2d_bytes / hardware.h2d_pinned_bytes_per_s
+    assert sim.d2h_bytes and sim.step_time_s >= keep.step_time_s + copies
+    assert {"stall_sync", "stall_prefetch"} <= set(sim.timeline.kind)

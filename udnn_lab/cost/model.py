@@ -176,6 +176,22 @@ class CostModel:
             measured = self.hardware.dispatch_mode_op_s
         return measured or 0.0
 
+    @property
+    def hook_call_s(self) -> float:
+        """Host seconds the runtime spends per hook call it handles (NOTE [simulated streams] 6); 0: not measured."""
+        return self.hardware.hook_call_s or 0.0
+
+    @property
+    def offload_action_s(self) -> float:
+        """Host seconds of one offload's actions, its copies' bytes aside (NOTE [simulated streams] 6)."""
+        return self.hardware.offload_action_s or 0.0
+
+    @property
+    def replay_op_s(self) -> float:
+        """Host seconds a recomputation adds to each op it records and re-runs, the op aside (NOTE [simulated
+        streams] 6)."""
+        return self.hardware.replay_op_s or 0.0
+
     def roofline_s(self, name: str, flops: int, nbytes: int, dtype: str = "float32") -> float:
         """``overhead + max(flops / achieved rate, bytes / memory bandwidth)`` for one op computing in ``dtype``."""
         rate = self.rates.flops_per_s(name, flops) if self.rates is not None and flops else None

@@ -56,7 +56,7 @@ NOTE [hook points]
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import replace
 
 from udnn_lab.graph.step_graph import Graph, HookEvent
@@ -134,6 +134,105 @@ def window_ops(events: tuple[HookEvent, ...], windows: tuple[tuple[int, int], ..
         return (range(op_count),)
     return tuple(range(events[opening].boundary, events[closing].boundary if closing < len(events) else op_count)
                  for opening, closing in windows)
+
+
+# -- windows (NOTE [hook points] 5) -------------------------------------------------------------
+# A window is named by the position of the event that opens it: a module call's 'enter' (it closes at
+# that call's 'exit'), or the 'exit' of a call made outside every module (it closes at the next such
+# call's 'enter', or at the end of the step).
+
+def saved_tensor_windows(events: tuple[HookEvent, ...], acting: set[int],
+                         planned: Collection[int]) -> set[int] | None:
+    """The windows that show every pack of a planned tensor, every top-level pack (the loss: the
+    step's fingerprint), and a call at each acting boundary; None when one cannot be opened."""
+    calls = _calls(events)
+    chosen = {start for start, (kind, _) in calls.items() if kind == "gap"}
+    for ordinal, event in enumerate(events):
+        if event.kind == "pack" and event.tensor in planned:
+            if not _add_window(ordinal, calls, chosen):
+                return None
+    visible, _ = seen_in_windows(events, chosen)
+    by_boundary: dict[int, list[int]] = {}
+    for ordinal, event in enumerate(events):
+        by_boundary.setdefault(event.boundary, []).append(ordinal)
+    for boundary in acting:  # a call that stands for it must be seen
+        at_boundary = by_boundary.get(boundary, [])
+        if any(visible[i] for i in at_boundary):
+            continue
+        unpacks = [i for i in at_boundary if events[i].kind == "unpack"]
+        needed = events[unpacks[0]].packed_at if unpacks else at_boundary[-1] if at_boundary else -1
+        if needed < 0 or not _add_window(needed, calls, chosen):
+            return None
+        visible, _ = seen_in_windows(events, chosen)
+    return chosen
+
+
+def _calls(events: tuple[HookEvent, ...]) -> dict[int, tuple[str, int]]:
+    """The windows that can be opened: start -> ('call', its end) or ('gap', its end; len(events): the step's).
+
+    Only where no hooks pushed inside the step are in force (``own_hooks``), so that the
+    runtime's hooks go on and off at the top of autograd's stack of hooks."""
+    calls: dict[int, tuple[str, int]] = {}
+    stack: list[int] = []
+    gap: int | None = None
+    for ordinal, event in enumerate(events):
+        if event.kind == "enter":
+            if not stack and gap is not None and event.own_hooks:
+                calls[gap] = ("gap", ordinal)
+                gap = None
+            stack.append(ordinal)
+        elif event.kind == "exit" and stack:
+            start = stack.pop()
+            if events[start].own_hooks and event.own_hooks:
+                calls[start] = ("call", ordinal)
+            if not stack and event.own_hooks and gap is None:
+                gap = ordinal
+    if gap is not None:
+        calls[gap] = ("gap", len(events))
+    return calls
+
+
+def _add_window(pack: int, calls: dict[int, tuple[str, int]], chosen: set[int]) -> bool:
+    """Open the innermost window that holds event ``pack``; False when none can."""
+    holder = max((start for start, (_, end) in calls.items() if start < pack < end), default=None)
+    if holder is None:
+        return False
+    chosen.add(holder)
+    return True
+
+
+def seen_in_windows(events: tuple[HookEvent, ...], windows: set[int]) -> tuple[list[bool], list[bool]]:
+    """With hooks in force inside ``windows``: which events a runtime sees (every module call, the
+    packs inside a window, the unpacks of those packs), and whether hooks are on after each event."""
+    calls = _calls(events)
+    ends = {start: calls[start][1] for start in windows}
+    shown, on = [False] * len(events), [False] * len(events)
+    open_until: list[int] = []  # ends of the open windows, innermost last (windows nest)
+    for ordinal, event in enumerate(events):
+        while open_until and open_until[-1] <= ordinal:
+            open_until.pop()
+        if event.kind in ("enter", "exit"):
+            shown[ordinal] = True
+            if ordinal in ends:
+                open_until.append(ends[ordinal])
+        elif event.kind == "pack":
+            shown[ordinal] = bool(open_until)
+        else:
+            shown[ordinal] = event.packed_at >= 0 and shown[event.packed_at]
+        on[ordinal] = bool(open_until)
+    return shown, on
+
+
+def handled_calls(events: tuple[HookEvent, ...], acting: set[int], planned: Collection[int]) -> dict[int, int]:
+    """Boundary -> the hook calls a runtime that acts at ``acting`` handles there: every module call, and the packs
+    and unpacks inside its windows (NOTE [hook points] 5), all of them where no windows can be opened."""
+    windows = saved_tensor_windows(events, acting, planned)
+    seen = [True] * len(events) if windows is None else seen_in_windows(events, windows)[0]
+    calls: dict[int, int] = {}
+    for event, handled in zip(events, seen):
+        if handled:
+            calls[event.boundary] = calls.get(event.boundary, 0) + 1
+    return calls
 
 
 def _either(preferred: int | None, otherwise: int | None) -> int | None:

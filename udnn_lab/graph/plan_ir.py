@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from udnn_lab.errors import PlanError, PlanForAnotherStep
-from udnn_lab.graph.hook_points import hook_points, on_hook_points, recording_windows, window_ops
+from udnn_lab.graph.hook_points import handled_calls, hook_points, on_hook_points, recording_windows, window_ops
 from udnn_lab.graph.step_graph import Graph, HookEvent, op_family, writes_in_place
 from udnn_lab.units import cuda_block_bytes, format_bytes
 
@@ -131,10 +131,37 @@ class Plan:
     def windows_on_hooks(self, graph: Graph) -> tuple[tuple[int, int], ...] | None:
         """Where the runtime follows this plan by its hooks: its recording windows (NOTE [hook points] 6; () when
         it records nothing); None where it follows the step op by op."""
-        if self.sites:  # located: it carries the step's hook events exactly when it is followed by them
-            return self.recording if self.hook_events else None
-        followed = _followed_by_hooks(graph, self)
+        followed = self._followed(graph)
         return None if followed is None else followed[1]
+
+    def hook_actions(self) -> tuple[set[int], set[int]]:
+        """A located plan's boundaries where the runtime acts on its hook calls, and the tensors it plans (NOTE
+        [hook points]): forward lets a recomputed tensor go at a hook point, or in a recording window (6)."""
+        held = {site.tensor: site.held_until for site in self.sites}
+        return _acting(self.offloads, self.recomputes, held, self.hook_events)
+
+    def hook_calls(self, graph: Graph) -> dict[int, int]:
+        """Boundary -> the module and saved-tensor hook calls the runtime handles there when it follows this plan
+        by its hooks (NOTE [hook points] 5; priced by NOTE [simulated streams] 6); {} when there is nothing to do
+        or it follows the step op by op."""
+        followed = self._followed(graph) if self.offloads or self.recomputes else None
+        if followed is None:
+            return {}
+        held = {t: _site(graph, t).held_until for r in self.recomputes for t in r.tensors}
+        return handled_calls(graph.hook_events, *_acting(followed[0], self.recomputes, held, graph.hook_events))
+
+    def _followed(self, graph: Graph) -> tuple[tuple[Offload, ...], tuple[tuple[int, int], ...]] | None:
+        if self.sites:  # located: it carries the step's hook events exactly when it is followed by them
+            return (self.offloads, self.recording) if self.hook_events else None
+        key = (id(graph), graph.fingerprint)
+        if key not in self._followed_in:
+            self._followed_in[key] = _followed_by_hooks(graph, self)
+        return self._followed_in[key]
+
+    @cached_property
+    def _followed_in(self) -> dict:
+        """Graph -> how the runtime would follow this plan there: a simulation and its pricing ask more than once."""
+        return {}
 
     def dispatched_ops(self, graph: Graph) -> tuple[range, ...]:
         """The ops of ``graph``'s step that the runtime sees through a dispatch mode under this plan: every op
@@ -252,6 +279,16 @@ def _followed_by_hooks(graph: Graph, plan: Plan) -> tuple[tuple[Offload, ...], t
         spans.append((min(recompute.ops), max([*recompute.ops, *(b for b in let_go if b not in points)])))
     windows = recording_windows(graph.hook_events, spans)
     return None if windows is None else (moved, windows)
+
+
+def _acting(offloads: tuple[Offload, ...], recomputes: tuple[Recompute, ...], held_until: Mapping[int, int],
+            events: tuple[HookEvent, ...]) -> tuple[set[int], set[int]]:
+    """The boundaries a runtime following hooks acts at, and the tensors it plans (NOTE [hook points] 2, 6)."""
+    recomputed = {t for r in recomputes for t in r.tensors}
+    let_go = {held_until[t] + 1 for t in recomputed} & {event.boundary for event in events}
+    acting = {o.after_op + 1 for o in offloads} | {o.prefetch_at for o in offloads} | {o.release_op for o in offloads} \
+        | {o.wait_before for o in offloads if o.wait_before is not None} | {r.at_op for r in recomputes} | let_go
+    return acting, {o.tensor for o in offloads} | recomputed
 
 
 def _site(graph: Graph, tensor_id: int) -> TensorSite:

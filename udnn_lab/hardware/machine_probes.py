@@ -24,6 +24,7 @@ from udnn_lab.devices import as_device, device_name
 from udnn_lab.errors import HardwareProfileError
 from udnn_lab.hardware._dispatch_probe import dispatch_mode_op_s
 from udnn_lab.hardware._gloo_links import link_figures, measure_gloo
+from udnn_lab.hardware.host_probes import host_probes
 from udnn_lab.units import format_bytes, parse_bytes
 from udnn_lab.vocabulary import DIRECTIONS, memory_kind
 
@@ -56,16 +57,27 @@ def measure_hardware(device: str | torch.device | None = None, sizes: Iterable[i
         if not sizes or min(sizes) <= 0:
             raise ValueError(f"sizes must be one or more positive sizes (e.g. (4096, '1 MiB')), got {sizes}")
     if device.type == "cuda":
-        return _measure_cuda(device, sizes or CUDA_SWEEP_SIZES, repeats, matmul_size or 8192,
-                             conv_size or 56, progress)
-    if device.type == "cpu":
+        fields, sweep = _measure_cuda(device, sizes or CUDA_SWEEP_SIZES, repeats, matmul_size or 8192,
+                                      conv_size or 56, progress)
+    elif device.type == "cpu":
         fields, sweep = _measure_cpu(sizes or CPU_SWEEP_SIZES, repeats, matmul_size or 1024, conv_size or 56,
                                      progress)
         if collectives:
             figures, sources = gloo_figures(repeats)
             fields = {**fields, **figures, "sources": {**fields["sources"], **sources}}
-        return fields, sweep
-    raise ValueError(f"cannot measure a {device.type!r} device: use 'cpu' or 'cuda' / 'cuda:<index>'")
+    else:
+        raise ValueError(f"cannot measure a {device.type!r} device: use 'cpu' or 'cuda' / 'cuda:<index>'")
+    return _with_host_probes(device, repeats, fields), sweep
+
+
+def _with_host_probes(device: torch.device, repeats: int, fields: dict[str, Any]) -> dict[str, Any]:
+    """The fields with what each registered host probe measured (NOTE [host probes] 1)."""
+    for probe in host_probes():
+        measured = probe(device, repeats, fields)
+        how = _measured_source(device_name(device), measured.source)
+        fields = {**fields, **measured.figures, "sources": {**fields["sources"],
+                                                            **dict.fromkeys(measured.figures, how)}}
+    return fields
 
 
 def _host_memory_bytes() -> int:

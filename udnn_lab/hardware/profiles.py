@@ -81,6 +81,13 @@ class Hardware:
     # host seconds a Python dispatch mode adds to each op: what a step followed op by op pays (NOTE [simulated
     # streams] 6); measured only (Hardware.measure), None: not measured, and such steps are not priced
     dispatch_mode_op_s: float | None = _figure("seconds?", default=None)
+    # host seconds of the runtime's own work when it follows a step by its hooks (NOTE [simulated streams] 6): per
+    # module or saved-tensor hook call it handles, per offload it carries out (a copy's bytes aside), per op a
+    # recomputation records and re-runs (the op's own time aside); measured only (Hardware.measure, by the
+    # runtime's host probe: NOTE [host probes]), None: not measured, and that work is not priced
+    hook_call_s: float | None = _figure("seconds?", default=None)
+    offload_action_s: float | None = _figure("seconds?", default=None)
+    replay_op_s: float | None = _figure("seconds?", default=None)
     sources: Mapping[str, str] = _figure("sources", hash=False)  # figure field name -> where it comes from
     notes: str = _figure("notes", default="")
 

@@ -162,7 +162,8 @@ def load_cached(device: MachineDevice) -> Hardware | None:
         cached = Hardware.load(path)
     except (HardwareProfileError, OSError):
         return None  # a file cut short or from another version: measured again and replaced
-    return cached if cached.dispatch_mode_op_s is not None else None  # measured before that figure was
+    host = (cached.dispatch_mode_op_s, cached.hook_call_s, cached.offload_action_s, cached.replay_op_s)
+    return cached if None not in host else None  # measured before those figures were
 
 
 def save_cached(device: MachineDevice, hardware: Hardware) -> Path | None:

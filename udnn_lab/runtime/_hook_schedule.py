@@ -7,6 +7,7 @@ from collections.abc import Collection
 import torch
 
 from udnn_lab.errors import PlanMismatch
+from udnn_lab.graph.hook_points import saved_tensor_windows, seen_in_windows
 from udnn_lab.graph.plan_ir import other_step
 from udnn_lab.graph.step_graph import HookEvent
 
@@ -27,9 +28,10 @@ class HookSchedule:
                  planned: Collection[int] = (), recording: tuple[tuple[int, int], ...] = ()) -> None:
         self.op_families = op_families
         self.seen = 0
-        windows = _windows_for(events, acting, planned)
+        windows = saved_tensor_windows(events, acting, planned)
         self.whole_step = windows is None  # hooks in force from start to finish
-        shown, on = ([True] * len(events), [True] * len(events)) if windows is None else _walk(events, windows)
+        everything = [True] * len(events)
+        shown, on = (everything, everything) if windows is None else seen_in_windows(events, windows)
         self.events = tuple(event for event, visible in zip(events, shown) if visible)
         # module events (by position in self.events) where hooks go on (+1) or off (-1)
         self.switches: dict[int, int] = {}
@@ -127,92 +129,6 @@ class HookSchedule:
             "made: plan for this step with ul.plan(ul.trace(...), ...)",
             "if nothing changed, the device's kernels save other tensors than the traced ones did: follow the plan "
             "op by op with plan.located(graph, on_hooks=False)")
-
-
-# -- windows (NOTE [hook points] 5) -------------------------------------------------------------
-# A window is named by the position of the event that opens it: a module call's 'enter' (it closes at
-# that call's 'exit'), or the 'exit' of a call made outside every module (it closes at the next such
-# call's 'enter', or at the end of the step).
-
-def _windows_for(events: tuple[HookEvent, ...], acting: set[int], planned: Collection[int]) -> set[int] | None:
-    """The windows that show every pack of a planned tensor, every top-level pack (the loss: the
-    step's fingerprint), and a call at each acting boundary; None when one cannot be opened."""
-    calls = _calls(events)
-    chosen = {start for start, (kind, _) in calls.items() if kind == "gap"}
-    for ordinal, event in enumerate(events):
-        if event.kind == "pack" and event.tensor in planned:
-            if not _add_window(ordinal, calls, chosen):
-                return None
-    visible, _ = _walk(events, chosen)
-    by_boundary: dict[int, list[int]] = {}
-    for ordinal, event in enumerate(events):
-        by_boundary.setdefault(event.boundary, []).append(ordinal)
-    for boundary in acting:  # a call that stands for it must be seen
-        at_boundary = by_boundary.get(boundary, [])
-        if any(visible[i] for i in at_boundary):
-            continue
-        unpacks = [i for i in at_boundary if events[i].kind == "unpack"]
-        needed = events[unpacks[0]].packed_at if unpacks else at_boundary[-1] if at_boundary else -1
-        if needed < 0 or not _add_window(needed, calls, chosen):
-            return None
-        visible, _ = _walk(events, chosen)
-    return chosen
-
-
-def _calls(events: tuple[HookEvent, ...]) -> dict[int, tuple[str, int]]:
-    """The windows that can be opened: start -> ('call', its end) or ('gap', its end; len(events): the step's).
-
-    Only where no hooks pushed inside the step are in force (``own_hooks``), so that the
-    runtime's hooks go on and off at the top of autograd's stack of hooks."""
-    calls: dict[int, tuple[str, int]] = {}
-    stack: list[int] = []
-    gap: int | None = None
-    for ordinal, event in enumerate(events):
-        if event.kind == "enter":
-            if not stack and gap is not None and event.own_hooks:
-                calls[gap] = ("gap", ordinal)
-                gap = None
-            stack.append(ordinal)
-        elif event.kind == "exit" and stack:
-            start = stack.pop()
-            if events[start].own_hooks and event.own_hooks:
-                calls[start] = ("call", ordinal)
-            if not stack and event.own_hooks and gap is None:
-                gap = ordinal
-    if gap is not None:
-        calls[gap] = ("gap", len(events))
-    return calls
-
-
-def _add_window(pack: int, calls: dict[int, tuple[str, int]], chosen: set[int]) -> bool:
-    """Open the innermost window that holds event ``pack``; False when none can."""
-    holder = max((start for start, (_, end) in calls.items() if start < pack < end), default=None)
-    if holder is None:
-        return False
-    chosen.add(holder)
-    return True
-
-
-def _walk(events: tuple[HookEvent, ...], windows: set[int]) -> tuple[list[bool], list[bool]]:
-    """With hooks in force inside ``windows``: which events a runtime sees (every module call, the
-    packs inside a window, the unpacks of those packs), and whether hooks are on after each event."""
-    calls = _calls(events)
-    ends = {start: calls[start][1] for start in windows}
-    shown, on = [False] * len(events), [False] * len(events)
-    open_until: list[int] = []  # ends of the open windows, innermost last (windows nest)
-    for ordinal, event in enumerate(events):
-        while open_until and open_until[-1] <= ordinal:
-            open_until.pop()
-        if event.kind in ("enter", "exit"):
-            shown[ordinal] = True
-            if ordinal in ends:
-                open_until.append(ends[ordinal])
-        elif event.kind == "pack":
-            shown[ordinal] = bool(open_until)
-        else:
-            shown[ordinal] = event.packed_at >= 0 and shown[event.packed_at]
-        on[ordinal] = bool(open_until)
-    return shown, on
 
 
 def _triggers(events: tuple[HookEvent, ...], acting: set[int]) -> dict[int, int]:

@@ -142,17 +142,9 @@ class OffloadRuntime:
         """A fresh count of the step's hook calls, when the plan can be followed by them (NOTE [hook points])."""
         plan = self.plan
         if self._schedule is None and plan is not None and plan.hook_events:
-            recomputed = {t for r in plan.recomputes for t in r.tensors}
-            points = {event.boundary for event in plan.hook_events}
-            # forward lets a recomputed tensor go at a hook point, or in a recording window (NOTE [hook points] 6)
-            let_go = {s.held_until + 1 for s in plan.sites if s.tensor in recomputed} & points
-            acting = {o.after_op + 1 for o in plan.offloads} | {o.prefetch_at for o in plan.offloads} \
-                | {o.release_op for o in plan.offloads} \
-                | {o.wait_before for o in plan.offloads if o.wait_before is not None} \
-                | {r.at_op for r in plan.recomputes} | let_go
+            acting, planned = plan.hook_actions()
             if (plan.recording or not plan.recomputes) and HookSchedule.covers(plan.hook_events, acting):
-                self._schedule = HookSchedule(plan.hook_events, acting, plan.op_families,
-                                              {o.tensor for o in plan.offloads} | recomputed, plan.recording)
+                self._schedule = HookSchedule(plan.hook_events, acting, plan.op_families, planned, plan.recording)
         if self._schedule is not None:
             self._schedule.seen = 0
         return self._schedule

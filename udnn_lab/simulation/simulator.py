@@ -31,13 +31,23 @@ NOTE [simulated streams]
      ``ul.profile`` or ``Hardware.measure``). On a CPU the host runs the ops, so each takes that
      much longer (replays run without the mode: NOTE [offload runtime] 8). On a GPU the host
      issues ops ahead of the device: its clock advances by that time per such op, and compute
-     waits for an op not issued yet (``stall_host``). That clock counts the mode alone, not the
-     host's own work per op: a lower bound.
+     waits for an op not issued yet (``stall_host``). The runtime's own host work is priced the
+     same way, from figures its host probe measured (NOTE [host probes]): each module and
+     saved-tensor hook call it handles (``Plan.hook_calls``: every module call, the packs and
+     unpacks of its windows; every pack and unpack when it follows the step op by op) at the
+     call's boundary, each offload's actions at the op its copy starts before, and each op a
+     recomputation records and re-runs at the recomputation's op (recording happens in forward,
+     but the host work is the same). That clock counts the runtime's work alone, not the host's
+     own work per op: a lower bound.
+  7. On a CPU the device is the host: a copy to or from the host pool is a memcpy the runtime
+     makes while compute waits, so compute's clock runs through it (a sync stall for a copy to
+     the host, a prefetch stall for one back).
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 
 from udnn_lab.cost.model import CostModel, RateCurve
 from udnn_lab.cost.profiling import Profile
@@ -146,10 +156,8 @@ class _Run:
         windows = plan.windows_on_hooks(graph) if plan.offloads or plan.recomputes else ()
         # NOTE [simulated streams] 1: a replay followed op by op holds what it restores from the op before
         self.restored_early = 1 if plan.recomputes and windows is None else 0
-        self.dispatched = _dispatched(graph, windows) if cost.dispatch_mode_op_s and windows != () else set()
-        pace = cost.dispatch_mode_op_s if self.dispatched else 0.0
-        self.host_pace, self.host_clock = (pace, 0.0) if self.cuda else (0.0, 0.0)
-        self.host_extra = 0.0 if self.cuda else pace
+        self.host_work = _runtime_host_work(graph, plan, cost, windows)  # NOTE [simulated streams] 6
+        self.host_clock = 0.0
         self._index_host_copies()
         self._index_actions()
 
@@ -307,6 +315,10 @@ class _Run:
         start = synced
         for offload in prefetches:
             self._prefetch(offload, start, i)
+            if not self.cuda:  # NOTE [simulated streams] 7: the host copies while compute waits
+                copied = max(start, self.h2d_end.get(offload.tensor, start))
+                self._stall(start, copied, i, "stall_prefetch")
+                start = copied
         for recompute in recomputes:
             start = self._recompute(recompute, start, i)
         ready = max([start] + [self.h2d_end[t] for t in op.inputs if t in self.h2d_end])
@@ -316,6 +328,10 @@ class _Run:
             self._change(tensor, -1, i + 1)
         for offload in self.offload_after.get(i, []):
             self._offload(offload, end, i)
+            if not self.cuda:  # NOTE [simulated streams] 7
+                copied = max(end, self.d2h_end.get(offload.tensor, end))
+                self._stall(end, copied, i, "stall_sync")
+                end = copied
         return ready, end
 
     def _host_copy(self, op, clock: float) -> None:
@@ -370,11 +386,14 @@ class _Run:
                                       "", 0))
             start = ready
         end = start + self.times[i]
-        if i in self.dispatched:  # NOTE [simulated streams] 6
-            self.host_clock += self.host_pace
+        work = self.host_work.get(i)
+        if work and self.cuda:  # NOTE [simulated streams] 6
+            self.host_clock += work
             self._stall(start, self.host_clock, i, "stall_host")
             start = max(start, self.host_clock)
-            end = start + self.times[i] + self.host_extra
+            end = start + self.times[i]
+        elif work:
+            end += work
         self.timeline.append(("compute", "op", start, end, i, op.name, op.module, "", 0))
         self.counted += self.own[i] - self.gone[i]
         if self.comm is not None:
@@ -454,7 +473,30 @@ class _Run:
         )
 
 
-def _dispatched(graph: Graph, windows: tuple[tuple[int, int], ...] | None) -> set[int]:
-    """The forward and backward ops the runtime sees through a dispatch mode (NOTE [simulated streams] 6)."""
-    return {i for ops in window_ops(graph.hook_events, windows, len(graph.ops)) for i in ops
-            if graph.ops[i].phase != "optimizer"}
+def _runtime_host_work(graph: Graph, plan: Plan, cost: CostModel,
+                       windows: tuple[tuple[int, int], ...] | None) -> dict[int, float]:
+    """Op -> host seconds of the runtime's own work at it under ``plan`` (NOTE [simulated streams] 6)."""
+    work: dict[int, float] = {}
+    if not (plan.offloads or plan.recomputes):
+        return work
+    last = len(graph.ops) - 1
+
+    def add(op: int, seconds: float) -> None:
+        if seconds:
+            work[min(op, last)] = work.get(min(op, last), 0.0) + seconds
+
+    if cost.dispatch_mode_op_s and windows != ():
+        for ops in window_ops(graph.hook_events, windows, len(graph.ops)):
+            for i in ops:
+                if graph.ops[i].phase != "optimizer":
+                    add(i, cost.dispatch_mode_op_s)
+    if cost.hook_call_s:
+        calls = plan.hook_calls(graph) if windows is not None else \
+            Counter(e.boundary for e in graph.hook_events if e.kind in ("pack", "unpack"))  # op by op: every one
+        for boundary, count in calls.items():
+            add(boundary, count * cost.hook_call_s)
+    for offload in plan.offloads:
+        add(offload.after_op + 1, cost.offload_action_s)
+    for recompute in plan.recomputes:
+        add(recompute.at_op, len(recompute.ops) * cost.replay_op_s)
+    return work

@@ -1,0 +1,28 @@
+"""The runtime's host probe (NOTE [host probes]): its figures are measured with the runtime's own code."""
+
+import pytest
+import torch
+
+from udnn_lab.hardware.host_probes import host_probes
+from udnn_lab.runtime._host_probe import _two_unknowns, runtime_host_figures
+
+
+def test_the_probe_is_registered_when_the_runtime_is_imported():
+    assert runtime_host_figures in host_probes()
+
+
+def test_the_probe_measures_hook_calls_offloads_and_replays_on_this_cpu():
+    torch.set_num_threads(1)
+    measured = runtime_host_figures(torch.device("cpu"), 1, {})
+    assert set(measured.figures) == {"hook_call_s", "offload_action_s", "replay_op_s"}
+    assert all(0 <= seconds < 1e-2 for seconds in measured.figures.values()), measured.figures
+    assert measured.figures["hook_call_s"] > 0 and measured.figures["replay_op_s"] > 0  # Python calls: never free
+    assert "hook calls" in measured.source and "forward ops" in measured.source
+
+
+def test_two_unknowns_are_solved_and_never_negative():
+    assert _two_unknowns((100, 1, 100 * 5e-6 + 30e-6), (200, 40, 200 * 5e-6 + 40 * 30e-6)) == \
+        pytest.approx((5e-6, 30e-6), rel=1e-9)
+    a, b = _two_unknowns((100, 1, 1e-3), (200, 40, 1.1e-3))  # more offloads, hardly more time: noise
+    assert a >= 0 and b >= 0 and (a, b) != (0.0, 0.0)
+

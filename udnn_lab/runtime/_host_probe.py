@@ -1,0 +1,180 @@
+"""What the runtime's own host work costs on this machine (NOTE [host probes] in hardware/host_probes.py).
+
+Three figures, each from interleaved steps of a network of small residual blocks (the ops and
+argument lists of a real network, on inputs too small to take time), medians against medians:
+
+- ``hook_call_s`` and ``offload_action_s``: two plans followed by hooks, one offloading one saved
+  activation and one offloading all of them; the host time each adds to an eager step is
+  ``hook calls x hook_call_s + offloads x offload_action_s``, two equations in two unknowns.
+- ``replay_op_s``: a Replay (NOTE [offload runtime] 6) records the network's forward inside a dispatch
+  mode, against the same mode passing the ops through, and re-runs it, against the same forward under
+  ``no_grad``; the two differences over the ops recorded.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from udnn_lab.analysis import trace
+from udnn_lab.errors import PlanError
+from udnn_lab.graph import Graph, Offload, Plan, Recompute
+from udnn_lab.hardware import HostFigures, PassThroughMode
+from udnn_lab.runtime._replay import Replay, rng_state
+from udnn_lab.runtime._slots import OpMode
+from udnn_lab.runtime.offload import OffloadRuntime
+from udnn_lab.vocabulary import traced_op
+
+_BLOCKS = 8
+
+
+class _Residual(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3, padding=1, bias=False), torch.nn.BatchNorm2d(4),
+                                torch.nn.ReLU()) for _ in range(_BLOCKS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x) + x
+        return x
+
+
+def runtime_host_figures(device: torch.device, repeats: int, measured: Mapping[str, Any]) -> HostFigures:
+    """The runtime's host figures on ``device`` (module docstring); ``measured``: the profile's figures so far."""
+    network, x = _Residual().to(device), torch.randn(2, 4, 4, 4, device=device)
+    graph = trace(network, x)
+    one, every = _offload_plans(graph)
+    runtimes = {"one": OffloadRuntime(one), "every": OffloadRuntime(every)}
+    try:
+        seconds = _interleaved(network, x, {"eager": nullcontext, **{k: (lambda r=r: r) for k, r in runtimes.items()}},
+                               repeats)
+    finally:
+        for runtime in runtimes.values():
+            runtime.release()
+    calls = {name: sum(plan.hook_calls(graph).values()) for name, plan in (("one", one), ("every", every))}
+    hook_call_s, offload_action_s = _two_unknowns(
+        (calls["one"], len(one.offloads), seconds["one"] - seconds["eager"]),
+        (calls["every"], len(every.offloads), seconds["every"] - seconds["eager"]))
+    replay_op_s, recorded = _replay_op_s(network, x, repeats)
+    return HostFigures(
+        {"hook_call_s": hook_call_s, "offload_action_s": offload_action_s, "replay_op_s": replay_op_s},
+        f"the runtime's host probe: an {_BLOCKS}-block residual network's step followed by hooks offloading one "
+        f"saved activation ({calls['one']} hook calls) and all {len(every.offloads)} ({calls['every']} calls), "
+        f"less eager; a replay recording and re-running its {recorded} forward ops, less passing them through and "
+        "a forward without grad")
+
+
+def _offload_plans(graph: Graph) -> tuple[Plan, Plan]:
+    """Two located plans followed by hooks: one saved activation offloaded, and every one that can be."""
+    offloads = []
+    for tensor in graph.tensors:
+        if tensor.category != "feature_map" or not tensor.saved or tensor.first_backward_use is None \
+                or tensor.producer is None:
+            continue
+        last = tensor.last_forward_use if tensor.last_forward_use is not None else tensor.alloc_step
+        offload = Offload(tensor.id, after_op=last, prefetch_at=tensor.first_backward_use - 1)
+        alone = Plan("probe", graph.fingerprint, offloads=(offload,))
+        try:
+            alone.validate(graph)
+        except PlanError:
+            continue
+        if not alone.followed_op_by_op(graph):
+            offloads.append(offload)
+    plans = tuple(Plan("probe", graph.fingerprint, offloads=chosen).located(graph)
+                  for chosen in ((offloads[len(offloads) // 2],), tuple(offloads))) if offloads else ()
+    if not plans or any(plan.followed_op_by_op(graph) for plan in plans):
+        raise RuntimeError("the host probe's plans are not followed by hooks: the runtime's hook calls cannot be "
+                           "timed on this device")
+    return plans[0], plans[1]
+
+
+def _interleaved(network: torch.nn.Module, x: torch.Tensor, contexts: Mapping[str, Callable[[], Any]],
+                 repeats: int) -> dict[str, float]:
+    """Median host seconds of a step under each context, taken in turn."""
+    times: dict[str, list[float]] = {name: [] for name in contexts}
+    for index in range(max(repeats, 5) * 4 + 2):
+        for name, context in contexts.items():
+            seconds = _host_seconds(lambda: _step(network, x, context()), x.device)
+            if index >= 2:  # warm-up
+                times[name].append(seconds)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _step(network: torch.nn.Module, x: torch.Tensor, context) -> None:
+    network.zero_grad(set_to_none=True)
+    with context:
+        network(x).sum().backward()
+
+
+def _host_seconds(work: Callable[[], Any], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start  # host time: a GPU runs these tiny kernels faster than they are issued
+
+
+def _two_unknowns(first: tuple[int, int, float], second: tuple[int, int, float]) -> tuple[float, float]:
+    """(a, b) with ``calls x a + offloads x b = seconds`` for both, neither below 0: noise can make one negative,
+    and then the other alone explains both steps as well as it can."""
+    (c1, k1, s1), (c2, k2, s2) = first, second
+    determinant = c1 * k2 - c2 * k1
+    if determinant:
+        a, b = (s1 * k2 - s2 * k1) / determinant, (c1 * s2 - c2 * s1) / determinant
+        if a >= 0 and b >= 0:
+            return a, b
+    a_alone = max((c1 * s1 + c2 * s2) / (c1 * c1 + c2 * c2), 0.0)
+    b_alone = max((k1 * s1 + k2 * s2) / (k1 * k1 + k2 * k2), 0.0)
+    error_a = (s1 - c1 * a_alone) ** 2 + (s2 - c2 * a_alone) ** 2
+    error_b = (s1 - k1 * b_alone) ** 2 + (s2 - k2 * b_alone) ** 2
+    return (a_alone, 0.0) if error_a <= error_b else (0.0, b_alone)
+
+
+class _Recording(OpMode):
+    """Records every traced forward op into a Replay, as the runtime's recording window does."""
+
+    def __init__(self, replay: Replay, device: torch.device) -> None:
+        super().__init__(self._record)
+        self.replay, self.device = replay, device
+        self.ops = 0
+
+    def _record(self, func, args: tuple, kwargs: dict):
+        state = rng_state(func, self.device, kwargs) if traced_op(func) else None
+        out = func(*args, **kwargs)
+        if traced_op(func):
+            self.replay.record(func, args, kwargs, out, state)
+            self.ops += 1
+        return out
+
+
+def _replay_op_s(network: torch.nn.Module, x: torch.Tensor, repeats: int) -> tuple[float, int]:
+    """(host seconds a replay adds to each op it records and re-runs, ops recorded)."""
+    recording, passing, rerun, plain = [], [], [], []
+    ops = 0
+    with torch.no_grad():
+        for index in range(max(repeats, 5) * 4 + 2):
+            replay = Replay(Recompute(tensors=(0,), ops=(0,), at_op=0))
+            mode = _Recording(replay, x.device)
+            seconds = (_host_seconds(lambda: _forward(network, x, mode), x.device),
+                       _host_seconds(lambda: _forward(network, x, PassThroughMode()), x.device),
+                       _host_seconds(replay.run, x.device),
+                       _host_seconds(lambda: _forward(network, x, nullcontext()), x.device))
+            ops = mode.ops
+            if index >= 2:
+                for values, value in zip((recording, passing, rerun, plain), seconds):
+                    values.append(value)
+    added = statistics.median(recording) - statistics.median(passing) \
+        + statistics.median(rerun) - statistics.median(plain)
+    return max(added, 0.0) / max(ops, 1), ops
+
+
+def _forward(network: torch.nn.Module, x: torch.Tensor, context) -> None:
+    with context:
+        network(x)
