@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from udnn_lab.analysis.recording import flat_tensors
 from udnn_lab.errors import ReplayError
 from udnn_lab.graph.plan_ir import Recompute
 from udnn_lab.vocabulary import COLLECTIVE_NAMESPACES
@@ -65,18 +64,16 @@ class Replay:
         """``written``: positions of arguments whose version counter the op bumped (some ops, like
         native_batch_norm's running statistics, write arguments their schema does not mark)."""
         index = len(self.calls)
-        declared = {i for i, a in enumerate(func._schema.arguments)
-                    if a.alias_info is not None and a.alias_info.is_write}
-        statistics = set(_UNDECLARED_WRITES.get(str(func), ()))
-        mutated = tuple(sorted(set(written) | declared | statistics))
+        declared, statistics = _writes(func)
+        mutated = tuple(sorted(set(written) | declared | statistics)) if written or declared or statistics else ()
         if any(i < len(args) and isinstance(args[i], torch.Tensor) and i not in statistics and not self._makes(args[i])
                for i in mutated):
             return  # it changed a tensor made before the recomputation, which keeps the result: not replayed
         # a view of a tensor from before the recomputation (t(weight), x[:, i]) is rebuilt by this op, but its
         # storage is not the recomputation's: reading that storage through another view is reading an input
-        outside = {id(t.untyped_storage()) for t in flat_tensors((args, kwargs)) if not self._makes(t)}
-        converted, versions = self._convert(args, skip=mutated)
-        kw_converted, kw_versions = self._convert(tuple(kwargs.values()))
+        outside: set[int] = set()
+        converted, versions = self._convert(args, outside, skip=mutated)
+        kw_converted, kw_versions = self._convert(tuple(kwargs.values()), outside)
         self.calls.append(_Call(func, converted, dict(zip(kwargs, kw_converted)), rng_state, versions + kw_versions,
                                 mutated, torch.is_grad_enabled(), len(_outputs(out))))
         for position, tensor in enumerate(_outputs(out)):
@@ -92,8 +89,9 @@ class Replay:
     def restore_from(self, tensor_id: int, storage_key: int) -> None:
         self.restores[tensor_id] = self.storages[storage_key][1]
 
-    def _convert(self, values: tuple, skip: tuple[int, ...] = ()):
-        """Arguments with made tensors as _Made markers, and the version of each other tensor read.
+    def _convert(self, values: tuple, outside: set[int], skip: tuple[int, ...] = ()):
+        """Arguments with made tensors as _Made markers, and the version of each other tensor read; the storages
+        of those others go into ``outside``.
 
         Arguments the op writes (``skip``) are cloned at replay: an op that also reads one it did
         not make (BN reads its running statistics only in eval mode) starts from its value after
@@ -104,17 +102,21 @@ class Replay:
             if isinstance(value, torch.Tensor):
                 storage = value.untyped_storage()
                 made = _live(self.made.get(_view(value)), storage)
+                ours = _live(self.storages.get(id(storage)), storage) is not None
                 if made is not None:
+                    if not ours:  # a view this recomputation made of a tensor from before it
+                        outside.add(id(storage))
                     converted.append(made)
                     continue
-                if _live(self.storages.get(id(storage)), storage) is not None:
+                if ours:
                     raise ReplayError("a recomputed op reads a view that the recomputation does not make itself; "
                                       "plan this tensor as kept or offloaded instead")
+                outside.add(id(storage))
                 if position not in skip:
                     versions.append((value, value._version))
                 converted.append(value)
             elif isinstance(value, (list, tuple)):
-                inner, inner_versions = self._convert(tuple(value))
+                inner, inner_versions = self._convert(tuple(value), outside)
                 converted.append(type(value)(inner))
                 versions.extend(inner_versions)
             else:
@@ -141,8 +143,9 @@ class Replay:
         with torch._C._DisableTorchDispatch():
             for index, call in enumerate(self.calls):
                 args = tuple(_detached(self._resolve(a, outputs)) for a in call.args)
-                args = tuple(a.clone() if i in call.mutated and not _from_replay(call.args[i]) and
-                             isinstance(a, torch.Tensor) else a for i, a in enumerate(args))
+                if call.mutated:
+                    args = tuple(a.clone() if i in call.mutated and not _from_replay(call.args[i]) and
+                                 isinstance(a, torch.Tensor) else a for i, a in enumerate(args))
                 kwargs = {k: _detached(self._resolve(v, outputs)) for k, v in call.kwargs.items()}
                 with torch.set_grad_enabled(call.grad_enabled):  # detached inputs: no autograd graph is built
                     outputs.append(list(_outputs(_seeded(call, args, kwargs))))
@@ -178,6 +181,21 @@ class Replay:
         if isinstance(value, (list, tuple)):
             return type(value)(self._resolve(v, outputs) for v in value)
         return value
+
+
+_WRITES: dict = {}  # op -> (positions its schema says it writes, positions it writes undeclared)
+
+
+def _writes(func) -> tuple[frozenset[int], frozenset[int]]:
+    known = _WRITES.get(func)
+    if known is None:
+        declared = frozenset(i for i, a in enumerate(func._schema.arguments)
+                             if a.alias_info is not None and a.alias_info.is_write)
+        known = _WRITES[func] = (declared, frozenset(_UNDECLARED_WRITES.get(str(func), ())))
+    return known
+
+
+_SEEDED: dict = {}  # op -> whether it draws from a generator
 
 
 def _made_in(values):
@@ -249,7 +267,10 @@ def _seeded(call: _Call, args: tuple, kwargs: dict):
 
 def rng_state(func, device: torch.device, kwargs: dict) -> RngState | None:
     """The generators to replay a random op with (None for a deterministic op), a user's own included."""
-    if torch.Tag.nondeterministic_seeded not in func.tags:
+    seeded = _SEEDED.get(func)
+    if seeded is None:
+        seeded = _SEEDED[func] = torch.Tag.nondeterministic_seeded in func.tags
+    if not seeded:
         return None
     own = kwargs.get("generator")
     own = own if isinstance(own, torch.Generator) else None
