@@ -74,6 +74,9 @@ if TYPE_CHECKING:
     from udnn_lab.errors import (
         UnknownModelError as UnknownModelError,
     )
+    from udnn_lab.errors import (
+        UnmeasuredFigureWarning as UnmeasuredFigureWarning,
+    )
     from udnn_lab.fitting import (
         FitSearch as FitSearch,
     )
@@ -161,6 +164,9 @@ def _homes() -> dict[str, str]:
 
 
 _HOMES = _homes()
+# what can be had without the runtime: nothing there measures or prices a machine
+_WITHOUT_RUNTIME = ("udnn_lab.units", "udnn_lab.errors", "udnn_lab.workload", "udnn_lab.parallel", "udnn_lab.zoo",
+                    "udnn_lab.vocabulary", "udnn_lab.devices", "udnn_lab.graph", "udnn_lab.charts")
 __all__ = sorted(_HOMES)
 __version__ = "0.1.0"
 
@@ -172,6 +178,8 @@ def __getattr__(name: str) -> Any:
     if home is None:
         raise AttributeError(f"module 'udnn_lab' has no attribute {name!r}")
     module = importlib.import_module(home)
+    if not home.startswith(_WITHOUT_RUNTIME):  # its host probe registers with Hardware.measure (NOTE [host probes] 2)
+        importlib.import_module("udnn_lab.runtime")
     value = module if home == f"udnn_lab.{name}" else getattr(module, name)
     globals()[name] = value
     return value

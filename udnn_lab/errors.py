@@ -102,6 +102,10 @@ class ShippedProfileWarning(UserWarning):
     """No profile measured on this machine could be had: a shipped one stands in (it is named)."""
 
 
+class UnmeasuredFigureWarning(UserWarning):
+    """A host probe could not measure its figures here: they stay unmeasured, and what they price is not priced."""
+
+
 class PublishedDataError(UdnnLabError, ValueError):
     """A record of published measurements that is malformed, unsourced or inconsistent."""
 

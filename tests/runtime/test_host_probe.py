@@ -1,8 +1,14 @@
 """The runtime's host probe (NOTE [host probes]): its figures are measured with the runtime's own code."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
+from udnn_lab.errors import UnmeasuredFigureWarning
+from udnn_lab.hardware import Hardware
+from udnn_lab.hardware import host_probes as host_probes_module
 from udnn_lab.hardware.host_probes import host_probes
 from udnn_lab.runtime._host_probe import _two_unknowns, runtime_host_figures
 
@@ -26,3 +32,21 @@ def test_two_unknowns_are_solved_and_never_negative():
     a, b = _two_unknowns((100, 1, 1e-3), (200, 40, 1.1e-3))  # more offloads, hardly more time: noise
     assert a >= 0 and b >= 0 and (a, b) != (0.0, 0.0)
 
+
+
+def test_the_package_registers_the_probe_with_the_hardware_it_hands_out():
+    """NOTE [host probes] 2: ``ul.Hardware.measure`` in a fresh process finds the runtime's probe."""
+    code = ("import udnn_lab as ul; ul.Hardware; from udnn_lab.hardware.host_probes import host_probes; "
+            "print(len(host_probes()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.strip() == "1"
+
+
+def test_a_probe_that_fails_leaves_its_figures_unmeasured_and_says_why(monkeypatch):
+    def broken(device, repeats, measured):
+        raise RuntimeError("no hook points here")
+
+    monkeypatch.setattr(host_probes_module, "_PROBES", {"broken": broken})
+    with pytest.warns(UnmeasuredFigureWarning, match="no hook points here"):
+        profile = Hardware.measure("cpu", sizes=(4096,), repeats=1, matmul_size=32, conv_size=8, progress=False)
+    assert profile.hook_call_s is None and profile.dispatch_mode_op_s is not None

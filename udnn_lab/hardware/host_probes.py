@@ -9,7 +9,11 @@ NOTE [host probes]
      over. A probe returns figures named after ``Hardware`` fields and one line saying how
      it measured them.
   2. Without a probe (this stage imported alone) those figures stay None: not measured, and
-     not priced. ``import udnn_lab`` imports the runtime, so a measured profile has them.
+     not priced; a cached machine profile is then not measured again for them. The package
+     imports the runtime with any stage that measures or prices a machine (``ul.Hardware``,
+     ``ul.simulate``, ``ul.plan``, ...), so a profile measured through it has them.
+  3. A probe that fails leaves its figures None with an UnmeasuredFigureWarning naming the
+     error: the rest of the profile, measured by this stage, is kept.
 """
 
 from __future__ import annotations

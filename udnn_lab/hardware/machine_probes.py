@@ -12,6 +12,7 @@ import platform
 import re
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -21,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from udnn_lab.devices import as_device, device_name
-from udnn_lab.errors import HardwareProfileError
+from udnn_lab.errors import HardwareProfileError, UnmeasuredFigureWarning
 from udnn_lab.hardware._dispatch_probe import dispatch_mode_op_s
 from udnn_lab.hardware._gloo_links import link_figures, measure_gloo
 from udnn_lab.hardware.host_probes import host_probes
@@ -73,7 +74,13 @@ def measure_hardware(device: str | torch.device | None = None, sizes: Iterable[i
 def _with_host_probes(device: torch.device, repeats: int, fields: dict[str, Any]) -> dict[str, Any]:
     """The fields with what each registered host probe measured (NOTE [host probes] 1)."""
     for probe in host_probes():
-        measured = probe(device, repeats, fields)
+        try:
+            measured = probe(device, repeats, fields)
+        except Exception as error:  # noqa: BLE001 - a later stage's probe must not cost the profile (NOTE [host probes] 3)
+            warnings.warn(f"{getattr(probe, '__name__', 'a host probe')} could not measure on {device_name(device)} "
+                          f"({type(error).__name__}: {error}); its figures stay unmeasured, and the host work they "
+                          "price is not priced", UnmeasuredFigureWarning, stacklevel=3)
+            continue
         how = _measured_source(device_name(device), measured.source)
         fields = {**fields, **measured.figures, "sources": {**fields["sources"],
                                                             **dict.fromkeys(measured.figures, how)}}

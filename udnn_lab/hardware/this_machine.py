@@ -33,6 +33,7 @@ import torch
 
 from udnn_lab.devices import device_name
 from udnn_lab.errors import HardwareProfileError, ShippedProfileWarning, UnknownHardwareError
+from udnn_lab.hardware.host_probes import host_probes
 from udnn_lab.hardware.profiles import Hardware, _name_key
 
 HARDWARE_VARIABLE = "UDNN_LAB_HARDWARE"
@@ -162,7 +163,8 @@ def load_cached(device: MachineDevice) -> Hardware | None:
         cached = Hardware.load(path)
     except (HardwareProfileError, OSError):
         return None  # a file cut short or from another version: measured again and replaced
-    host = (cached.dispatch_mode_op_s, cached.hook_call_s, cached.offload_action_s, cached.replay_op_s)
+    host = (cached.dispatch_mode_op_s,) + ((cached.hook_call_s, cached.offload_action_s, cached.replay_op_s)
+                                           if host_probes() else ())  # NOTE [host probes] 2
     return cached if None not in host else None  # measured before those figures were
 
 

@@ -17,6 +17,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -53,8 +54,9 @@ def runtime_host_figures(device: torch.device, repeats: int, measured: Mapping[s
     one, every = _offload_plans(graph)
     runtimes = {"one": OffloadRuntime(one), "every": OffloadRuntime(every)}
     try:
-        seconds = _interleaved(network, x, {"eager": nullcontext, **{k: (lambda r=r: r) for k, r in runtimes.items()}},
-                               repeats)
+        contexts: dict[str, Callable[[], Any]] = {"eager": nullcontext}
+        contexts.update({name: partial(_same, runtime) for name, runtime in runtimes.items()})
+        seconds = _interleaved(network, x, contexts, repeats)
     finally:
         for runtime in runtimes.values():
             runtime.release()
@@ -69,6 +71,10 @@ def runtime_host_figures(device: torch.device, repeats: int, measured: Mapping[s
         f"saved activation ({calls['one']} hook calls) and all {len(every.offloads)} ({calls['every']} calls), "
         f"less eager; a replay recording and re-running its {recorded} forward ops, less passing them through and "
         "a forward without grad")
+
+
+def _same(runtime: OffloadRuntime) -> OffloadRuntime:
+    return runtime
 
 
 def _offload_plans(graph: Graph) -> tuple[Plan, Plan]:
@@ -156,7 +162,10 @@ class _Recording(OpMode):
 
 def _replay_op_s(network: torch.nn.Module, x: torch.Tensor, repeats: int) -> tuple[float, int]:
     """(host seconds a replay adds to each op it records and re-runs, ops recorded)."""
-    recording, passing, rerun, plain = [], [], [], []
+    recording: list[float] = []
+    passing: list[float] = []
+    rerun: list[float] = []
+    plain: list[float] = []
     ops = 0
     with torch.no_grad():
         for index in range(max(repeats, 5) * 4 + 2):
