@@ -54,8 +54,12 @@ def test_auto_is_never_slower_than_a_policy_that_fits(graph, fraction):
         if chosen is not None:
             assert auto_plan is not None, f"{policy} fits {fraction:.0%} but auto does not"
             assert auto_sim.step_time_s <= sim.step_time_s * (1 + 1e-12), policy
-    if auto_plan is not None:  # what auto chose is a field of its plan: a policy, or its own joint plan
-        assert auto_plan.chosen_policy in (*POLICIES, "auto-joint") and auto_plan.chosen_policy != "auto"
+    if auto_plan is not None:  # what auto chose is a field of its plan: a policy, or its own joint greedy's plan,
+        # from nothing or completing a base (another policy's plan, or offloads spaced along forward)
+        chosen = auto_plan.chosen_policy
+        base, _, greedy = chosen.rpartition(" completed by ")
+        assert chosen != "auto" and (chosen in POLICIES or greedy.startswith("auto-joint")), chosen
+        assert base in ("", "spaced offloads", *POLICIES), chosen
 
 
 def test_planning_is_deterministic(graph):

@@ -14,7 +14,9 @@ reads. The simulator checks, and it aims lower if it must. On graphs of up to
 its stream to itself (it wins on some graphs). Then every other policy is planned and
 simulated as well; the fastest of them that do not fit are completed by the same greedy
 (what they still need, on top of their actions), and the fastest plan that fits wins, so
-auto is never slower (in simulation) than any of them. ``optimal`` (the exact reference)
+auto is never slower (in simulation) than any of them. Beside them, offloads spaced out along
+forward's copy stream (``_spaced_offloads``), completed by the greedy, contend too (on graphs of
+up to ``SECOND_GREEDY_OPS`` ops). ``optimal`` (the exact reference)
 measures how far from the best it is.
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ from udnn_lab.planning._auto_greedy import choose, taken
 from udnn_lab.planning._auto_options import Chains, Option, auto_options
 from udnn_lab.planning._candidates import first_backward_op
 from udnn_lab.planning._curve_estimate import CurveEstimate
+from udnn_lab.planning._spaced_offloads import PREFIXES, offloading, spaced_offloads
 from udnn_lab.planning.host import plan_host_bytes
 from udnn_lab.planning.registry import CHOOSING_POLICIES, POLICIES, SOLVER_POLICIES, keep_all_peak, policy
 from udnn_lab.planning.vdnn import MARGINS, SIZE_FLOOR, pinned_pool_bytes
@@ -60,6 +63,12 @@ def _fastest(graph: Graph, cost: CostModel, budget: int | None, host_budget: int
     # recompute alone, then completed (below) when it falls short: a host budget or not, auto weighs it (with none,
     # a superset of the plans a host budget allows, auto must not do worse than with one)
     contenders.append(joint(graph, cost, budget, offloads=False))
+    # spaced copies out in forward, completed by the greedy (_spaced_offloads.py): with or without more offloads;
+    # on deep graphs only where the second greedy runs too (each completion is a greedy of its own)
+    spaced = spaced_offloads(graph, cost) if len(graph.ops) <= SECOND_GREEDY_OPS else []
+    for count in sorted({min(n, len(spaced)) for n in (*PREFIXES, len(spaced))} - {0}):
+        base = offloading(graph, budget, spaced[:count])
+        contenders += [joint(graph, cost, budget, base=base, offloads=more) for more in (False, True)]
     # the policies that choose among others (auto, vdnn-dyn) add none of their own; solvers take up to a minute
     contenders += [POLICIES[name](graph, cost, budget) for name in POLICIES
                    if name not in CHOOSING_POLICIES | SOLVER_POLICIES]
