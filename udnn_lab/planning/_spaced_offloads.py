@@ -53,7 +53,7 @@ def spaced_offloads(graph: Graph, cost: CostModel) -> list[Option]:
     return spaced
 
 
-def offloading(graph: Graph, budget: int, chosen: list[Option]) -> Plan:
+def offloading(graph: Graph, budget: int | None, chosen: list[Option]) -> Plan:
     """A base plan of those offloads, for the greedy to complete."""
     offloads = tuple(sorted((Offload(o.candidate.tensor, o.candidate.last_forward, o.window[1],
                                      release_before=o.release) for o in chosen), key=lambda x: (x.after_op, x.tensor)))
