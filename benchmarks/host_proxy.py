@@ -11,6 +11,11 @@ simulation also shown without the host work priced (the dispatch mode, and the r
 actions and replays its host probe measured: what it said before it priced them).
 Target: every plan's measured slowdown within 3% of its simulated one.
 
+Then each workload against torch.utils.checkpoint over its blocks (a ResNet's stages, the zoo
+transformer's layers, a Hugging Face model's own gradient checkpointing; non-reentrant), timed on
+one thread: ours, the ``recompute`` and ``auto`` plans for the peak checkpoint measured, at that
+peak or lower. Target: ours no slower than checkpoint at an equal or lower peak.
+
     python benchmarks/host_proxy.py [--quick] [--repeats 15] [--out data/benchmarks/host_proxy.json]
 """
 
@@ -35,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import udnn_lab as ul  # noqa: E402
+from benchmarks.offload_vs_peers import Bench, checkpointed, ours  # noqa: E402
 from udnn_lab.analysis.step import compute_loss, split_input  # noqa: E402
 from udnn_lab.devices import device_name  # noqa: E402
 from udnn_lab.errors import PlanInfeasible  # noqa: E402
@@ -112,6 +118,39 @@ def _rows(name: str, options: dict, repeats: int) -> list[dict]:
     return rows
 
 
+def _against_checkpoint(name: str, options: dict, repeats: int) -> list[dict]:
+    """torch.utils.checkpoint over the model's blocks, then our plans for the peak it measured (module docstring)."""
+    batch = options["batch"]
+    # forward and backward only, as the rows above and as the peak is counted (no optimizer step)
+    bench = Bench(name, batch, {**{k: v for k, v in options.items() if k != "batch"}, "optimizer": "none"},
+                  torch.device("cpu"), repeats)
+    base = {"workload": name, "options": options}
+    model = checkpointed(copy.deepcopy(bench.work.model))
+    if model is None:
+        return [{**base, "method": "torch.utils.checkpoint", "note": "no blocks to checkpoint in this model"}]
+    eager = bench.measure(nullcontext)
+    peer = bench.measure(nullcontext, model)
+    rows = [{**base, "method": "torch.utils.checkpoint", "step_s": peer["step_time_s"],
+             "peak_bytes": peer["peak_bytes"], "slowdown": peer["step_time_s"] / eager["step_time_s"],
+             "eager_peak_bytes": eager["peak_bytes"]}]
+    for policy in ("recompute", "auto"):
+        row = {**base, "method": f"udnn_lab {policy} at checkpoint's peak", "budget_bytes": peer["peak_bytes"]}
+        try:
+            factory, _ = ours(bench, policy, peer["peak_bytes"])
+        except PlanInfeasible as err:  # checkpoint goes lower than this policy: compared at the least it meets
+            smallest = ul.min_budget(bench.graph, policy, hardware=bench.hardware)
+            row = {**row, "method": f"udnn_lab {policy} at its smallest budget", "budget_bytes": smallest,
+                   "note": str(err).splitlines()[0]}
+            factory, _ = ours(bench, policy, smallest)
+        mine = bench.measure(factory)
+        rows.append({**row, "step_s": mine["step_time_s"], "peak_bytes": mine["peak_bytes"],
+                     "slowdown": mine["step_time_s"] / eager["step_time_s"],
+                     "speedup_over_checkpoint": peer["step_time_s"] / mine["step_time_s"],
+                     "at_most_its_peak": mine["peak_bytes"] <= peer["peak_bytes"],
+                     "no_slower": mine["step_time_s"] <= peer["step_time_s"]})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one small workload (CI)")
@@ -131,6 +170,22 @@ def main() -> None:
     met = bool(rows) and all(row["within_target"] for row in rows)
     print(f"target: every plan's measured slowdown within {TARGET:.0%} of its simulated one; met: {met} "
           f"({sum(r['within_target'] for r in rows)} of {len(rows)})")
+    against = [row for name, options in (QUICK_WORKLOADS if args.quick else WORKLOADS)
+               for row in _against_checkpoint(name, options, args.repeats)]
+    print(f"\n{'workload':12s} {'method':40s} {'slowdown':>9s} {'peak':>10s} {'vs checkpoint':>14s}")
+    for row in against:
+        if "step_s" not in row:
+            print(f"{row['workload']:12s} {row['method']:40s} {row['note']}")
+            continue
+        if "note" in row:
+            print(f"{'':12s} {row['note']}")
+        versus = f"{row['speedup_over_checkpoint']:.3f}x faster" if "speedup_over_checkpoint" in row else ""
+        print(f"{row['workload']:12s} {row['method']:40s} {row['slowdown']:8.3f}x {row['peak_bytes'] / 2**20:9.1f}M "
+              f"{versus:>14s}")
+    ours_rows = [row for row in against if "no_slower" in row and row["method"].startswith("udnn_lab recompute")]
+    checkpoint_met = bool(ours_rows) and all(row["no_slower"] and row["at_most_its_peak"] for row in ours_rows)
+    print(f"target: the recompute plan no slower than torch.utils.checkpoint at an equal or lower peak; met: "
+          f"{checkpoint_met} ({sum(r['no_slower'] and r['at_most_its_peak'] for r in ours_rows)} of {len(ours_rows)})")
     document = {
         "benchmark": "host_proxy", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"device": "cpu", "device_name": device_name(torch.device("cpu")), "torch": torch.__version__,
@@ -138,6 +193,9 @@ def main() -> None:
                     "load_average_1min": os.getloadavg()[0]},
         "target": {"error_at_most": TARGET, "judged_on": "CPU time of the process, medians of steps taken in turn"},
         "meets_target": met, "rows": rows,
+        "against_checkpoint": {"target": "the recompute plan's step no slower than torch.utils.checkpoint's at a "
+                                         "measured peak at most checkpoint's (wall time, one thread, medians)",
+                               "meets_target": checkpoint_met, "rows": against},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(document, indent=1))

@@ -2,8 +2,9 @@
 
 Methods: the unconstrained step; ours (auto, vdnn-all, vdnn++ plans run by OffloadRuntime);
 PyTorch's torch.autograd.graph.save_on_cpu(pin_memory=True); torchtune's OffloadActivations
-when it is installed; torch.utils.checkpoint over the model's top-level stages, and PyTorch's selective
-activation checkpointing inside them (matmuls and convolutions saved); torch.compile with
+when it is installed (pip install -e '.[peers]'); torch.utils.checkpoint over the model's top-level
+stages (a Hugging Face model's own gradient checkpointing), and PyTorch's selective activation
+checkpointing inside them (matmuls and convolutions saved); torch.compile with
 activation_memory_budget (PyTorch's own recompute planner; not with --quick). After each peer, ours (auto)
 planned for the peak that peer measured: the two at equal memory. For each
 model and budget (a fraction of the keep-all peak): step time relative to unconstrained,
@@ -69,20 +70,22 @@ class Bench:
     def measure(self, context_factory, model: nn.Module | None = None) -> dict:
         """Median step time and peak over ``steps`` steps after one warm-up, each inside ``context_factory()``."""
         model = model or copy.deepcopy(self.work.model)
-        optimizer = optimizer_like(self.work.optimizer, model.parameters())
+        optimizer = optimizer_like(self.work.optimizer, model.parameters()) if self.work.optimizer else None
         args, kwargs = split_input(self.work.example_input)
         times, peaks = [], []
         for index in range(self.steps + 1):
-            optimizer.zero_grad(set_to_none=True)
-            counter = None if self.cuda else LiveBytes([*model.parameters(), *model.buffers(), *_state(optimizer),
-                                                        self.work.example_input, self.work.target])
+            model.zero_grad(set_to_none=True)
+            held = [*model.parameters(), *model.buffers(), *_state(optimizer), *input_tensors(args, kwargs),
+                    *([self.work.target] if isinstance(self.work.target, torch.Tensor) else [])]
+            counter = None if self.cuda else LiveBytes(held)
             self._sync(reset=True)
             outside = self._outside(model, optimizer)
             start = time.perf_counter()
             with counter or nullcontext(), context_factory():
                 loss = compute_loss(model(*args, **kwargs), self.work.loss_fn, self.work.target)
                 loss.backward()
-            optimizer.step()
+            if optimizer is not None:
+                optimizer.step()
             self._sync()
             if index:  # the first step warms up caches and creates optimizer state
                 times.append(time.perf_counter() - start)
@@ -109,7 +112,9 @@ class Bench:
                 torch.cuda.reset_peak_memory_stats(self.device)
 
 
-def _state(optimizer):
+def _state(optimizer) -> list[torch.Tensor]:
+    if optimizer is None:
+        return []
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
@@ -138,7 +143,7 @@ def torchtune_offload():
     try:
         from torchtune.training import OffloadActivations
     except ImportError as err:
-        return None, f"torchtune is not installed ({err})"
+        return None, f"torchtune is not installed ({err}): pip install -e '.[peers]'"
     return (lambda: OffloadActivations()), ""
 
 
@@ -146,6 +151,13 @@ def checkpointed(model: nn.Module, selective: bool = False) -> nn.Module | None:
     """The model's top-level stages under torch.utils.checkpoint, for models whose forward is a chain of them.
     ``selective``: PyTorch's selective activation checkpointing inside each stage (matmuls and convolutions
     saved, the rest recomputed)."""
+    if getattr(model, "supports_gradient_checkpointing", False):  # Hugging Face: its own blocks, as its users do
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _selective_policy)} \
+            if selective else {}
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, **extra})
+        return model
     stages = _stages(model)
     if stages is None:
         return None
@@ -193,7 +205,21 @@ def _stages(model: nn.Module) -> list[nn.Module] | None:
                                                                      model.classifier)]
     if isinstance(model, ul.zoo.MLP):
         return list(_grouped(model.net.children()))
+    if isinstance(model, ul.zoo.TransformerClassifier):
+        norm = [model.encoder.norm] if model.encoder.norm is not None else []
+        return [model.embed, *model.encoder.layers, *norm, _MeanHead(model.fc)]
     return None
+
+
+class _MeanHead(nn.Module):
+    """The zoo transformer's head: the mean over tokens, then its classifier."""
+
+    def __init__(self, fc: nn.Module) -> None:
+        super().__init__()
+        self.fc = fc
+
+    def forward(self, x):
+        return self.fc(x.mean(dim=1))
 
 
 def _grouped(modules) -> list[nn.Module]:

@@ -41,10 +41,14 @@ def test_host_proxy_runs_one_workload(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_proxy.py"), "--quick", "--repeats", "2",
                            "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    rows = json.loads(out.read_text())["rows"]
+    document = json.loads(out.read_text())
+    rows = document["rows"]
     assert rows and {"auto midway", "recompute midway"} <= {row["plan"] for row in rows}
     assert all(row["measured_slowdown"] > 0 and row["simulated_slowdown"] >= 1.0 for row in rows)
-    assert "target" in done.stdout
+    against = document["against_checkpoint"]["rows"]  # the same blocks under torch.utils.checkpoint, and ours
+    assert against[0]["method"] == "torch.utils.checkpoint" and against[0]["peak_bytes"] > 0
+    assert any(row["method"].startswith("udnn_lab recompute") and row["step_s"] > 0 for row in against)
+    assert "target" in done.stdout and "torch.utils.checkpoint" in done.stdout
 
 
 def test_gpu_corpus_dry_run_on_cpu_holds_every_plan_to_eager(tmp_path):
