@@ -41,6 +41,16 @@ class _Made:
     output: int  # index among that call's tensor outputs
 
 
+@dataclass(frozen=True)
+class _MadeView(_Made):
+    """A view of an output's storage that no recorded op made (an op outside the recomputation, or one the trace
+    does not count, made it): rebuilt over the replayed output by its sizes, strides and offset in that storage."""
+
+    size: tuple[int, ...] = ()
+    stride: tuple[int, ...] = ()
+    offset: int = 0
+
+
 @dataclass
 class Replay:
     """The recorded calls of one Recompute, and what their outputs were."""
@@ -51,6 +61,7 @@ class Replay:
     storages: dict[int, tuple] = field(default_factory=dict)  # id(storage) -> (storage ref, an output on it)
     restores: dict[int, _Made] = field(default_factory=dict)  # tensor id -> an output on its storage
     done: bool = False  # it ran: a replay runs once, and then holds nothing
+    _dtypes: dict[tuple[int, int], torch.dtype] = field(default_factory=dict)  # (call, output) -> its dtype
 
     def refuse(self, func) -> None:
         """Raise before ``func`` runs if the recomputation would have to re-run it: a collective (NOTE [offload
@@ -77,6 +88,7 @@ class Replay:
         self.calls.append(_Call(func, converted, dict(zip(kwargs, kw_converted)), rng_state, versions + kw_versions,
                                 mutated, torch.is_grad_enabled(), len(_outputs(out))))
         for position, tensor in enumerate(_outputs(out)):
+            self._dtypes[(index, position)] = tensor.dtype
             storage = tensor.untyped_storage()
             if id(storage) not in outside and _live(self.storages.get(id(storage)), storage) is None:
                 self.storages[id(storage)] = (weakref.ref(storage), _Made(index, position))
@@ -102,15 +114,15 @@ class Replay:
             if isinstance(value, torch.Tensor):
                 storage = value.untyped_storage()
                 made = _live(self.made.get(_view(value)), storage)
-                ours = _live(self.storages.get(id(storage)), storage) is not None
+                base = _live(self.storages.get(id(storage)), storage)
                 if made is not None:
-                    if not ours:  # a view this recomputation made of a tensor from before it
+                    if base is None:  # a view this recomputation made of a tensor from before it
                         outside.add(id(storage))
                     converted.append(made)
                     continue
-                if ours:
-                    raise ReplayError("a recomputed op reads a view that the recomputation does not make itself; "
-                                      "plan this tensor as kept or offloaded instead")
+                if base is not None:  # its storage is the recomputation's, this view of it no recorded op's
+                    converted.append(self._view_of(base, value))
+                    continue
                 outside.add(id(storage))
                 if position not in skip:
                     versions.append((value, value._version))
@@ -122,6 +134,14 @@ class Replay:
             else:
                 converted.append(value)
         return tuple(converted), tuple(versions)
+
+    def _view_of(self, base: _Made, value: torch.Tensor) -> _MadeView:
+        dtype = self._dtypes.get((base.call, base.output))  # as_strided keeps the dtype: it must be the view's
+        if dtype != value.dtype:
+            raise ReplayError(f"a recomputed op reads a {value.dtype} view of a {dtype} tensor the recomputation makes "
+                              f"({self.calls[base.call].func}), made by no op it records; plan this tensor as kept or "
+                              "offloaded instead")
+        return _MadeView(base.call, base.output, tuple(value.shape), tuple(value.stride()), int(value.storage_offset()))
 
     def run(self) -> dict[int, torch.Tensor]:
         """Re-run the calls once; return the restoring outputs by tensor id (nothing if it ran already).
@@ -158,7 +178,7 @@ class Replay:
             assert value is not None  # restoring outputs are kept above
             restored[tensor] = value
         self.done = True
-        self.calls, self.made, self.storages = [], {}, {}
+        self.calls, self.made, self.storages, self._dtypes = [], {}, {}, {}
         return restored
 
     def _last_reads(self) -> dict[int, list[tuple[int, int]]]:
@@ -176,6 +196,8 @@ class Replay:
         return by_call
 
     def _resolve(self, value, outputs):
+        if isinstance(value, _MadeView):  # the replayed storage laid out as the original (same op, same layout)
+            return outputs[value.call][value.output].as_strided(value.size, value.stride, value.offset)
         if isinstance(value, _Made):
             return outputs[value.call][value.output]
         if isinstance(value, (list, tuple)):
