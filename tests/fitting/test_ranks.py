@@ -47,8 +47,9 @@ def test_offload_and_recompute_make_a_rank_fit_below_its_traced_peak():
                      batch=16, optimizer="adam", hardware=H100).set_index("setup")
     assert not found.fits["FSDP2"] and found.traced_peak_bytes["FSDP2"] > ul.parse_bytes("32MiB")
     with_plan = found.loc["FSDP2+offload"]
+    # its offloads may hide entirely behind compute (auto's spaced copies out): never faster than keeping all
     assert with_plan.fits and with_plan.peak_bytes <= with_plan.budget_bytes and with_plan.offloads + \
-        with_plan.recomputes > 0 and with_plan.step_time_s > found.step_time_s["FSDP2"]
+        with_plan.recomputes > 0 and with_plan.step_time_s >= found.step_time_s["FSDP2"]
 
 
 def test_the_smallest_world_size_that_fits_is_found_and_the_one_below_it_does_not_fit():
