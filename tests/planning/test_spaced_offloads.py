@@ -6,8 +6,8 @@ import pytest
 import udnn_lab as ul
 from udnn_lab.planning import POLICIES
 from udnn_lab.planning._candidates import first_backward_op
-from udnn_lab.planning._spaced_offloads import offloading, spaced_offloads
-from udnn_lab.planning.auto import joint
+from udnn_lab.planning._spaced_offloads import spaced_offloads
+from udnn_lab.planning.auto import _build, joint
 from udnn_lab.simulation.simulator import cost_model, simulate_with
 
 
@@ -29,7 +29,7 @@ def test_the_copies_out_run_one_after_another_and_end_before_backward(resnet50):
         start = starts[option.candidate.last_forward + 1]
         assert start >= free and start + option.d2h_s <= backward
         free = start + option.d2h_s
-    plan = offloading(graph, None, spaced)
+    plan = _build(graph, None, spaced)
     plan.validate(graph)
     assert simulate_with(graph, plan, cost).stall_time_s == 0.0  # every copy hidden by compute
 

@@ -145,13 +145,19 @@ def saved_tensor_windows(events: tuple[HookEvent, ...], acting: set[int],
                          planned: Collection[int]) -> set[int] | None:
     """The windows that show every pack of a planned tensor, every top-level pack (the loss: the
     step's fingerprint), and a call at each acting boundary; None when one cannot be opened."""
+    return _windows_seen(events, acting, planned)[0]
+
+
+def _windows_seen(events: tuple[HookEvent, ...], acting: set[int],
+                  planned: Collection[int]) -> tuple[set[int] | None, list[bool]]:
+    """``saved_tensor_windows`` and which events a runtime sees with them (every one where there are none)."""
     calls = _calls(events)
     chosen = {start for start, (kind, _) in calls.items() if kind == "gap"}
     for ordinal, event in enumerate(events):
         if event.kind == "pack" and event.tensor in planned:
             if not _add_window(ordinal, calls, chosen):
-                return None
-    visible, _ = seen_in_windows(events, chosen)
+                return None, [True] * len(events)
+    visible, _ = _seen(events, calls, chosen)
     by_boundary: dict[int, list[int]] = {}
     for ordinal, event in enumerate(events):
         by_boundary.setdefault(event.boundary, []).append(ordinal)
@@ -162,9 +168,9 @@ def saved_tensor_windows(events: tuple[HookEvent, ...], acting: set[int],
         unpacks = [i for i in at_boundary if events[i].kind == "unpack"]
         needed = events[unpacks[0]].packed_at if unpacks else at_boundary[-1] if at_boundary else -1
         if needed < 0 or not _add_window(needed, calls, chosen):
-            return None
-        visible, _ = seen_in_windows(events, chosen)
-    return chosen
+            return None, [True] * len(events)
+        visible, _ = _seen(events, calls, chosen)
+    return chosen, visible
 
 
 def _calls(events: tuple[HookEvent, ...]) -> dict[int, tuple[str, int]]:
@@ -204,7 +210,11 @@ def _add_window(pack: int, calls: dict[int, tuple[str, int]], chosen: set[int]) 
 def seen_in_windows(events: tuple[HookEvent, ...], windows: set[int]) -> tuple[list[bool], list[bool]]:
     """With hooks in force inside ``windows``: which events a runtime sees (every module call, the
     packs inside a window, the unpacks of those packs), and whether hooks are on after each event."""
-    calls = _calls(events)
+    return _seen(events, _calls(events), windows)
+
+
+def _seen(events: tuple[HookEvent, ...], calls: dict[int, tuple[str, int]],
+          windows: set[int]) -> tuple[list[bool], list[bool]]:
     ends = {start: calls[start][1] for start in windows}
     shown, on = [False] * len(events), [False] * len(events)
     open_until: list[int] = []  # ends of the open windows, innermost last (windows nest)
@@ -226,8 +236,7 @@ def seen_in_windows(events: tuple[HookEvent, ...], windows: set[int]) -> tuple[l
 def handled_calls(events: tuple[HookEvent, ...], acting: set[int], planned: Collection[int]) -> dict[int, int]:
     """Boundary -> the hook calls a runtime that acts at ``acting`` handles there: every module call, and the packs
     and unpacks inside its windows (NOTE [hook points] 5), all of them where no windows can be opened."""
-    windows = saved_tensor_windows(events, acting, planned)
-    seen = [True] * len(events) if windows is None else seen_in_windows(events, windows)[0]
+    seen = _windows_seen(events, acting, planned)[1]
     calls: dict[int, int] = {}
     for event, handled in zip(events, seen):
         if handled:

@@ -17,12 +17,11 @@ import statistics
 import numpy as np
 
 from udnn_lab.cost.model import CostModel
-from udnn_lab.graph.plan_ir import Offload, Plan
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.planning._auto_options import Option, auto_options
 from udnn_lab.planning._candidates import first_backward_op
-from udnn_lab.planning.vdnn import SIZE_FLOOR, pinned_pool_bytes
 
+SPACED = "spaced offloads"  # the base plan's name: a plan auto completes from it says so
 PREFIXES = (2, 4, 6)  # and the whole list: how many of the spaced offloads a completed base starts from
 
 
@@ -52,10 +51,3 @@ def spaced_offloads(graph: Graph, cost: CostModel) -> list[Option]:
             free = start + option.d2h_s
     return spaced
 
-
-def offloading(graph: Graph, budget: int | None, chosen: list[Option]) -> Plan:
-    """A base plan of those offloads, for the greedy to complete."""
-    offloads = tuple(sorted((Offload(o.candidate.tensor, o.candidate.last_forward, o.window[1],
-                                     release_before=o.release) for o in chosen), key=lambda x: (x.after_op, x.tensor)))
-    return Plan("spaced offloads", graph.fingerprint, budget, offloads=offloads,
-                pinned_pool_bytes=pinned_pool_bytes(graph, offloads), size_floor_bytes=SIZE_FLOOR)

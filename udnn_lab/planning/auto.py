@@ -21,6 +21,8 @@ measures how far from the best it is.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from udnn_lab.cost.model import CostModel
@@ -30,7 +32,7 @@ from udnn_lab.planning._auto_greedy import choose, taken
 from udnn_lab.planning._auto_options import Chains, Option, auto_options
 from udnn_lab.planning._candidates import first_backward_op
 from udnn_lab.planning._curve_estimate import CurveEstimate
-from udnn_lab.planning._spaced_offloads import PREFIXES, offloading, spaced_offloads
+from udnn_lab.planning._spaced_offloads import PREFIXES, SPACED, spaced_offloads
 from udnn_lab.planning.host import plan_host_bytes
 from udnn_lab.planning.registry import CHOOSING_POLICIES, POLICIES, SOLVER_POLICIES, keep_all_peak, policy
 from udnn_lab.planning.vdnn import MARGINS, SIZE_FLOOR, pinned_pool_bytes
@@ -67,7 +69,7 @@ def _fastest(graph: Graph, cost: CostModel, budget: int | None, host_budget: int
     # on deep graphs only where the second greedy runs too (each completion is a greedy of its own)
     spaced = spaced_offloads(graph, cost) if len(graph.ops) <= SECOND_GREEDY_OPS else []
     for count in sorted({min(n, len(spaced)) for n in (*PREFIXES, len(spaced))} - {0}):
-        base = offloading(graph, budget, spaced[:count])
+        base = replace(_build(graph, budget, spaced[:count]), policy=SPACED)
         contenders += [joint(graph, cost, budget, base=base, offloads=more) for more in (False, True)]
     # the policies that choose among others (auto, vdnn-dyn) add none of their own; solvers take up to a minute
     contenders += [POLICIES[name](graph, cost, budget) for name in POLICIES

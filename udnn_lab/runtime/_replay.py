@@ -60,8 +60,8 @@ class Replay:
     made: dict[tuple, tuple] = field(default_factory=dict)  # an output's view (see _view) -> (storage ref, _Made)
     storages: dict[int, tuple] = field(default_factory=dict)  # id(storage) -> (storage ref, an output on it)
     restores: dict[int, _Made] = field(default_factory=dict)  # tensor id -> an output on its storage
+    dtypes: dict[tuple[int, int], torch.dtype] = field(default_factory=dict)  # the outputs in storages -> dtype
     done: bool = False  # it ran: a replay runs once, and then holds nothing
-    _dtypes: dict[tuple[int, int], torch.dtype] = field(default_factory=dict)  # (call, output) -> its dtype
 
     def refuse(self, func) -> None:
         """Raise before ``func`` runs if the recomputation would have to re-run it: a collective (NOTE [offload
@@ -88,10 +88,10 @@ class Replay:
         self.calls.append(_Call(func, converted, dict(zip(kwargs, kw_converted)), rng_state, versions + kw_versions,
                                 mutated, torch.is_grad_enabled(), len(_outputs(out))))
         for position, tensor in enumerate(_outputs(out)):
-            self._dtypes[(index, position)] = tensor.dtype
             storage = tensor.untyped_storage()
             if id(storage) not in outside and _live(self.storages.get(id(storage)), storage) is None:
                 self.storages[id(storage)] = (weakref.ref(storage), _Made(index, position))
+                self.dtypes[(index, position)] = tensor.dtype
             self.made[_view(tensor)] = (weakref.ref(storage), _Made(index, position))
 
     def _makes(self, tensor: torch.Tensor) -> bool:
@@ -136,7 +136,7 @@ class Replay:
         return tuple(converted), tuple(versions)
 
     def _view_of(self, base: _Made, value: torch.Tensor) -> _MadeView:
-        dtype = self._dtypes.get((base.call, base.output))  # as_strided keeps the dtype: it must be the view's
+        dtype = self.dtypes[(base.call, base.output)]  # as_strided keeps the dtype: it must be the view's
         if dtype != value.dtype:
             raise ReplayError(f"a recomputed op reads a {value.dtype} view of a {dtype} tensor the recomputation makes "
                               f"({self.calls[base.call].func}), made by no op it records; plan this tensor as kept or "
@@ -178,7 +178,7 @@ class Replay:
             assert value is not None  # restoring outputs are kept above
             restored[tensor] = value
         self.done = True
-        self.calls, self.made, self.storages, self._dtypes = [], {}, {}, {}
+        self.calls, self.made, self.storages, self.dtypes = [], {}, {}, {}
         return restored
 
     def _last_reads(self) -> dict[int, list[tuple[int, int]]]:
