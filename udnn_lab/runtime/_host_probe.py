@@ -150,11 +150,15 @@ class _Recording(OpMode):
         super().__init__(self._record)
         self.replay, self.device = replay, device
         self.ops = 0
+        self.traced: dict = {}
 
     def _record(self, func, args: tuple, kwargs: dict):
-        state = rng_state(func, self.device, kwargs) if traced_op(func) else None
+        traced = self.traced.get(func)  # the runtime knows each op kind once too (_step._KNOWN)
+        if traced is None:
+            traced = self.traced[func] = traced_op(func)
+        state = rng_state(func, self.device, kwargs) if traced else None
         out = func(*args, **kwargs)
-        if traced_op(func):
+        if traced:
             self.replay.record(func, args, kwargs, out, state)
             self.ops += 1
         return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -23,7 +23,7 @@ _UNDECLARED_WRITES = {"aten.native_batch_norm.default": (3, 4), "aten.cudnn_batc
                       "aten.miopen_batch_norm.default": (3, 4)}
 
 
-@dataclass
+@dataclass(slots=True)
 class _Call:
     func: Callable[..., Any]
     args: tuple  # tensors made earlier in the replay appear as _Made markers
@@ -35,20 +35,20 @@ class _Call:
     outputs: int  # tensors it returned
 
 
-@dataclass(frozen=True)
-class _Made:
+class _Made(NamedTuple):  # a tuple: made for every output of every recorded op, and a dict key as it is
     call: int  # index of the recorded call whose output it is
     output: int  # index among that call's tensor outputs
 
 
-@dataclass(frozen=True)
-class _MadeView(_Made):
+class _MadeView(NamedTuple):
     """A view of an output's storage that no recorded op made (an op outside the recomputation, or one the trace
     does not count, made it): rebuilt over the replayed output by its sizes, strides and offset in that storage."""
 
-    size: tuple[int, ...] = ()
-    stride: tuple[int, ...] = ()
-    offset: int = 0
+    call: int
+    output: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
 
 
 @dataclass
@@ -57,10 +57,17 @@ class Replay:
 
     recompute: Recompute
     calls: list[_Call] = field(default_factory=list)
-    made: dict[tuple, tuple] = field(default_factory=dict)  # an output's view (see _view) -> (storage ref, _Made)
+    # id(storage) -> (weak ref to an output on it, _Made) for each output: the outputs an argument that is none of
+    # them may be a view of (an op the trace does not count made it)
+    on_storage: dict[int, list[tuple]] = field(default_factory=dict)
     storages: dict[int, tuple] = field(default_factory=dict)  # id(storage) -> (storage ref, an output on it)
     restores: dict[int, _Made] = field(default_factory=dict)  # tensor id -> an output on its storage
     dtypes: dict[tuple[int, int], torch.dtype] = field(default_factory=dict)  # the outputs in storages -> dtype
+    # id(output) -> (weak ref to it, _Made, id of its storage when that is from before the recomputation): the
+    # next op's argument is most often the very tensor an earlier op returned, found here without _view
+    outputs: dict[int, tuple] = field(default_factory=dict)
+    viewed_outside: set[int] = field(default_factory=set)  # storages from before it that recorded ops viewed
+    last_read: dict[tuple[int, int], int] = field(default_factory=dict)  # an output -> the last call reading it
     done: bool = False  # it ran: a replay runs once, and then holds nothing
 
     def refuse(self, func) -> None:
@@ -77,22 +84,31 @@ class Replay:
         index = len(self.calls)
         declared, statistics = _writes(func)
         mutated = tuple(sorted(set(written) | declared | statistics)) if written or declared or statistics else ()
-        if any(i < len(args) and isinstance(args[i], torch.Tensor) and i not in statistics and not self._makes(args[i])
-               for i in mutated):
+        if mutated and any(i < len(args) and isinstance(args[i], torch.Tensor) and i not in statistics
+                           and not self._makes(args[i]) for i in mutated):
             return  # it changed a tensor made before the recomputation, which keeps the result: not replayed
         # a view of a tensor from before the recomputation (t(weight), x[:, i]) is rebuilt by this op, but its
         # storage is not the recomputation's: reading that storage through another view is reading an input
         outside: set[int] = set()
-        converted, versions = self._convert(args, outside, skip=mutated)
-        kw_converted, kw_versions = self._convert(tuple(kwargs.values()), outside)
-        self.calls.append(_Call(func, converted, dict(zip(kwargs, kw_converted)), rng_state, versions + kw_versions,
-                                mutated, torch.is_grad_enabled(), len(_outputs(out))))
-        for position, tensor in enumerate(_outputs(out)):
+        versions: list = []
+        converted = self._convert(args, outside, versions, index, mutated)
+        kw_converted = self._convert(tuple(kwargs.values()), outside, versions, index) if kwargs else ()
+        results = _outputs(out)
+        self.calls.append(_Call(func, converted, dict(zip(kwargs, kw_converted)), rng_state, tuple(versions),
+                                mutated, torch.is_grad_enabled(), len(results)))
+        for position, tensor in enumerate(results):
             storage = tensor.untyped_storage()
-            if id(storage) not in outside and _live(self.storages.get(id(storage)), storage) is None:
-                self.storages[id(storage)] = (weakref.ref(storage), _Made(index, position))
+            key = id(storage)
+            made = _Made(index, position)
+            self.last_read[made] = index  # an output nothing reads goes right away
+            if key in outside:
+                self.viewed_outside.add(key)
+            elif _live(self.storages.get(key), storage) is None:
+                self.storages[key] = (weakref.ref(storage), made)
                 self.dtypes[(index, position)] = tensor.dtype
-            self.made[_view(tensor)] = (weakref.ref(storage), _Made(index, position))
+            ref = weakref.ref(tensor)
+            self.on_storage.setdefault(key, []).append((ref, made))
+            self.outputs[id(tensor)] = (ref, made, key if key in outside else None)
 
     def _makes(self, tensor: torch.Tensor) -> bool:
         storage = tensor.untyped_storage()
@@ -101,39 +117,58 @@ class Replay:
     def restore_from(self, tensor_id: int, storage_key: int) -> None:
         self.restores[tensor_id] = self.storages[storage_key][1]
 
-    def _convert(self, values: tuple, outside: set[int], skip: tuple[int, ...] = ()):
-        """Arguments with made tensors as _Made markers, and the version of each other tensor read; the storages
-        of those others go into ``outside``.
+    def _convert(self, values: tuple, outside: set[int], versions: list, reader: int,
+                 skip: tuple[int, ...] = ()) -> tuple:
+        """Arguments with made tensors as _Made markers (read by call ``reader``); the version of each other tensor
+        read goes into ``versions`` and its storage into ``outside``.
 
         Arguments the op writes (``skip``) are cloned at replay: an op that also reads one it did
         not make (BN reads its running statistics only in eval mode) starts from its value after
         forward.
         """
-        converted, versions = [], []
+        converted = []
         for position, value in enumerate(values):
             if isinstance(value, torch.Tensor):
-                storage = value.untyped_storage()
-                made = _live(self.made.get(_view(value)), storage)
-                base = _live(self.storages.get(id(storage)), storage)
-                if made is not None:
-                    if base is None:  # a view this recomputation made of a tensor from before it
-                        outside.add(id(storage))
-                    converted.append(made)
+                known = self.outputs.get(id(value))
+                if known is not None and known[0]() is value:  # an earlier call's output itself
+                    if known[2] is not None:  # a view this recomputation made of a tensor from before it
+                        outside.add(known[2])
+                    self.last_read[known[1]] = reader
+                    converted.append(known[1])
                     continue
+                storage = value.untyped_storage()
+                key = id(storage)
+                base = _live(self.storages.get(key), storage)
+                if base is not None or key in self.viewed_outside:
+                    made = self._same_view(key, value)
+                    if made is not None:
+                        if base is None:
+                            outside.add(key)
+                        self.last_read[made] = reader
+                        converted.append(made)
+                        continue
                 if base is not None:  # its storage is the recomputation's, this view of it no recorded op's
+                    self.last_read[base] = reader
                     converted.append(self._view_of(base, value))
                     continue
-                outside.add(id(storage))
+                outside.add(key)
                 if position not in skip:
                     versions.append((value, value._version))
-                converted.append(value)
+                converted.append(value.detach() if value.requires_grad else value)
             elif isinstance(value, (list, tuple)):
-                inner, inner_versions = self._convert(tuple(value), outside)
-                converted.append(type(value)(inner))
-                versions.extend(inner_versions)
+                converted.append(type(value)(self._convert(tuple(value), outside, versions, reader)))
             else:
                 converted.append(value)
-        return tuple(converted), tuple(versions)
+        return tuple(converted)
+
+    def _same_view(self, key: int, value: torch.Tensor) -> _Made | None:
+        """The output that is ``value``'s view of its storage (``key``), if one is alive."""
+        view = _view(value)
+        for ref, made in self.on_storage.get(key, ()):
+            output = ref()
+            if output is not None and _view(output) == view:
+                return made
+        return None
 
     def _view_of(self, base: _Made, value: torch.Tensor) -> _MadeView:
         dtype = self.dtypes[(base.call, base.output)]  # as_strided keeps the dtype: it must be the view's
@@ -158,75 +193,63 @@ class Replay:
                                   "used it, so forward cannot be reproduced (if autograd saved it, eager PyTorch "
                                   "refuses this step too); else plan this tensor as kept or offloaded instead")
         outputs: list[list[torch.Tensor | None]] = []
-        last_read = self._last_reads()
-        kept = {(m.call, m.output) for m in self.restores.values()}
-        with torch._C._DisableTorchDispatch():
-            for index, call in enumerate(self.calls):
-                args = tuple(_detached(self._resolve(a, outputs)) for a in call.args)
-                if call.mutated:
-                    args = tuple(a.clone() if i in call.mutated and not _from_replay(call.args[i]) and
-                                 isinstance(a, torch.Tensor) else a for i, a in enumerate(args))
-                kwargs = {k: _detached(self._resolve(v, outputs)) for k, v in call.kwargs.items()}
-                with torch.set_grad_enabled(call.grad_enabled):  # detached inputs: no autograd graph is built
+        kept = set(self.restores.values())
+        scratch: dict[int, list[tuple[int, int]]] = {}  # call -> the outputs it is the last to read
+        for made, reader in self.last_read.items():
+            if made not in kept:
+                scratch.setdefault(reader, []).append(made)
+        grad_before = grad = torch.is_grad_enabled()
+        try:
+            with torch._C._DisableTorchDispatch():
+                for index, call in enumerate(self.calls):
+                    # inputs from before it were detached when recorded: no autograd graph is built
+                    args = tuple(_resolve(a, outputs) for a in call.args)
+                    if call.mutated:
+                        args = tuple(a.clone() if i in call.mutated and not _from_replay(call.args[i]) and
+                                     isinstance(a, torch.Tensor) else a for i, a in enumerate(args))
+                    kwargs = {k: _resolve(v, outputs) for k, v in call.kwargs.items()} if call.kwargs else {}
+                    if call.grad_enabled != grad:
+                        grad = call.grad_enabled
+                        torch._C._set_grad_enabled(grad)
                     outputs.append(list(_outputs(_seeded(call, args, kwargs))))
-                for done_with in last_read.get(index, ()):  # scratch no later call reads
-                    if done_with not in kept:
-                        outputs[done_with[0]][done_with[1]] = None
+                    for call_index, output in scratch.get(index, ()):
+                        outputs[call_index][output] = None
+        finally:
+            torch._C._set_grad_enabled(grad_before)
         restored = {}
         for tensor, made in self.restores.items():
             value = outputs[made.call][made.output]
             assert value is not None  # restoring outputs are kept above
             restored[tensor] = value
         self.done = True
-        self.calls, self.made, self.storages, self.dtypes = [], {}, {}, {}
+        self.calls, self.on_storage, self.storages, self.dtypes, self.outputs, self.last_read = [], {}, {}, {}, {}, {}
+        self.viewed_outside = set()
         return restored
 
-    def _last_reads(self) -> dict[int, list[tuple[int, int]]]:
-        """Call index -> the outputs (call, output) it is the last to read."""
-        last: dict[tuple[int, int], int] = {}
-        for index, call in enumerate(self.calls):
-            for made in _made_in((call.args, tuple(call.kwargs.values()))):
-                last[(made.call, made.output)] = index
-        for index, call in enumerate(self.calls):  # outputs nothing reads go right away
-            for position in range(call.outputs):
-                last.setdefault((index, position), index)
-        by_call: dict[int, list[tuple[int, int]]] = {}
-        for made, index in last.items():
-            by_call.setdefault(index, []).append(made)
-        return by_call
 
-    def _resolve(self, value, outputs):
-        if isinstance(value, _MadeView):  # the replayed storage laid out as the original (same op, same layout)
-            return outputs[value.call][value.output].as_strided(value.size, value.stride, value.offset)
-        if isinstance(value, _Made):
-            return outputs[value.call][value.output]
-        if isinstance(value, (list, tuple)):
-            return type(value)(self._resolve(v, outputs) for v in value)
-        return value
+def _resolve(value, outputs):
+    kind = type(value)
+    if kind is _Made:
+        return outputs[value.call][value.output]
+    if kind is _MadeView:  # the replayed storage laid out as the original (same op, same layout)
+        return outputs[value.call][value.output].as_strided(value.size, value.stride, value.offset)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_resolve(v, outputs) for v in value)
+    return value
 
-
-_WRITES: dict = {}  # op -> (positions its schema says it writes, positions it writes undeclared)
+_WRITES: dict = {}  # id(op) -> (op, positions its schema says it writes, positions it writes undeclared)
 
 
 def _writes(func) -> tuple[frozenset[int], frozenset[int]]:
-    known = _WRITES.get(func)
-    if known is None:
+    known = _WRITES.get(id(func))  # by id: an OpOverload's own __hash__ is Python (see _step._KNOWN)
+    if known is None or known[0] is not func:
         declared = frozenset(i for i, a in enumerate(func._schema.arguments)
                              if a.alias_info is not None and a.alias_info.is_write)
-        known = _WRITES[func] = (declared, frozenset(_UNDECLARED_WRITES.get(str(func), ())))
-    return known
+        known = _WRITES[id(func)] = (func, declared, frozenset(_UNDECLARED_WRITES.get(str(func), ())))
+    return known[1], known[2]
 
 
-_SEEDED: dict = {}  # op -> whether it draws from a generator
-
-
-def _made_in(values):
-    """The _Made markers in nested tuples and lists."""
-    for value in values:
-        if isinstance(value, _Made):
-            yield value
-        elif isinstance(value, (list, tuple)):
-            yield from _made_in(value)
+_SEEDED: dict = {}  # id(op) -> (op, whether it draws from a generator)
 
 
 def _live(entry, storage):
@@ -241,16 +264,8 @@ def _view(tensor: torch.Tensor) -> tuple:
         tensor.dtype
 
 
-def _detached(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach() if value.requires_grad else value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_detached(v) for v in value)
-    return value
-
-
 def _from_replay(value) -> bool:
-    return isinstance(value, _Made)
+    return type(value) is _Made or type(value) is _MadeView
 
 
 @dataclass(frozen=True)
@@ -287,12 +302,16 @@ def _seeded(call: _Call, args: tuple, kwargs: dict):
             state.own.set_state(own_now)
 
 
+def draws_random(func) -> bool:
+    known = _SEEDED.get(id(func))
+    if known is None or known[0] is not func:
+        known = _SEEDED[id(func)] = (func, torch.Tag.nondeterministic_seeded in func.tags)
+    return known[1]
+
+
 def rng_state(func, device: torch.device, kwargs: dict) -> RngState | None:
     """The generators to replay a random op with (None for a deterministic op), a user's own included."""
-    seeded = _SEEDED.get(func)
-    if seeded is None:
-        seeded = _SEEDED[func] = torch.Tag.nondeterministic_seeded in func.tags
-    if not seeded:
+    if not draws_random(func):
         return None
     own = kwargs.get("generator")
     own = own if isinstance(own, torch.Generator) else None

@@ -19,7 +19,7 @@ from udnn_lab.errors import PlanMismatch
 from udnn_lab.graph.plan_ir import Offload, Recompute, TensorSite, other_step
 from udnn_lab.graph.step_graph import op_family
 from udnn_lab.runtime._copies import Copies
-from udnn_lab.runtime._replay import Replay, rng_state
+from udnn_lab.runtime._replay import Replay, draws_random, rng_state
 from udnn_lab.runtime._slots import (
     Handle,
     Kept,
@@ -32,6 +32,8 @@ from udnn_lab.runtime._slots import (
     modified_in_place,
     written_positions,
 )
+
+_KNOWN: dict[int, tuple] = {}  # id(op) -> (op, its op_family or "" for ops the trace does not count, written_positions)
 
 
 class Step:
@@ -70,7 +72,6 @@ class Step:
             self.replay_at.setdefault(recompute.at_op - 1, []).append(replay)
             for op in recompute.ops:
                 self.recording.setdefault(op, []).append(replay)
-        self.families: dict = {}  # func -> its op_family, or "" for ops the trace does not count
         self.expected = plan.op_families  # NOTE [offload runtime] 1: the step must be the plan's step
         self.copying_in: deque[Slot] = deque()  # prefetches in flight
         self.recomputed = self.on_demand = 0
@@ -157,10 +158,11 @@ class Step:
     # -- the ops ----------------------------------------------------------------------------
     def _known(self, func) -> tuple[str, tuple[int | str, ...]]:
         """An op's family ('' for ops the trace does not count) and where it writes in place."""
-        known = self.families.get(func)
-        if known is None:
-            known = self.families[func] = (op_family(str(func)) if records_op(func) else "", written_positions(func))
-        return known
+        known = _KNOWN.get(id(func))  # by id: an OpOverload's own __hash__ is Python, and this runs for every op
+        if known is None or known[0] is not func:
+            known = _KNOWN[id(func)] = (func, op_family(str(func)) if records_op(func) else "",
+                                        written_positions(func))
+        return known[1], known[2]
 
     def _counted(self, family: str) -> int:
         """The next op's index; it must be the plan's op there (NOTE [offload runtime] 1)."""
@@ -177,7 +179,7 @@ class Step:
             return func(*args, **kwargs)
         for replay in recording:
             replay.refuse(func)
-        state = rng_state(func, self._device(args), kwargs)
+        state = rng_state(func, self._device(args), kwargs) if draws_random(func) else None
         versions = [a._version if isinstance(a, torch.Tensor) else None for a in args]
         out = func(*args, **kwargs)
         written = tuple(i for i, (a, v) in enumerate(zip(args, versions)) if v is not None and a._version != v)
