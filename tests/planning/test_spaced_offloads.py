@@ -38,7 +38,7 @@ def test_auto_takes_them_where_they_beat_its_greedy_alone(resnet50):
     graph, cost = resnet50
     budget = simulate_with(graph, ul.Plan.keep_all(graph), cost).peak_bytes // 2
     chosen = POLICIES["auto"](graph, cost, budget)
-    assert chosen.chosen_policy == "spaced offloads completed by auto-joint"
+    assert chosen.chosen_policy.startswith("spaced offloads completed by auto-joint")
     step = simulate_with(graph, chosen, cost)
     assert step.fits
     for alone in (joint(graph, cost, budget), joint(graph, cost, budget, offloads=False)):

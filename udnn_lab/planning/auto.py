@@ -16,8 +16,9 @@ simulated as well; the fastest of them that do not fit are completed by the same
 (what they still need, on top of their actions), and the fastest plan that fits wins, so
 auto is never slower (in simulation) than any of them. Beside them, offloads spaced out along
 forward's copy stream (``_spaced_offloads``), completed by the greedy, contend too (on graphs of
-up to ``SECOND_GREEDY_OPS`` ops). ``optimal`` (the exact reference)
-measures how far from the best it is.
+up to ``SECOND_GREEDY_OPS`` ops). On those graphs a local search (``_local_search``) then starts
+from the winner: it drops actions no longer needed and replaces the dearest by the greedy's
+completion without them. ``optimal`` (the exact reference) measures how far from the best it is.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from udnn_lab.planning._auto_greedy import choose, taken
 from udnn_lab.planning._auto_options import Chains, Option, auto_options
 from udnn_lab.planning._candidates import first_backward_op
 from udnn_lab.planning._curve_estimate import CurveEstimate
+from udnn_lab.planning._local_search import improved
 from udnn_lab.planning._spaced_offloads import PREFIXES, SPACED, spaced_offloads
 from udnn_lab.planning.host import plan_host_bytes
 from udnn_lab.planning.registry import CHOOSING_POLICIES, POLICIES, SOLVER_POLICIES, keep_all_peak, policy
@@ -87,6 +89,10 @@ def _fastest(graph: Graph, cost: CostModel, budget: int | None, host_budget: int
     within = [key for key in fitting if host_budget is None or plan_host_bytes(graph, runs[key[2]][1]) <= host_budget]
     best = min(within or fitting, default=None)
     chosen = runs[best[2]][1] if best else contenders[0]
+    if best is not None and len(graph.ops) <= SECOND_GREEDY_OPS:
+        chosen = improved(graph, cost, chosen, best[0],
+                          lambda base, more: joint(graph, cost, budget, base, offloads=more),
+                          host_budget if within else None)
     return Plan("auto", chosen.graph_fingerprint, budget, chosen.offloads, chosen.recomputes,
                 chosen.pinned_pool_bytes, chosen.size_floor_bytes, chosen.notes,
                 chosen_policy=chosen.chosen_policy or chosen.policy)
