@@ -9,12 +9,33 @@ import torch
 from udnn_lab.errors import UnmeasuredFigureWarning
 from udnn_lab.hardware import Hardware
 from udnn_lab.hardware import host_probes as host_probes_module
-from udnn_lab.hardware.host_probes import host_probes
-from udnn_lab.runtime._host_probe import _two_unknowns, runtime_host_figures
+from udnn_lab.hardware.host_probes import host_probes, step_probes
+from udnn_lab.runtime._host_probe import _two_unknowns, runtime_host_figures, step_host_figures
+from udnn_lab.zoo import get as zoo_get
 
 
 def test_the_probe_is_registered_when_the_runtime_is_imported():
-    assert runtime_host_figures in host_probes()
+    assert runtime_host_figures in host_probes() and step_host_figures in step_probes()
+
+
+def test_the_step_probe_measures_a_replay_on_the_steps_own_forward():
+    torch.set_num_threads(1)
+    work = zoo_get("mlp3", batch=4)
+    measured = step_host_figures(lambda: work.model(work.example_input), torch.device("cpu"), 2)
+    assert set(measured.figures) == {"replay_op_s"} and 0 < measured.figures["replay_op_s"] < 1e-2
+    assert "this step's" in measured.source
+
+
+def test_a_step_probe_that_fails_leaves_the_profiles_figure_unmeasured_and_says_why(monkeypatch):
+    import udnn_lab as ul
+
+    def broken(forward, device, repeats):
+        raise RuntimeError("a view of another dtype")
+
+    monkeypatch.setattr(host_probes_module, "_STEP_PROBES", {"broken": broken})
+    with pytest.warns(UnmeasuredFigureWarning, match="a view of another dtype"):
+        profile = ul.profile(zoo_get("mlp3", batch=4), repeats=1)
+    assert profile.replay_op_s is None and profile.dispatch_mode_op_s is not None
 
 
 def test_the_probe_measures_hook_calls_offloads_and_replays_on_this_cpu():

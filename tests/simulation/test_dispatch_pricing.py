@@ -101,6 +101,18 @@ def test_the_profiled_steps_own_figure_comes_first(cpu_graph):
     assert CostModel(_with_dispatch(CPU, None)).dispatch_mode_op_s == 0.0
 
 
+def test_the_profiled_steps_own_replay_figure_comes_first():
+    """NOTE [host probes] 4: a replay's host time per op is the profiled step's where it was measured there."""
+    from udnn_lab.cost.model import CostModel
+
+    hardware = dataclasses.replace(CPU, replay_op_s=1e-6)
+    measured = ul.profile(zoo.get("mlp3", batch=4), repeats=2)
+    assert measured.replay_op_s is not None and 0 <= measured.replay_op_s < 1e-3  # measured on its own forward
+    assert CostModel(hardware, dataclasses.replace(measured, replay_op_s=3e-5)).replay_op_s == 3e-5
+    assert CostModel(hardware, dataclasses.replace(measured, replay_op_s=None)).replay_op_s == 1e-6
+    assert CostModel(dataclasses.replace(CPU, replay_op_s=None)).replay_op_s == 0.0
+
+
 def test_a_planner_sees_the_price_of_a_dispatch_mode():
     """Behind a slow link auto recomputes; once seeing the recorded ops through a dispatch mode costs more than
     the copies, it offloads (a plan followed by its hooks alone) instead."""

@@ -189,8 +189,12 @@ class CostModel:
     @property
     def replay_op_s(self) -> float:
         """Host seconds a recomputation adds to each op it records and re-runs, the op aside (NOTE [simulated
-        streams] 6)."""
-        return self.hardware.replay_op_s or 0.0
+        streams] 6): the profiled step's own figure where there is one (NOTE [host probes] 4), else the hardware
+        profile's; 0 where neither was measured."""
+        measured = self.profile.replay_op_s if self.profile is not None else None
+        if measured is None:
+            measured = self.hardware.replay_op_s
+        return measured or 0.0
 
     def roofline_s(self, name: str, flops: int, nbytes: int, dtype: str = "float32") -> float:
         """``overhead + max(flops / achieved rate, bytes / memory bandwidth)`` for one op computing in ``dtype``."""

@@ -5,7 +5,9 @@ reads and writes. Times are CUDA events around each op on a GPU, and perf_counte
 around each op on a CPU (where ops run synchronously), taken over ``repeats`` steps
 after ``warmup`` steps; the median of each op is kept. Plain steps are also timed,
 so the framework's cost between ops (Python, autograd) is known: ``overhead_per_op_s``; and steps under a
-pass-through dispatch mode, so what following this step op by op costs is known: ``dispatch_mode_op_s``.
+pass-through dispatch mode, so what following this step op by op costs is known: ``dispatch_mode_op_s``;
+and the probes the later stages register measure their host work on this step's forward (``replay_op_s``:
+NOTE [host probes] 4).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
@@ -26,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from udnn_lab.analysis.recording import record_real_step, records_op
 from udnn_lab.analysis.step import (
+    autocast,
     ensure_optimizer_state,
     grad_scaler,
     map_tensors,
@@ -35,11 +39,12 @@ from udnn_lab.analysis.step import (
     split_input,
 )
 from udnn_lab.devices import device_name, model_device
-from udnn_lab.errors import TraceMismatch
+from udnn_lab.errors import TraceMismatch, UnmeasuredFigureWarning
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware import PassThroughMode
+from udnn_lab.hardware.host_probes import step_probes
 from udnn_lab.units import format_seconds
-from udnn_lab.workload import Workload, as_workload, check_one_process
+from udnn_lab.workload import StepOptions, Workload, as_workload, check_one_process
 
 
 @dataclass(frozen=True, repr=False)
@@ -66,6 +71,9 @@ class Profile:
     # host seconds per op that a step under a pass-through dispatch mode takes beyond a plain one (NOTE [simulated
     # streams] 6); None: not measured
     dispatch_mode_op_s: float | None = None
+    # host seconds a recomputation adds to each op it records and re-runs, measured on this step's forward by the
+    # runtime's step probe (NOTE [host probes] 4); None: not measured
+    replay_op_s: float | None = None
 
     def __repr__(self) -> str:
         return (f"Profile({self.model_name!r} on {self.device_name}, ops={len(self.ops)}, "
@@ -174,6 +182,7 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         for _ in range(repeats):  # in turn, so that a change in the machine's load hits both alike
             host.append(_host_step(work.model, args, kwargs, step, where, None))
             moded.append(_host_step(work.model, args, kwargs, step, where, PassThroughMode()))
+        stepped = _step_figures(lambda: _forward(work.model, args, kwargs, work.step_options, where), where, repeats)
     times = np.array(per_op)
     return Profile(
         model_name=work.name, device=where.type, device_name=device_name(where), torch_version=torch.__version__,
@@ -184,7 +193,26 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         time_s=tuple(float(v) for v in np.median(times, axis=0)), time_min_s=tuple(float(v) for v in times.min(axis=0)),
         repeats=repeats, step_time_s=statistics.median(plain), threads=torch.get_num_threads(),
         dispatch_mode_op_s=max(0.0, statistics.median(moded) - statistics.median(host)) / max(len(graph.ops), 1),
+        replay_op_s=stepped.get("replay_op_s"),
     )
+
+
+def _forward(model: torch.nn.Module, args: tuple, kwargs: dict, options: StepOptions, where: torch.device) -> None:
+    with autocast(options, where.type):
+        model(*args, **kwargs)
+
+
+def _step_figures(forward: Callable[[], Any], where: torch.device, repeats: int) -> dict[str, float]:
+    """What the registered step probes measure on this step's forward (NOTE [host probes] 4); a probe that fails
+    leaves its figures out, with a warning naming the error."""
+    figures: dict[str, float] = {}
+    for probe in step_probes():
+        try:
+            figures.update(probe(forward, where, repeats).figures)
+        except Exception as err:  # noqa: BLE001 - any failure of a probe leaves only its figures unmeasured
+            warnings.warn(f"a step probe could not measure this step ({type(err).__name__}: {err}): the cost model "
+                          "uses the machine's figures for what it measures", UnmeasuredFigureWarning, stacklevel=3)
+    return figures
 
 
 def _timed_step(model, args, kwargs, step: dict, where: torch.device, graph: Graph) -> list[float]:

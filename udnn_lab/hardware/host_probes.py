@@ -14,6 +14,11 @@ NOTE [host probes]
      ``ul.simulate``, ``ul.plan``, ...), so a profile measured through it has them.
   3. A probe that fails leaves its figures None with an UnmeasuredFigureWarning naming the
      error: the rest of the profile, measured by this stage, is kept.
+  4. A figure that depends on the step as much as on the machine (a replay's host time per op
+     grows with its ops' arguments and outputs) is measured on the profiled step too: the
+     runtime registers a step probe (``register_step_probe``) that ``ul.profile`` runs on the
+     step's own forward; the cost model prefers the profile's figure to the machine's, as it
+     does for ``dispatch_mode_op_s``. It fails as in 3, leaving the profile's figure None.
 """
 
 from __future__ import annotations
@@ -45,3 +50,18 @@ def register_host_probe(name: str, probe: HostProbe) -> None:
 
 def host_probes() -> tuple[HostProbe, ...]:
     return tuple(_PROBES.values())
+
+
+# (the step's forward, as the step runs it; its device; repeats) -> figures on that forward (NOTE [host probes] 4)
+StepProbe = Callable[[Callable[[], Any], torch.device, int], HostFigures]
+_STEP_PROBES: dict[str, StepProbe] = {}
+
+
+def register_step_probe(name: str, probe: StepProbe) -> None:
+    """Have ``ul.profile`` run ``probe`` on the profiled step (NOTE [host probes] 4); a name registered again is
+    replaced."""
+    _STEP_PROBES[name] = probe
+
+
+def step_probes() -> tuple[StepProbe, ...]:
+    return tuple(_STEP_PROBES.values())

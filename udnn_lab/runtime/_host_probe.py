@@ -9,6 +9,9 @@ argument lists of a real network, on inputs too small to take time), medians aga
 - ``replay_op_s``: a Replay (NOTE [offload runtime] 6) records the network's forward inside a dispatch
   mode, against the same mode passing the ops through, and re-runs it, against the same forward under
   ``no_grad``; the two differences over the ops recorded.
+
+``step_host_figures`` measures ``replay_op_s`` the same way on a profiled step's own forward
+(NOTE [host probes] 4): per op, a replay costs more where ops take more arguments and outputs.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def runtime_host_figures(device: torch.device, repeats: int, measured: Mapping[s
     hook_call_s, offload_action_s = _two_unknowns(
         (calls["one"], len(one.offloads), seconds["one"] - seconds["eager"]),
         (calls["every"], len(every.offloads), seconds["every"] - seconds["eager"]))
-    replay_op_s, recorded = _replay_op_s(network, x, repeats)
+    replay_op_s, recorded = _replay_op_s(lambda: network(x), x.device, max(repeats, 5) * 4 + 2)
     return HostFigures(
         {"hook_call_s": hook_call_s, "offload_action_s": offload_action_s, "replay_op_s": replay_op_s},
         f"the runtime's host probe: an {_BLOCKS}-block residual network's step followed by hooks offloading one "
@@ -164,21 +167,22 @@ class _Recording(OpMode):
         return out
 
 
-def _replay_op_s(network: torch.nn.Module, x: torch.Tensor, repeats: int) -> tuple[float, int]:
-    """(host seconds a replay adds to each op it records and re-runs, ops recorded)."""
+def _replay_op_s(forward: Callable[[], Any], device: torch.device, rounds: int) -> tuple[float, int]:
+    """(host seconds a replay adds to each op it records and re-runs, ops recorded): ``forward`` recorded against
+    passed through a dispatch mode, and re-run against run plainly, without grad, medians of ``rounds`` less 2."""
     recording: list[float] = []
     passing: list[float] = []
     rerun: list[float] = []
     plain: list[float] = []
     ops = 0
     with torch.no_grad():
-        for index in range(max(repeats, 5) * 4 + 2):
+        for index in range(rounds):
             replay = Replay(Recompute(tensors=(0,), ops=(0,), at_op=0))
-            mode = _Recording(replay, x.device)
-            seconds = (_host_seconds(lambda: _forward(network, x, mode), x.device),
-                       _host_seconds(lambda: _forward(network, x, PassThroughMode()), x.device),
-                       _host_seconds(replay.run, x.device),
-                       _host_seconds(lambda: _forward(network, x, nullcontext()), x.device))
+            mode = _Recording(replay, device)
+            seconds = (_host_seconds(lambda: _under(forward, mode), device),
+                       _host_seconds(lambda: _under(forward, PassThroughMode()), device),
+                       _host_seconds(replay.run, device),
+                       _host_seconds(forward, device))
             ops = mode.ops
             if index >= 2:
                 for values, value in zip((recording, passing, rerun, plain), seconds):
@@ -188,6 +192,14 @@ def _replay_op_s(network: torch.nn.Module, x: torch.Tensor, repeats: int) -> tup
     return max(added, 0.0) / max(ops, 1), ops
 
 
-def _forward(network: torch.nn.Module, x: torch.Tensor, context) -> None:
-    with context:
-        network(x)
+def step_host_figures(forward: Callable[[], Any], device: torch.device, repeats: int) -> HostFigures:
+    """The replay's host time per op on a profiled step's own forward (NOTE [host probes] 4)."""
+    replay_op_s, recorded = _replay_op_s(forward, device, max(repeats, 5) * 2 + 2)  # a difference of medians
+    return HostFigures({"replay_op_s": replay_op_s},
+                       f"a replay recording and re-running this step's {recorded} forward ops, less passing them "
+                       "through and a forward without grad")
+
+
+def _under(forward: Callable[[], Any], mode) -> None:
+    with mode:
+        forward()
