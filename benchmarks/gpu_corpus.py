@@ -4,11 +4,14 @@ For each model of CORPUS (CNNs at 224 px and batch >= 64, vision transformers, G
 decoder in bf16-mixed at 1024 tokens with AdamW, a LoRA fine-tune), in its own child process with a time
 limit (one hang or crash loses one model):
 
-1. trace the step and plan it on the profile this machine resolves to (``hardware=None``);
+1. trace the step and simulate it on the profile this machine resolves to (``hardware=None``);
 2. two eager steps from the same state: the control (gradients that differ between them name the
    nondeterministic kernels, and excuse the same differences under a plan), the keep-all peak against the
    trace, the keep-all step time (median of the steps after the first) against the simulator;
-3. each policy of POLICIES at each budget of BUDGETS (midway between its minimum and the keep-all peak,
+3. ``ul.profile`` of the step (each op timed alone, and the scratch each takes: cuDNN's workspaces, NOTE
+   [simulated streams] 8); the plans below are made and simulated with it where its ops are the trace's
+   (``PLAN_WITH_PROFILE``), else on the machine's profile, and each row says which;
+4. each policy of POLICIES at each budget of BUDGETS (midway between its minimum and the keep-all peak,
    50% of the keep-all peak, its minimum + 5%): a fresh copy, one step compared with eager bit for bit,
    then steps for the time; measured peak against the budget and the simulated peak, step against the
    simulated step.
@@ -60,6 +63,7 @@ TIMED_STEPS = 2  # after the compared step; the step time is their median
 PEAK_TOLERANCE = 0.01
 TIME_TOLERANCE = 0.10
 SNAPSHOTS_PER_MODEL = 3  # allocator histories kept for one model (each a few MB compressed)
+PLAN_WITH_PROFILE = True  # plan with the step's own ul.profile where it matches the trace (step 3 of the docstring)
 LLAMA_STYLE = {"hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 16, "num_key_value_heads": 8,
                "num_hidden_layers": 4}
 
@@ -151,6 +155,7 @@ class Model:
         self.graph = ul.trace(self.work)
         self.trace_s = time.perf_counter() - started
         self.keep_all_sim = ul.simulate(self.graph, None)
+        self.profile = None  # the step's own ul.profile once taken, where its ops are the trace's (op_profile)
         self.eager = self.steps(None)
 
     def row(self, **fields: Any) -> dict:
@@ -294,6 +299,8 @@ class Model:
 
         found = ul.profile(self.work, repeats=2, warmup=1)
         same_ops = tuple(op.name for op in self.graph.ops) == found.ops
+        if same_ops and PLAN_WITH_PROFILE:
+            self.profile = found
         dtypes = [_compute_dtype(self.graph, op) for op in self.graph.ops] if same_ops else None
         path = self.diagnostics / f"{self.case.name}-profile.json.gz"
         with gzip.open(path, "wt") as file:
@@ -372,7 +379,7 @@ def run_model(case: Case, device: torch.device, small: bool, out: Path, emit) ->
     profiled_recompute = False
     for policy in case.policies:
         try:
-            low = ul.min_budget(subject.graph, policy)
+            low = ul.min_budget(subject.graph, policy, profile=subject.profile)
         except Exception as err:
             emit(subject.row(policy=policy, status="min_budget error", error=describe(err)))
             continue
@@ -395,9 +402,12 @@ def _run_plan(subject: Model, policy: str, kind: str, budget: int | None, low: i
     row = subject.row(policy=policy, budget_kind=kind, budget_bytes=budget, min_budget_bytes=low, status="ok")
     try:
         plan_started = time.perf_counter()
-        plan = ul.plan(subject.graph, budget, policy)
+        plan = ul.plan(subject.graph, budget, policy, profile=subject.profile)
         row["plan_s"] = time.perf_counter() - plan_started
-        sim = ul.simulate(subject.graph, plan)
+        row["planned_with"] = "the step's own ul.profile (op times, op scratch)" if subject.profile is not None \
+            else "this machine's hardware profile"
+        sim = ul.simulate(subject.graph, plan, profile=subject.profile)
+        keep_all = ul.simulate(subject.graph, None, profile=subject.profile)
         runtime = ul.OffloadRuntime(plan)
     except Exception as err:
         row.update(status="plan error", error=describe(err), seconds=time.perf_counter() - started)
@@ -413,7 +423,7 @@ def _run_plan(subject: Model, policy: str, kind: str, budget: int | None, low: i
                peak_error=_ratio(measured, sim.peak_bytes), simulated_step_s=sim.step_time_s,
                measured_step_s=step_s, measured_steps_s=outcome.seconds,
                step_error=_ratio(step_s, sim.step_time_s), simulated_slowdown=sim.step_time_s /
-               subject.keep_all_sim.step_time_s, grads_differ=len(differing),
+               keep_all.step_time_s, grads_differ=len(differing),
                grads_differ_unexplained=len(differing - set(nondeterministic)),
                grads_differ_names=subject.parameter_names(sorted(differing - set(nondeterministic))),
                error=outcome.error, traceback=outcome.traceback, runtime=_stats(runtime))

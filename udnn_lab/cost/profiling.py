@@ -74,6 +74,10 @@ class Profile:
     # host seconds a recomputation adds to each op it records and re-runs, measured on this step's forward by the
     # runtime's step probe (NOTE [host probes] 4); None: not measured
     replay_op_s: float | None = None
+    # per op, the most bytes the caching allocator held while the op ran beyond what it held before and after it
+    # (a library's scratch: cuDNN's convolution workspaces), the largest over the timed steps; CUDA only, None
+    # elsewhere (NOTE [op scratch])
+    scratch_bytes: tuple[int, ...] | None = None
 
     def __repr__(self) -> str:
         return (f"Profile({self.model_name!r} on {self.device_name}, ops={len(self.ops)}, "
@@ -125,6 +129,7 @@ class _OpTimer(TorchDispatchMode):
         self.cuda = cuda
         self.names: list[str] = []
         self.times: list = []
+        self.scratch: list[int] = []  # CUDA: each op's scratch bytes (Profile.scratch_bytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -132,10 +137,13 @@ class _OpTimer(TorchDispatchMode):
             return func(*args, **kwargs)
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before = torch.cuda.memory_allocated()  # the allocator's books are kept on the host: no sync
+            torch.cuda.reset_peak_memory_stats()
             start.record()
             out = func(*args, **kwargs)
             end.record()
             self.times.append((start, end))
+            self.scratch.append(max(0, torch.cuda.max_memory_allocated() - max(before, torch.cuda.memory_allocated())))
         else:
             begin = time.perf_counter()
             out = func(*args, **kwargs)
@@ -176,7 +184,10 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         graph = record_real_step(work.model, args, kwargs, target=target, loss_fn=work.loss_fn,
                                  optimizer=work.optimizer, name=work.name, device_type=where.type,
                                  options=work.step_options, scaler=scaler)
-        per_op = [_timed_step(work.model, args, kwargs, step, where, graph) for _ in range(repeats)]
+        timed = [_timed_step(work.model, args, kwargs, step, where, graph) for _ in range(repeats)]
+        per_op = [seconds for seconds, _ in timed]
+        scratch = tuple(int(max(column)) for column in zip(*(bytes_ for _, bytes_ in timed))) \
+            if where.type == "cuda" else None
         plain = [_plain_step(work.model, args, kwargs, step, where) for _ in range(repeats)]
         host, moded = [], []
         for _ in range(repeats):  # in turn, so that a change in the machine's load hits both alike
@@ -193,7 +204,7 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         time_s=tuple(float(v) for v in np.median(times, axis=0)), time_min_s=tuple(float(v) for v in times.min(axis=0)),
         repeats=repeats, step_time_s=statistics.median(plain), threads=torch.get_num_threads(),
         dispatch_mode_op_s=max(0.0, statistics.median(moded) - statistics.median(host)) / max(len(graph.ops), 1),
-        replay_op_s=stepped.get("replay_op_s"),
+        replay_op_s=stepped.get("replay_op_s"), scratch_bytes=scratch,
     )
 
 
@@ -215,14 +226,15 @@ def _step_figures(forward: Callable[[], Any], where: torch.device, repeats: int)
     return figures
 
 
-def _timed_step(model, args, kwargs, step: dict, where: torch.device, graph: Graph) -> list[float]:
+def _timed_step(model, args, kwargs, step: dict, where: torch.device, graph: Graph) -> tuple[list[float], list[int]]:
+    """Each op's seconds, and on CUDA its scratch bytes (Profile.scratch_bytes)."""
     timer = _OpTimer(cuda=where.type == "cuda")
     with timer:
         run_step(model, args, kwargs, **step)
     if timer.names != [op.name for op in graph.ops]:
         raise TraceMismatch(f"the timed step ran {len(timer.names)} ops, the recorded one {len(graph.ops)}: the "
                             "model does not run the same ops every step (data-dependent control flow?)")
-    return timer.seconds()
+    return timer.seconds(), timer.scratch
 
 
 def _host_step(model, args, kwargs, step: dict, where: torch.device, mode: PassThroughMode | None) -> float:

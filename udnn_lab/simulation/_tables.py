@@ -42,8 +42,9 @@ def compute_time_s(rows: Sequence[tuple]) -> float:
     return float(np.array([end - start for _, _, start, end, *_ in work], dtype=np.float64).sum())
 
 
-def counted_peak_bytes(graph: Graph, changes: Sequence[Change]) -> int:
-    """The most bytes the budget counts at any op (512-byte blocks on CUDA, exact on CPU), before the first op too."""
+def counted_peak_bytes(graph: Graph, changes: Sequence[Change], scratch: np.ndarray | None = None) -> int:
+    """The most bytes the budget counts at any op (512-byte blocks on CUDA, exact on CPU), before the first op too;
+    ``scratch``: bytes each op holds only while it runs (NOTE [simulated streams] 8)."""
     live, table = live_bytes(graph), op_table(graph)
     cuda = graph.device == "cuda"
     size = table.block if cuda else table.exact
@@ -51,6 +52,8 @@ def counted_peak_bytes(graph: Graph, changes: Sequence[Change]) -> int:
     for first, sign, tensor in changes:
         delta[first] += sign * size[tensor]
     counted = (live.cuda_total if cuda else live.total) + np.cumsum(delta[:len(graph.ops)])
+    if scratch is not None:
+        counted = counted + scratch
     base = live.baseline_cuda if cuda else live.baseline_bytes
     return int(max(base, counted.max() if len(counted) else 0))
 

@@ -42,12 +42,19 @@ NOTE [simulated streams]
   7. On a CPU the device is the host: a copy to or from the host pool is a memcpy the runtime
      makes while compute waits, so compute's clock runs through it (a sync stall for a copy to
      the host, a prefetch stall for one back).
+  8. An op's scratch (``Profile.scratch_bytes``: what the caching allocator held while the op ran
+     beyond what it held before and after it, cuDNN's convolution workspaces above all) is held
+     only while the op runs: it counts at that op on top of what is live there, in the memory the
+     op waits for and in the peak, and a recomputation's ops' largest counts at the op it runs
+     before. Only a profile taken on CUDA measures it: a plan simulated without one does not see it.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import Counter
+
+import numpy as np
 
 from udnn_lab.cost.model import CostModel, RateCurve
 from udnn_lab.cost.profiling import Profile
@@ -157,6 +164,8 @@ class _Run:
         # NOTE [simulated streams] 1: a replay followed op by op holds what it restores from the op before
         self.restored_early = 1 if plan.recomputes and windows is None else 0
         self.host_work = _runtime_host_work(graph, plan, cost, windows)  # NOTE [simulated streams] 6
+        self.scratch = _op_scratch(graph, cost)  # NOTE [simulated streams] 8
+        self.replay_scratch: dict[int, int] = {}  # the op a recomputation runs before -> its ops' largest scratch
         self.host_clock = 0.0
         self._index_host_copies()
         self._index_actions()
@@ -245,6 +254,17 @@ class _Run:
                 self._change(tensor, -1, self.op_index)
                 self.released[tensor] = self.op_index
 
+    def _memory_for(self, i: int, clock: float) -> float:
+        """When op ``i``, at which the plan does nothing, can start: once what it allocates fits."""
+        need = self.own[i] + self.scratch[i]
+        if self.pending or self.held:
+            start = self._wait_for_memory(clock, need)
+            self._stall(clock, start, i, "stall_memory")
+            return start
+        if self.budget is not None and self.counted + need > self.budget:  # nothing in flight to wait for
+            self.violations += 1
+        return clock
+
     def _wait_for_memory(self, start: float, need: int) -> float:
         """Start time once ``need`` more bytes fit the budget, freeing completed copies."""
         self._free_completed(start)
@@ -295,9 +315,7 @@ class _Run:
         if i not in self.action_ops:
             if self.comm is not None and i in self.comm.off_compute:  # NOTE [collectives] 7
                 return clock, self._run_op(op, clock)
-            start = self._wait_for_memory(clock, self.own[i]) if self.pending or self.held or self.budget is not None \
-                else clock
-            self._stall(clock, start, i, "stall_memory")
+            start = self._memory_for(i, clock)
             return start, self._run_op(op, start)
         prefetches = self.prefetch_at.get(i, [])
         for offload in prefetches:  # at or before its release point the tensor never left: nothing to fetch
@@ -305,7 +323,8 @@ class _Run:
                 self.cancelled.add(offload.tensor)
         clock = self._release_points(i, clock)
         recomputes = self.recompute_at.get(i, [])
-        need = self.own[i] + sum(self._size(t) for r in recomputes for t in self._restored(r)) \
+        need = self.own[i] + self._scratch_at(i, recomputes) \
+            + sum(self._size(t) for r in recomputes for t in self._restored(r)) \
             + sum(self._size(o.tensor) for o in prefetches
                   if o.tensor not in self.cancelled and self.d2h_end.get(o.tensor, 0.0) <= clock)
         start = self._wait_for_memory(clock, need)
@@ -450,6 +469,22 @@ class _Run:
         self.timeline.append(("compute", "recompute", start, end, op, names, module, names, nbytes))
         return end
 
+    def _scratch_at(self, i: int, recomputes: list[Recompute]) -> int:
+        """Op ``i``'s scratch, or a recomputation's before it where that is larger (NOTE [simulated streams] 8)."""
+        scratch = max([self.scratch[i]] + [self.scratch[j] for r in recomputes for j in r.ops])
+        if scratch > self.scratch[i]:
+            self.replay_scratch[i] = scratch
+        return scratch
+
+    def _scratch_by_op(self) -> np.ndarray | None:
+        """Each op's scratch, a recomputation's at the op it runs before (NOTE [simulated streams] 8)."""
+        if not any(self.scratch):
+            return None
+        scratch = np.asarray(self.scratch, dtype=np.int64)
+        for op, largest in self.replay_scratch.items():
+            scratch[op] = max(scratch[op], largest)
+        return scratch
+
     def _result(self, spans: list[tuple[float, float]], clock: float) -> Simulation:
         graph, d2h, h2d = self.graph, self.d2h_bytes, self.h2d_bytes
         compute = compute_time_s(self.timeline)
@@ -464,7 +499,7 @@ class _Run:
             model_name=graph.model_name, policy=self.plan.policy, device=graph.device,
             budget_bytes=self.budget, step_time_s=step, compute_time_s=compute,
             stall_time_s=self.stall, d2h_bytes=d2h, h2d_bytes=h2d, lower_bound_s=bound,
-            peak_bytes=Bytes(counted_peak_bytes(graph, changes)),
+            peak_bytes=Bytes(counted_peak_bytes(graph, changes, self._scratch_by_op())),
             record=StepRecord(graph, tuple(self.timeline), tuple(spans), changes),
             released_before=dict(self.released), device_changes=changes,
             communication_time_s=comm.busy_s if comm is not None else 0.0,
@@ -500,3 +535,12 @@ def _runtime_host_work(graph: Graph, plan: Plan, cost: CostModel,
     for recompute in plan.recomputes:
         add(recompute.at_op, len(recompute.ops) * cost.replay_op_s)
     return work
+
+
+def _op_scratch(graph: Graph, cost: CostModel) -> list[int]:
+    """Each op's scratch bytes, 0 where not measured (NOTE [simulated streams] 8); the allocator's counts are in
+    its blocks already, as the budget counts on CUDA."""
+    measured = cost.profile.scratch_bytes if cost.profile is not None else None
+    if measured is None or graph.device != "cuda" or len(measured) != len(graph.ops):
+        return [0] * len(graph.ops)
+    return [int(b) for b in measured]
