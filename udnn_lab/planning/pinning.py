@@ -39,7 +39,10 @@ LOOKAHEAD = 2
 
 @policy("pin-greedy")
 def pin_greedy(graph: Graph, cost: CostModel, budget: int | None) -> Plan:
-    return _pinning(graph, cost, budget, "pin-greedy", _in_access_order)
+    key = ("pin-greedy", id(graph), graph.fingerprint, budget)  # pin-dp plans it again beside auto's contender
+    if key not in cost.memo:
+        cost.memo[key] = _pinning(graph, cost, budget, "pin-greedy", _in_access_order)
+    return cost.memo[key]
 
 
 @policy("pin-dp")

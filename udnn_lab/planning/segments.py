@@ -39,11 +39,12 @@ def checkpoint_segments(graph: Graph, cost: CostModel, budget: int | None) -> Pl
     return best[1] if best else checkpointed(graph, _root(graph), budget)
 
 
-def segment_plans(graph: Graph, budget: int | None, name: str = NAME) -> list[Plan]:
+@per_graph  # auto asks for them as a contender and again through recompute's own contenders
+def segment_plans(graph: Graph, budget: int | None, name: str = NAME) -> tuple[Plan, ...]:
     """Checkpointing with a few segment counts around sqrt(layers)."""
     root = _root(graph)
     counts = sorted({root, max(1, root // 2), root * 2, max(1, _layers_per_forward(graph) // 2)})
-    return [checkpointed(graph, k, budget, name) for k in counts]
+    return tuple(checkpointed(graph, k, budget, name) for k in counts)
 
 
 def _root(graph: Graph) -> int:
