@@ -71,3 +71,19 @@ def test_a_probe_that_fails_leaves_its_figures_unmeasured_and_says_why(monkeypat
     with pytest.warns(UnmeasuredFigureWarning, match="no hook points here"):
         profile = Hardware.measure("cpu", sizes=(4096,), repeats=1, matmul_size=32, conv_size=8, progress=False)
     assert profile.hook_call_s is None and profile.dispatch_mode_op_s is not None
+
+
+def test_the_step_probe_keeps_to_its_time_once_it_has_three_rounds():
+    from udnn_lab.runtime._host_probe import _replay_op_s
+
+    calls = []
+    layer = torch.nn.Linear(8, 8)
+    x = torch.randn(2, 8)
+
+    def forward():
+        calls.append(1)
+        return layer(x).relu()
+
+    _, ops = _replay_op_s(forward, torch.device("cpu"), rounds=50, limit_s=0.0)
+    assert ops == 3  # t, addmm, relu
+    assert len(calls) == 3 * (2 + 3)  # two warm-up rounds, three measured: recorded, passed through, plain

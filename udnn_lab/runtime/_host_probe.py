@@ -35,6 +35,7 @@ from udnn_lab.runtime.offload import OffloadRuntime
 from udnn_lab.vocabulary import traced_op
 
 _BLOCKS = 8
+STEP_PROBE_S = 3.0  # what the step probe may take, once it has three rounds (NOTE [host probes] 4)
 
 
 class _Residual(torch.nn.Module):
@@ -167,16 +168,21 @@ class _Recording(OpMode):
         return out
 
 
-def _replay_op_s(forward: Callable[[], Any], device: torch.device, rounds: int) -> tuple[float, int]:
+def _replay_op_s(forward: Callable[[], Any], device: torch.device, rounds: int,
+                 limit_s: float | None = None) -> tuple[float, int]:
     """(host seconds a replay adds to each op it records and re-runs, ops recorded): ``forward`` recorded against
-    passed through a dispatch mode, and re-run against run plainly, without grad, medians of ``rounds`` less 2."""
+    passed through a dispatch mode, and re-run against run plainly, without grad, medians of ``rounds`` less 2;
+    ``limit_s``: fewer rounds (three measured at least) once the probe has taken that long."""
     recording: list[float] = []
     passing: list[float] = []
     rerun: list[float] = []
     plain: list[float] = []
     ops = 0
+    started = time.perf_counter()
     with torch.no_grad():
         for index in range(rounds):
+            if limit_s is not None and len(recording) >= 3 and time.perf_counter() - started > limit_s:
+                break
             replay = Replay(Recompute(tensors=(0,), ops=(0,), at_op=0))
             mode = _Recording(replay, device)
             seconds = (_host_seconds(lambda: _under(forward, mode), device),
@@ -194,7 +200,8 @@ def _replay_op_s(forward: Callable[[], Any], device: torch.device, rounds: int) 
 
 def step_host_figures(forward: Callable[[], Any], device: torch.device, repeats: int) -> HostFigures:
     """The replay's host time per op on a profiled step's own forward (NOTE [host probes] 4)."""
-    replay_op_s, recorded = _replay_op_s(forward, device, max(repeats, 5) * 2 + 2)  # a difference of medians
+    # a difference of medians wants rounds; a large step's forward takes long: a few seconds at most
+    replay_op_s, recorded = _replay_op_s(forward, device, max(repeats, 5) * 2 + 2, STEP_PROBE_S)
     return HostFigures({"replay_op_s": replay_op_s},
                        f"a replay recording and re-running this step's {recorded} forward ops, less passing them "
                        "through and a forward without grad")
