@@ -7,8 +7,9 @@ argument lists of a real network, on inputs too small to take time), medians aga
   activation and one offloading all of them; the host time each adds to an eager step is
   ``hook calls x hook_call_s + offloads x offload_action_s``, two equations in two unknowns.
 - ``replay_op_s``: a Replay (NOTE [offload runtime] 6) records the network's forward inside a dispatch
-  mode, against the same mode passing the ops through, and re-runs it, against the same forward under
-  ``no_grad``; the two differences over the ops recorded.
+  mode, with grad and through the runtime's own per-op recording (``recorded_call``), against the same
+  mode passing the ops through, and re-runs it, against the same forward under ``no_grad``; the two
+  differences over the ops recorded.
 
 ``step_host_figures`` measures ``replay_op_s`` the same way on a profiled step's own forward
 (NOTE [host probes] 4): per op, a replay costs more where ops take more arguments and outputs.
@@ -29,7 +30,7 @@ from udnn_lab.analysis import trace
 from udnn_lab.errors import PlanError
 from udnn_lab.graph import Graph, Offload, Plan, Recompute
 from udnn_lab.hardware import HostFigures, PassThroughMode
-from udnn_lab.runtime._replay import Replay, rng_state
+from udnn_lab.runtime._replay import Replay, recorded_call
 from udnn_lab.runtime._slots import OpMode
 from udnn_lab.runtime.offload import OffloadRuntime
 from udnn_lab.vocabulary import traced_op
@@ -160,12 +161,10 @@ class _Recording(OpMode):
         traced = self.traced.get(func)  # the runtime knows each op kind once too (_step._KNOWN)
         if traced is None:
             traced = self.traced[func] = traced_op(func)
-        state = rng_state(func, self.device, kwargs) if traced else None
-        out = func(*args, **kwargs)
-        if traced:
-            self.replay.record(func, args, kwargs, out, state)
-            self.ops += 1
-        return out
+        if not traced:
+            return func(*args, **kwargs)
+        self.ops += 1
+        return recorded_call((self.replay,), func, args, kwargs, lambda _: self.device)
 
 
 def _replay_op_s(forward: Callable[[], Any], device: torch.device, rounds: int,
@@ -179,20 +178,21 @@ def _replay_op_s(forward: Callable[[], Any], device: torch.device, rounds: int,
     plain: list[float] = []
     ops = 0
     started = time.perf_counter()
-    with torch.no_grad():
-        for index in range(rounds):
-            if limit_s is not None and len(recording) >= 3 and time.perf_counter() - started > limit_s:
-                break
-            replay = Replay(Recompute(tensors=(0,), ops=(0,), at_op=0))
-            mode = _Recording(replay, device)
-            seconds = (_host_seconds(lambda: _under(forward, mode), device),
-                       _host_seconds(lambda: _under(forward, PassThroughMode()), device),
-                       _host_seconds(replay.run, device),
-                       _host_seconds(forward, device))
-            ops = mode.ops
-            if index >= 2:
-                for values, value in zip((recording, passing, rerun, plain), seconds):
-                    values.append(value)
+    for index in range(rounds):
+        if limit_s is not None and len(recording) >= 3 and time.perf_counter() - started > limit_s:
+            break
+        replay = Replay(Recompute(tensors=(0,), ops=(0,), at_op=0))
+        mode = _Recording(replay, device)
+        # recorded as the runtime records, with grad (outputs that need it are detached as they are recorded); the
+        # replay runs without building a graph, against a forward that builds none
+        seconds = (_host_seconds(lambda: _under(forward, mode), device),
+                   _host_seconds(lambda: _under(forward, PassThroughMode()), device),
+                   _host_seconds(replay.run, device),
+                   _host_seconds(lambda: _under(forward, torch.no_grad()), device))
+        ops = mode.ops
+        if index >= 2:
+            for values, value in zip((recording, passing, rerun, plain), seconds):
+                values.append(value)
     added = statistics.median(recording) - statistics.median(passing) \
         + statistics.median(rerun) - statistics.median(plain)
     return max(added, 0.0) / max(ops, 1), ops

@@ -8,7 +8,7 @@ names can be rebuilt without touching the model's code. See NOTE [offload runtim
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -300,6 +300,22 @@ def _seeded(call: _Call, args: tuple, kwargs: dict):
             torch.cuda.set_rng_state(cuda_now, state.device)
         if state.own is not None and own_now is not None:
             state.own.set_state(own_now)
+
+
+def recorded_call(replays: Sequence[Replay], func, args: tuple, kwargs: dict,
+                  device_of: Callable[[tuple], torch.device]):
+    """Run ``func`` and record it into each of ``replays``: the generators it draws from before it runs, and the
+    arguments whose version counter it bumped (NOTE [offload runtime] 6). The host probes record through this
+    too, so that what they measure is what the runtime does per op."""
+    for replay in replays:
+        replay.refuse(func)
+    state = rng_state(func, device_of(args), kwargs) if draws_random(func) else None
+    versions = [a._version if isinstance(a, torch.Tensor) else None for a in args]
+    out = func(*args, **kwargs)
+    written = tuple(i for i, (a, v) in enumerate(zip(args, versions)) if v is not None and a._version != v)
+    for replay in replays:
+        replay.record(func, args, kwargs, out, state, written)
+    return out
 
 
 def draws_random(func) -> bool:

@@ -19,7 +19,7 @@ from udnn_lab.errors import PlanMismatch
 from udnn_lab.graph.plan_ir import Offload, Recompute, TensorSite, other_step
 from udnn_lab.graph.step_graph import op_family
 from udnn_lab.runtime._copies import Copies
-from udnn_lab.runtime._replay import Replay, draws_random, rng_state
+from udnn_lab.runtime._replay import Replay, recorded_call
 from udnn_lab.runtime._slots import (
     Handle,
     Kept,
@@ -177,15 +177,7 @@ class Step:
         recording = self.recording.get(index, ())
         if not recording:
             return func(*args, **kwargs)
-        for replay in recording:
-            replay.refuse(func)
-        state = rng_state(func, self._device(args), kwargs) if draws_random(func) else None
-        versions = [a._version if isinstance(a, torch.Tensor) else None for a in args]
-        out = func(*args, **kwargs)
-        written = tuple(i for i, (a, v) in enumerate(zip(args, versions)) if v is not None and a._version != v)
-        for replay in recording:
-            replay.record(func, args, kwargs, out, state, written)
-        return out
+        return recorded_call(recording, func, args, kwargs, self._device)
 
     def _mismatch(self, index: int, family: str) -> None:
         expected = self.expected[index]
