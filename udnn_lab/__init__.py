@@ -16,6 +16,8 @@ import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from udnn_lab.vocabulary import PACKAGE_VERSION
+
 if TYPE_CHECKING:
     from udnn_lab import zoo as zoo
     from udnn_lab.analysis import trace as trace
@@ -168,7 +170,7 @@ _HOMES = _homes()
 _WITHOUT_RUNTIME = ("udnn_lab.units", "udnn_lab.errors", "udnn_lab.workload", "udnn_lab.parallel", "udnn_lab.zoo",
                     "udnn_lab.vocabulary", "udnn_lab.devices", "udnn_lab.graph", "udnn_lab.charts")
 __all__ = sorted(_HOMES)
-__version__ = "0.1.0"
+__version__ = PACKAGE_VERSION
 
 
 def __getattr__(name: str) -> Any:

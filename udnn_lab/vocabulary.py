@@ -28,6 +28,8 @@ CATEGORIES: tuple[Category, ...] = get_args(Category)
 PLANNED_CATEGORIES: tuple[Category, ...] = ("feature_map", "weight_cast")
 
 # pseudo-module scopes of ops that belong to no module of the model
+PACKAGE_VERSION = "0.1.0"  # this udnn_lab (pyproject.toml says the same): plan files name the one that wrote them
+
 LOSS_SCOPE = "<loss>"
 OPTIMIZER_SCOPE = "<optimizer>"
 GRAD_SCALER_SCOPE = "<grad scaler>"  # 16-mixed: unscaling the gradients, the inf check, the scale's update

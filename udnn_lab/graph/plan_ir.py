@@ -10,11 +10,13 @@ so train and measure): a plan for another step is refused everywhere with PlanFo
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import cached_property
+from pathlib import Path
 
 from udnn_lab.errors import PlanError, PlanForAnotherStep
 from udnn_lab.graph.hook_points import handled_calls, hook_points, on_hook_points, recording_windows, window_ops
+from udnn_lab.graph.plan_file import read_plan_file, write_plan_file
 from udnn_lab.graph.step_graph import Graph, HookEvent, op_family, writes_in_place
 from udnn_lab.units import cuda_block_bytes, format_bytes
 
@@ -191,6 +193,23 @@ class Plan:
         actions.update({t: r for r in self.recomputes for t in r.tensors})
         return actions
 
+    def save(self, path: str | Path) -> Path:
+        """Write this plan to ``path`` as a plan file (JSON, graph/plan_file.py), for ``Plan.load`` in another
+        process: the training job a launcher starts. A plan that acts must be located (as ul.plan returns it)."""
+        if (self.offloads or self.recomputes) and not self.sites:
+            raise PlanError("only a located plan can be saved: the one ul.plan returns, or plan.located(graph); "
+                            "the job that loads it has no graph to locate it with")
+        return write_plan_file(asdict(self), path)
+
+    @classmethod
+    def load(cls, path: str | Path, graph: Graph | None = None) -> Plan:
+        """The plan saved at ``path`` by ``Plan.save``; with ``graph``, refused unless made for that graph's step
+        (without one, the runtime refuses another step at its first difference)."""
+        plan = _from_fields(read_plan_file(path), Path(path))
+        if graph is not None:
+            check_plan(plan, graph)
+        return plan
+
     def check_belongs(self, graph: Graph) -> None:
         """Refuse ``graph`` unless this plan was made for its step (``check_plan``)."""
         check_plan(self, graph)
@@ -236,6 +255,28 @@ def check_plan(plan: Plan | None, graph: Graph | None = None) -> Plan | None:
         raise ValueError("this plan does not say where its tensors are made: make it with ul.plan(graph, ...) "
                          "or call plan.located(graph) first")
     return plan
+
+
+def _from_fields(values: dict, source: Path) -> Plan:
+    """A Plan from the fields a plan file holds (nested lists back into tuples and dataclasses)."""
+    known = {f.name for f in fields(Plan)}
+    if set(values) != known:
+        raise PlanError(f"{source} holds a plan with other fields than this udnn_lab's (missing: "
+                        f"{sorted(known - set(values)) or 'none'}; unknown: {sorted(set(values) - known) or 'none'}): "
+                        "plan again")
+    try:
+        return Plan(
+            policy=values["policy"], graph_fingerprint=values["graph_fingerprint"], budget_bytes=values["budget_bytes"],
+            offloads=tuple(Offload(**o) for o in values["offloads"]),
+            recomputes=tuple(Recompute(tuple(r["tensors"]), tuple(r["ops"]), r["at_op"]) for r in values["recomputes"]),
+            pinned_pool_bytes=values["pinned_pool_bytes"], size_floor_bytes=values["size_floor_bytes"],
+            notes=tuple(values["notes"]), sites=tuple(TensorSite(**s) for s in values["sites"]),
+            op_count=values["op_count"], op_families=tuple(values["op_families"]),
+            hook_events=tuple(HookEvent(**{**e, "shape": tuple(e["shape"])}) for e in values["hook_events"]),
+            chosen_policy=values["chosen_policy"], recording=tuple(tuple(w) for w in values["recording"]))
+    except (TypeError, KeyError) as err:
+        raise PlanError(f"{source} holds a plan this udnn_lab cannot read ({type(err).__name__}: {err}): "
+                        "plan again") from None
 
 
 def other_step(first: str, *details: str) -> PlanForAnotherStep:
