@@ -5,6 +5,7 @@ from dataclasses import replace
 import pytest
 
 import udnn_lab as ul
+from udnn_lab import zoo
 from udnn_lab.simulation.simulator import cost_model
 
 H100 = ul.Hardware.load("h100-sxm")  # 8 GPUs to a node: NVLink inside, one NIC per GPU between nodes
@@ -49,3 +50,16 @@ def test_min_budget_takes_ranks_per_node_or_a_cost_model_that_carries_it(rank):
         ul.plan(rank, None, "keep-all", H100, ranks_per_node=0)
     with pytest.raises(ValueError, match="either cost or ranks_per_node"):
         ul.min_budget(rank, "vdnn-all", cost=cost_model(rank, H100), ranks_per_node=8)
+
+
+def test_a_floor_of_weights_gradients_and_optimizer_state_is_named_with_what_would_lower_it():
+    """Issue: offload cannot help where the model's own state is the peak; say so, and what would."""
+    graph = ul.trace(zoo.get("resnet18", batch=4, image_size=32))
+    with pytest.raises(ul.PlanInfeasible) as raised:
+        ul.plan(graph, "100 MiB", "auto", hardware="cpu-amd-epyc-2cpu")
+    said = str(raised.value)
+    assert "is weights" in said and "optimizer state" in said and "shard them (FSDP)" in said and "\n" not in said
+    activations = ul.trace(zoo.get("resnet18", batch=64, image_size=224, device="meta"), device="cuda")
+    with pytest.raises(ul.PlanInfeasible) as raised:
+        ul.plan(activations, "300 MiB", "auto", hardware="h100-sxm")  # its floor is activations: no such clause
+    assert "is weights" not in str(raised.value) and "lower the batch size" in str(raised.value)

@@ -49,7 +49,7 @@ def plan(graph: Graph, budget: int | str | None = None, policy: str = "auto", ha
         minimum = min_budget(graph, policy, cost=cost, within_device=False)
         other = None if policy == "auto" else _fitting_policy(graph, cost, budget_bytes, host_bytes)
         hint = f"; {other!r} fits {format_bytes(budget_bytes)}" if other else \
-            "; no policy fits it: raise the budget, or lower the batch size"
+            (_fixed_floor(graph, minimum) or "; no policy fits it: raise the budget, or lower the batch size")
         raise PlanInfeasible(f"policy {policy!r} cannot fit {graph.model_name} into {format_bytes(budget_bytes)}: "
                              f"the smallest budget it meets is {format_bytes(minimum)}{hint}", minimum, other)
     if host_bytes is not None and plan_host_bytes(graph, result) > host_bytes:
@@ -61,6 +61,27 @@ def plan(graph: Graph, budget: int | str | None = None, policy: str = "auto", ha
         if not (moved.fits if budget_bytes is not None else moved.peak_bytes <= simulation.peak_bytes):
             return released.located(graph, on_hooks=False)
     return located
+
+
+FIXED = ("parameter", "buffer", "parameter_gradient", "optimizer_state")  # no plan of saved tensors moves them
+FIXED_SHARE = 0.8  # of the smallest budget: above it, say that the floor is the model's state, not its activations
+
+
+def _fixed_floor(graph: Graph, minimum: int) -> str:
+    """Where weights, their gradients and the optimizer's state are most of a policy's smallest budget: that in
+    words, with what would lower it (offloading or recomputing saved tensors cannot); else ''."""
+    curve = graph.memory_curve()
+    fixed = curve[list(FIXED)].sum(axis=1)
+    at = int(fixed.to_numpy().argmax())
+    held = int(fixed.iloc[at])
+    if not minimum or held < FIXED_SHARE * minimum:
+        return ""
+    weights = int(curve["parameter"].iloc[at] + curve["buffer"].iloc[at])
+    return (f"; {format_bytes(held)} of it ({held / minimum:.0%}) is weights ({format_bytes(weights)}), their "
+            f"gradients ({format_bytes(int(curve['parameter_gradient'].iloc[at]))}) and optimizer state "
+            f"({format_bytes(int(curve['optimizer_state'].iloc[at]))}), which no offload or recomputation of saved "
+            "tensors moves: shard them (FSDP), keep optimizer state in 8 bits or on the host, or train fewer "
+            "parameters (LoRA); a smaller batch lowers only the rest")
 
 
 def check_within_device(budget_bytes: int | None, hardware: Hardware) -> None:
