@@ -96,7 +96,7 @@ def test_gpu_diagnose_names_what_was_alive_at_the_peak(tmp_path):
     import gzip
     import pickle
 
-    from gpu_diagnose import live_at_peak, table
+    from udnn_lab.measurement.snapshot import Snapshot
 
     mib = 2**20
     history = [_event("alloc", 1, 10 * mib, "/usr/lib/python3.12/copy.py", 1),  # the copy before the step
@@ -106,9 +106,9 @@ def test_gpu_diagnose_names_what_was_alive_at_the_peak(tmp_path):
                _event("alloc", 4, 50 * mib, "/m/udnn_lab/runtime/_copies.py", 45),  # lower than the peak
                _event("free_completed", 2, 100 * mib)]
     snapshot = {"segments": [], "device_traces": [history]}
-    peak, blocks, allocations = live_at_peak(snapshot)
-    assert peak == 410 * mib and allocations == 4
-    rows = table(blocks, top=5)
+    peak = Snapshot("test", (), (tuple(history),)).peak()
+    assert peak.allocated_bytes == 410 * mib and max(block.order for block in peak.blocks) == 3
+    rows = list(peak.by_place().head(5).itertuples(index=False))
     assert [round(total / mib) for _, total, _ in rows] == [300, 100, 10]
     assert rows[0][0].startswith("(no Python frame") and "vgg.py:66" in rows[1][0] and "copy" in rows[2][0]
     with gzip.open(tmp_path / "vgg16-vdnn-all-none-snapshot.pickle.gz", "wb") as file:

@@ -65,6 +65,9 @@ if TYPE_CHECKING:
         ShippedProfileWarning as ShippedProfileWarning,
     )
     from udnn_lab.errors import (
+        SnapshotError as SnapshotError,
+    )
+    from udnn_lab.errors import (
         TraceMismatch as TraceMismatch,
     )
     from udnn_lab.errors import (
@@ -117,6 +120,7 @@ if TYPE_CHECKING:
     )
     from udnn_lab.hardware import Hardware as Hardware
     from udnn_lab.measurement import Measurement as Measurement
+    from udnn_lab.measurement import load_snapshot as load_snapshot
     from udnn_lab.measurement import measure as measure
     from udnn_lab.parallel import DDP as DDP
     from udnn_lab.parallel import FSDP as FSDP

@@ -74,6 +74,10 @@ class PlanForAnotherStep(PlanError, PlanMismatch):
     (graph/plan_ir.py ``check_plan``); it is a PlanError and a PlanMismatch, so either catches it."""
 
 
+class SnapshotError(UdnnLabError, ValueError):
+    """A file that is not a memory snapshot, or one that asks to run code as it is read."""
+
+
 class AllocatorModelError(UdnnLabError, ValueError):
     """An event sequence the allocator cannot replay (a double allocation, a free of an unknown block)."""
 

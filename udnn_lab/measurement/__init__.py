@@ -4,5 +4,6 @@ May import: analysis (the recorder and the step), the Graph, the runtime, device
 """
 
 from udnn_lab.measurement.measuring import Measurement, measure
+from udnn_lab.measurement.snapshot import Snapshot, load_snapshot
 
-__all__ = ["Measurement", "measure"]
+__all__ = ["Measurement", "Snapshot", "load_snapshot", "measure"]
