@@ -58,7 +58,8 @@ POLICIES = ("auto", "vdnn++", "recompute", "checkpoint-segments", "pin-greedy")
 def _steps(work: ul.Workload, contexts: dict, repeats: int, models: dict | None = None) -> dict[str, float]:
     """Median CPU seconds of forward and backward under each context, taken in turn (a change in load hits all);
     ``models``: a model of its own for some contexts (by default each runs a copy of the workload's)."""
-    models = {name: (models or {}).get(name) or copy.deepcopy(work.model) for name in contexts}
+    own = models or {}
+    models = {name: own[name] if name in own else copy.deepcopy(work.model) for name in contexts}
     args, kwargs = split_input(work.example_input)
     times: dict[str, list[float]] = {name: [] for name in contexts}
     for index in range(repeats + 2):  # two warm-up rounds

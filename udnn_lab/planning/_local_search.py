@@ -28,6 +28,7 @@ LOCAL_SEARCH = "then local search"  # appended to the chosen plan's name when th
 
 # (base, offloads allowed) -> the greedy's completion of base
 Complete = Callable[[Plan, bool], Plan]
+_Saving = tuple[float, int, Offload | Recompute]  # (the step's seconds saved without the action, -its place, it)
 
 
 def improved(graph: Graph, cost: CostModel, plan: Plan, step_s: float, complete: Complete,
@@ -37,7 +38,8 @@ def improved(graph: Graph, cost: CostModel, plan: Plan, step_s: float, complete:
     search = _Search(graph, cost, host_budget)
     start = plan
     while search.work_left():
-        found = search.dropped(plan, step_s) or search.replaced(plan, step_s, complete)
+        found, savings = search.dropped(plan, step_s)
+        found = found or search.replaced(plan, step_s, savings, complete)
         if found is None:
             break
         plan, step_s = found
@@ -57,31 +59,32 @@ class _Search:
 
     def step_s(self, plan: Plan) -> float | None:
         """The simulated step of a plan that fits (and keeps within the host budget), else None."""
-        if self.host_budget is not None and plan.offloads and plan_host_bytes(self.graph, plan) > self.host_budget:
+        if not self._within_host(plan):
             return None
         self.ops_simulated += len(self.graph.ops)
         sim = simulate_with(self.graph, plan, self.cost)
         return sim.step_time_s if sim.fits else None
 
-    def dropped(self, plan: Plan, step_s: float) -> tuple[Plan, float] | None:
-        """The plan without its first action that it is faster without and still fits; its savings are kept for
-        ``replaced`` (the step without each action, fitting or not)."""
-        self.savings: list[tuple[float, int, Offload | Recompute]] = []
+    def dropped(self, plan: Plan, step_s: float) -> tuple[tuple[Plan, float] | None, list[_Saving]]:
+        """The plan without its first action that it is faster without and still fits (or None), and what the step
+        saved without each action tried before it, fitting or not (for ``replaced``)."""
+        savings: list[_Saving] = []
         actions: list[Offload | Recompute] = [*plan.offloads, *plan.recomputes]
         for index, action in enumerate(actions):
             if not self.work_left():
-                return None
+                return None, savings
             smaller = _without(self.graph, plan, action)
             self.ops_simulated += len(self.graph.ops)
             sim = simulate_with(self.graph, smaller, self.cost)
             if sim.fits and sim.step_time_s < step_s and self._within_host(smaller):
-                return smaller, sim.step_time_s
-            self.savings.append((step_s - sim.step_time_s, -index, action))
-        return None
+                return (smaller, sim.step_time_s), savings
+            savings.append((step_s - sim.step_time_s, -index, action))
+        return None, savings
 
-    def replaced(self, plan: Plan, step_s: float, complete: Complete) -> tuple[Plan, float] | None:
+    def replaced(self, plan: Plan, step_s: float, savings: list[_Saving],
+                 complete: Complete) -> tuple[Plan, float] | None:
         """The first completion, without one of the dearest actions, that fits and is faster."""
-        for _, _, action in sorted(self.savings, key=lambda s: s[:2], reverse=True)[:TRIES]:
+        for _, _, action in sorted(savings, key=lambda s: s[:2], reverse=True)[:TRIES]:
             base = replace(_without(self.graph, plan, action), policy=plan.chosen_policy or plan.policy)
             for offloads in (False, True):
                 if not self.work_left():

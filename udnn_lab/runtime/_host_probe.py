@@ -30,7 +30,7 @@ from udnn_lab.analysis import trace
 from udnn_lab.errors import PlanError
 from udnn_lab.graph import Graph, Offload, Plan, Recompute
 from udnn_lab.hardware import HostFigures, PassThroughMode
-from udnn_lab.runtime._replay import Replay, recorded_call
+from udnn_lab.runtime._replay import Replay, per_op_kind, recorded_call
 from udnn_lab.runtime._slots import OpMode
 from udnn_lab.runtime.offload import OffloadRuntime
 from udnn_lab.vocabulary import traced_op
@@ -148,6 +148,9 @@ def _two_unknowns(first: tuple[int, int, float], second: tuple[int, int, float])
     return (a_alone, 0.0) if error_a <= error_b else (0.0, b_alone)
 
 
+_traced = per_op_kind(traced_op)
+
+
 class _Recording(OpMode):
     """Records every traced forward op into a Replay, as the runtime's recording window does."""
 
@@ -155,13 +158,9 @@ class _Recording(OpMode):
         super().__init__(self._record)
         self.replay, self.device = replay, device
         self.ops = 0
-        self.traced: dict = {}
 
     def _record(self, func, args: tuple, kwargs: dict):
-        traced = self.traced.get(func)  # the runtime knows each op kind once too (_step._KNOWN)
-        if traced is None:
-            traced = self.traced[func] = traced_op(func)
-        if not traced:
+        if not _traced(func):  # known once per op kind, as the runtime knows them
             return func(*args, **kwargs)
         self.ops += 1
         return recorded_call((self.replay,), func, args, kwargs, lambda _: self.device)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -19,6 +19,8 @@ from udnn_lab.graph.plan_ir import Recompute
 from udnn_lab.vocabulary import COLLECTIVE_NAMESPACES
 
 # Ops that update running statistics in training although their schema does not say so.
+Result = TypeVar("Result")
+
 _UNDECLARED_WRITES = {"aten.native_batch_norm.default": (3, 4), "aten.cudnn_batch_norm.default": (3, 4),
                       "aten.miopen_batch_norm.default": (3, 4)}
 
@@ -237,19 +239,26 @@ def _resolve(value, outputs):
         return type(value)(_resolve(v, outputs) for v in value)
     return value
 
-_WRITES: dict = {}  # id(op) -> (op, positions its schema says it writes, positions it writes undeclared)
+def per_op_kind(function: Callable[[Any], Result]) -> Callable[[Any], Result]:
+    """Cache ``function(op)`` per op kind (an OpOverload), by the op's id: an OpOverload's own __hash__ is Python,
+    and the runtime asks for every op it sees. The op is held with its result, so its id is never reused."""
+    results: dict[int, tuple[Any, Result]] = {}
+
+    def cached(func) -> Result:
+        known = results.get(id(func))
+        if known is None or known[0] is not func:
+            known = results[id(func)] = (func, function(func))
+        return known[1]
+
+    return cached
 
 
+@per_op_kind
 def _writes(func) -> tuple[frozenset[int], frozenset[int]]:
-    known = _WRITES.get(id(func))  # by id: an OpOverload's own __hash__ is Python (see _step._KNOWN)
-    if known is None or known[0] is not func:
-        declared = frozenset(i for i, a in enumerate(func._schema.arguments)
-                             if a.alias_info is not None and a.alias_info.is_write)
-        known = _WRITES[id(func)] = (func, declared, frozenset(_UNDECLARED_WRITES.get(str(func), ())))
-    return known[1], known[2]
-
-
-_SEEDED: dict = {}  # id(op) -> (op, whether it draws from a generator)
+    """(positions its schema says it writes, positions it writes undeclared)."""
+    declared = frozenset(i for i, a in enumerate(func._schema.arguments)
+                         if a.alias_info is not None and a.alias_info.is_write)
+    return declared, frozenset(_UNDECLARED_WRITES.get(str(func), ()))
 
 
 def _live(entry, storage):
@@ -318,11 +327,9 @@ def recorded_call(replays: Sequence[Replay], func, args: tuple, kwargs: dict,
     return out
 
 
+@per_op_kind
 def draws_random(func) -> bool:
-    known = _SEEDED.get(id(func))
-    if known is None or known[0] is not func:
-        known = _SEEDED[id(func)] = (func, torch.Tag.nondeterministic_seeded in func.tags)
-    return known[1]
+    return torch.Tag.nondeterministic_seeded in func.tags
 
 
 def rng_state(func, device: torch.device, kwargs: dict) -> RngState | None:

@@ -19,7 +19,7 @@ from udnn_lab.errors import PlanMismatch
 from udnn_lab.graph.plan_ir import Offload, Recompute, TensorSite, other_step
 from udnn_lab.graph.step_graph import op_family
 from udnn_lab.runtime._copies import Copies
-from udnn_lab.runtime._replay import Replay, recorded_call
+from udnn_lab.runtime._replay import Replay, per_op_kind, recorded_call
 from udnn_lab.runtime._slots import (
     Handle,
     Kept,
@@ -33,7 +33,10 @@ from udnn_lab.runtime._slots import (
     written_positions,
 )
 
-_KNOWN: dict[int, tuple] = {}  # id(op) -> (op, its op_family or "" for ops the trace does not count, written_positions)
+
+@per_op_kind
+def _op_kind(func) -> tuple[str, tuple[int | str, ...]]:
+    return op_family(str(func)) if records_op(func) else "", written_positions(func)
 
 
 class Step:
@@ -158,11 +161,7 @@ class Step:
     # -- the ops ----------------------------------------------------------------------------
     def _known(self, func) -> tuple[str, tuple[int | str, ...]]:
         """An op's family ('' for ops the trace does not count) and where it writes in place."""
-        known = _KNOWN.get(id(func))  # by id: an OpOverload's own __hash__ is Python, and this runs for every op
-        if known is None or known[0] is not func:
-            known = _KNOWN[id(func)] = (func, op_family(str(func)) if records_op(func) else "",
-                                        written_positions(func))
-        return known[1], known[2]
+        return _op_kind(func)
 
     def _counted(self, family: str) -> int:
         """The next op's index; it must be the plan's op there (NOTE [offload runtime] 1)."""
