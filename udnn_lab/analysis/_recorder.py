@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache, partial
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
+from torch.utils._pytree import tree_flatten
 
 from udnn_lab.analysis._fake.fast_paths import FakeFastPaths
 from udnn_lab.analysis._fake.tensors import HOST_READ, zero_of
@@ -398,20 +399,20 @@ class StepRecorder(TorchDispatchMode):
         """Log every module call of this thread as hook events (NOTE [hook points]), as a runtime will see them."""
         thread = threading.get_ident()
 
-        def logged(kind: Literal["enter", "exit"], module: torch.nn.Module) -> None:
+        def logged(kind: Literal["enter", "exit"], module: torch.nn.Module, arguments: Any = ()) -> None:
             if self.recording and threading.get_ident() == thread:
                 top = torch._C._autograd._top_saved_tensors_default_hooks(False)
                 own = top is not None and top[0] == self.pack  # no hooks pushed inside the step in force
                 self.hook_events.append(HookEvent(kind, len(self.ops), node=type(module).__name__, own_hooks=own,
-                                                  training=module.training))
+                                                  training=module.training, plain_arguments=plain_values(arguments)))
 
         def entered(module, args) -> None:
             logged("enter", module)
 
-        def exited(module, args, output) -> None:
-            logged("exit", module)
+        def exited(module, args, kwargs, output) -> None:
+            logged("exit", module, (args, kwargs))
 
-        handles = (register_module_forward_pre_hook(entered), register_module_forward_hook(exited))
+        handles = (register_module_forward_pre_hook(entered), register_module_forward_hook(exited, with_kwargs=True))
         try:
             yield
         finally:
@@ -449,6 +450,15 @@ class StepRecorder(TorchDispatchMode):
             call.last_op = len(self.ops) - 1
             call.outputs = tuple(sid for t in _tensors((output,), None) if (sid := self.sid_of(t)) is not None)
             self.calls.append(call)
+
+
+_PLAIN = (torch.Tensor, type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.Size, slice)
+
+
+def plain_values(arguments: Any) -> bool:
+    """Whether ``arguments`` hold only tensors and plain values (in tuples, lists and dicts): nothing a module's
+    forward could change in place other than a tensor, like a cache object (NOTE [hook points] 7)."""
+    return all(isinstance(leaf, _PLAIN) for leaf in tree_flatten(arguments)[0])
 
 
 def process_group(func, args: tuple, kwargs: dict) -> dist.ProcessGroup | None:

@@ -51,6 +51,24 @@ NOTE [hook points]
      that op and the mode lets go there. Outside the windows no op goes through Python; the
      simulator charges the mode's host time to the ops inside them only (NOTE [simulated
      streams] 6).
+  7. Module re-runs. A recomputation whose ops are exactly one module call's forward needs no
+     recording window: as non-reentrant torch.utils.checkpoint does, the runtime keeps that
+     call's arguments (detached, each as it required grad; taken at its 'exit', where the
+     module hook sees keyword arguments too), and at its 'enter' the generators' states and
+     autocast's; at the recomputation's op it calls the module's forward again under them, with
+     grad on and its own saved-tensor hooks, and the i-th pack of the re-run is the i-th pack
+     of the traced call: those of the restored tensors are kept (each checked against the
+     trace's dtype and shape, and their count against the trace's), every other is dropped.
+     BatchNorm's running statistics, which it writes undeclared, are swapped for copies during
+     the re-run, so buffers stay as eager leaves them. The runtime holds no alias of a restored
+     tensor past its pack, so forward lets it go where it would without hooks, at no hook point
+     if need be; a write into it after it was saved, which eager refuses in backward, then goes
+     unseen (as under checkpoint: the re-run, not forward's tensor, is what backward reads). It
+     qualifies (``graph/reruns.py``) only where no op of the call writes in place into a tensor
+     from before it (a parameter, buffer or input included) or is a collective, and no
+     saved-tensor hooks are pushed inside the step around it. The module's
+     Python runs again as it did in forward: the simulator charges no per-op replay, only the
+     hook calls inside the call (NOTE [simulated streams] 6).
 """
 
 from __future__ import annotations

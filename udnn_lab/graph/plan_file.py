@@ -19,7 +19,7 @@ from udnn_lab.errors import PlanError
 from udnn_lab.vocabulary import PACKAGE_VERSION
 
 FORMAT = "udnn_lab plan"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: Plan.reruns
 
 
 def write_plan_file(fields: dict[str, Any], path: str | Path) -> Path:

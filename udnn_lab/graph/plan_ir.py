@@ -17,6 +17,7 @@ from pathlib import Path
 from udnn_lab.errors import PlanError, PlanForAnotherStep
 from udnn_lab.graph.hook_points import handled_calls, hook_points, on_hook_points, recording_windows, window_ops
 from udnn_lab.graph.plan_file import read_plan_file, write_plan_file
+from udnn_lab.graph.reruns import NOT_RERUN, module_reruns
 from udnn_lab.graph.step_graph import Graph, HookEvent, op_family, writes_in_place
 from udnn_lab.units import cuda_block_bytes, format_bytes
 
@@ -86,6 +87,9 @@ class Plan:
     # with hook events and recomputations: where the runtime records them (NOTE [hook points] 6), positions in
     # hook_events of the module calls that open and close each window (len(hook_events): the step's end)
     recording: tuple[tuple[int, int], ...] = ()
+    # with hook events: for each recomputation, the position in hook_events of the 'enter' of the module call it
+    # re-runs whole (NOTE [hook points] 7), or -1 where it is recorded and replayed; () when none is re-run
+    reruns: tuple[int, ...] = ()
 
     def __repr__(self) -> str:
         sized = {site.tensor: site.nbytes for site in self.sites}
@@ -122,8 +126,9 @@ class Plan:
         followed = _followed_by_hooks(graph, self) if on_hooks else None
         located = replace(self, sites=sites, op_count=len(graph.ops), op_families=_families(graph))
         if followed is None:
-            return replace(located, hook_events=(), recording=())
-        return replace(located, offloads=followed[0], hook_events=graph.hook_events, recording=followed[1])
+            return replace(located, hook_events=(), recording=(), reruns=())
+        return replace(located, offloads=followed[0], hook_events=graph.hook_events, recording=followed[1],
+                       reruns=followed[2])
 
     def followed_op_by_op(self, graph: Graph) -> bool:
         """Whether the runtime follows this plan's step op by op, under a dispatch mode (NOTE [hook points] 4),
@@ -152,9 +157,15 @@ class Plan:
         held = {t: _site(graph, t).held_until for r in self.recomputes for t in r.tensors}
         return handled_calls(graph.hook_events, *_acting(followed[0], self.recomputes, held, graph.hook_events))
 
-    def _followed(self, graph: Graph) -> tuple[tuple[Offload, ...], tuple[tuple[int, int], ...]] | None:
+    def reruns_in(self, graph: Graph) -> tuple[int, ...]:
+        """For each recomputation, where the runtime re-runs a module call for it (NOTE [hook points] 7) or -1;
+        () when it re-runs none."""
+        followed = self._followed(graph) if self.recomputes else None
+        return () if followed is None else followed[2]
+
+    def _followed(self, graph: Graph) -> _Followed | None:
         if self.sites:  # located: it carries the step's hook events exactly when it is followed by them
-            return (self.offloads, self.recording) if self.hook_events else None
+            return (self.offloads, self.recording, self.reruns) if self.hook_events else None
         key = (id(graph), graph.fingerprint)
         if key not in self._followed_in:
             self._followed_in[key] = _followed_by_hooks(graph, self)
@@ -273,7 +284,8 @@ def _from_fields(values: dict, source: Path) -> Plan:
             notes=tuple(values["notes"]), sites=tuple(TensorSite(**s) for s in values["sites"]),
             op_count=values["op_count"], op_families=tuple(values["op_families"]),
             hook_events=tuple(HookEvent(**{**e, "shape": tuple(e["shape"])}) for e in values["hook_events"]),
-            chosen_policy=values["chosen_policy"], recording=tuple(tuple(w) for w in values["recording"]))
+            chosen_policy=values["chosen_policy"], recording=tuple(tuple(w) for w in values["recording"]),
+            reruns=tuple(values["reruns"]))
     except (TypeError, KeyError) as err:
         raise PlanError(f"{source} holds a plan this udnn_lab cannot read ({type(err).__name__}: {err}): "
                         "plan again") from None
@@ -303,23 +315,31 @@ def _difference(plan: Plan, graph: Graph) -> str:
     return "the same forward and backward ops, with another optimizer step or other tensor sizes (batch, input size)"
 
 
-def _followed_by_hooks(graph: Graph, plan: Plan) -> tuple[tuple[Offload, ...], tuple[tuple[int, int], ...]] | None:
-    """The plan's offloads moved onto hook points and its recording windows, when the runtime can follow it by
-    its module and saved-tensor hooks (NOTE [hook points]); None when it follows the step op by op."""
+# the offloads on hook points, the recording windows, the module calls re-run (NOTE [hook points] 2, 6, 7)
+_Followed = tuple[tuple[Offload, ...], tuple[tuple[int, int], ...], tuple[int, ...]]
+
+
+def _followed_by_hooks(graph: Graph, plan: Plan) -> _Followed | None:
+    """The plan's offloads moved onto hook points, its recording windows and the module calls it re-runs, when
+    the runtime can follow it by its module and saved-tensor hooks (NOTE [hook points]); None when it follows the
+    step op by op."""
     if not graph.hook_events:
         return None
     moved = on_hook_points(graph, plan.offloads)
     if moved is None or not plan.recomputes:
-        return None if moved is None else (moved, ())
+        return None if moved is None else (moved, (), ())
     points = set(hook_points(graph.hook_events))
     if not {r.at_op for r in plan.recomputes} <= points:
         return None
-    spans = []  # each recomputation's recorded ops, and the ops before which forward lets go where no hook is
-    for recompute in plan.recomputes:
+    reruns = module_reruns(graph, plan.recomputes)
+    spans = []  # each recorded recomputation's ops, and the ops before which forward lets go where no hook is
+    for index, recompute in enumerate(plan.recomputes):
+        if reruns and reruns[index] != NOT_RERUN:
+            continue
         let_go = [_site(graph, t).held_until + 1 for t in recompute.tensors]
         spans.append((min(recompute.ops), max([*recompute.ops, *(b for b in let_go if b not in points)])))
     windows = recording_windows(graph.hook_events, spans)
-    return None if windows is None else (moved, windows)
+    return None if windows is None else (moved, windows, reruns)
 
 
 def _acting(offloads: tuple[Offload, ...], recomputes: tuple[Recompute, ...], held_until: Mapping[int, int],
@@ -392,7 +412,7 @@ def check_recompute(graph: Graph, recompute: Recompute, dropped: set[int]) -> No
         if op.phase != "forward":
             raise PlanError(f"recomputing {names} re-runs op {index}, which is not a forward op")
         for source in op.inputs:
-            _check_source(graph, names, source, made, dropped, recompute.at_op)
+            _check_source(graph, names, source, made, dropped)
             writer = written_after(graph, source, index) if source not in made else None
             if writer is not None:
                 raise PlanError(f"recomputing {names} reads {graph.tensors[source].name} at op {index}, which op "
@@ -420,16 +440,14 @@ def written_after(graph: Graph, tensor_id: int, op: int) -> int | None:
                  and tensor_id in graph.ops[j].outputs and writes_in_place(graph.ops[j].name)), None)
 
 
-def _check_source(graph: Graph, names: str, source: int, made: set[int], dropped: set[int], at_op: int) -> None:
+def _check_source(graph: Graph, names: str, source: int, made: set[int], dropped: set[int]) -> None:
     tensor = graph.tensors[source]
     if source in made or tensor.category in ("parameter", "buffer", "input"):
         return
     if source in dropped:
         raise PlanError(f"recomputing {names} needs {tensor.name}, which the plan also drops: recompute sources "
                         "must stay available")
-    if tensor.free_step is not None and tensor.free_step < at_op:
-        raise PlanError(f"recomputing {names} needs {tensor.name}, which is released after op {tensor.free_step}, "
-                        f"before the recomputation at op {at_op}")
+    # one forward lets go before the recomputation stays: the runtime holds it (NOTE [simulated streams] 1)
 
 
 def _count(n: int, noun: str) -> str:

@@ -102,6 +102,9 @@ class HookEvent:
     # enter, exit: no saved-tensor hooks pushed inside the step were in force (NOTE [hook points] 5)
     own_hooks: bool = True
     training: bool = True  # enter, exit: the module's mode
+    # exit: the call's arguments were tensors and plain values only (no object its forward could change, like a
+    # cache): calling it again changes nothing outside it (NOTE [hook points] 7)
+    plain_arguments: bool = True
 
 
 @dataclass(frozen=True)

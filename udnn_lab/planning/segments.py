@@ -18,11 +18,11 @@ import math
 from udnn_lab.cost.model import CostModel
 from udnn_lab.graph.cached import per_graph
 from udnn_lab.graph.plan_ir import Plan, PlanError, Recompute, check_recompute
-from udnn_lab.graph.step_graph import Graph, writes_in_place
+from udnn_lab.graph.step_graph import Graph, ModuleCall, writes_in_place
 from udnn_lab.planning._candidates import candidates, writers
 from udnn_lab.planning.registry import policy
 from udnn_lab.simulation.simulator import simulate_with
-from udnn_lab.vocabulary import COLLECTIVE_NAMESPACES
+from udnn_lab.vocabulary import COLLECTIVE_NAMESPACES, LOSS_SCOPE
 
 NAME = "checkpoint-segments"
 
@@ -41,10 +41,63 @@ def checkpoint_segments(graph: Graph, cost: CostModel, budget: int | None) -> Pl
 
 @per_graph  # auto asks for them as a contender and again through recompute's own contenders
 def segment_plans(graph: Graph, budget: int | None, name: str = NAME) -> tuple[Plan, ...]:
-    """Checkpointing with a few segment counts around sqrt(layers)."""
+    """Checkpointing with a few segment counts around sqrt(layers), and per block (``block_plans``)."""
     root = _root(graph)
     counts = sorted({root, max(1, root // 2), root * 2, max(1, _layers_per_forward(graph) // 2)})
-    return tuple(checkpointed(graph, k, budget, name) for k in counts)
+    return tuple(checkpointed(graph, k, budget, name) for k in counts) + block_plans(graph, budget, name)
+
+
+def block_plans(graph: Graph, budget: int | None, name: str = NAME) -> tuple[Plan, ...]:
+    """Checkpointing whole calls of the model's repeated block (torch.utils.checkpoint around each block), the
+    first n of them for a few n: a runtime that follows hooks re-runs such a call as it is (NOTE [hook points]
+    7), where a recording replays its ops one by one."""
+    blocks = repeated_block(graph)
+    if len(blocks) < 2:
+        return ()
+    counts = sorted({len(blocks), len(blocks) - 1, max(1, len(blocks) // 2), max(1, len(blocks) // 4)}, reverse=True)
+    return tuple(plan for plan in (_blocks_checkpointed(graph, blocks[:n], len(blocks), budget, name)
+                                   for n in counts) if plan is not None)
+
+
+@per_graph
+def repeated_block(graph: Graph) -> tuple[ModuleCall, ...]:
+    """The calls of the module class that, at one depth of the model, runs the most forward ops (a transformer's
+    layers, a ResNet's bottlenecks), in forward order; () when none is called twice."""
+    groups: dict[tuple[str, int], list[ModuleCall]] = {}
+    for call in graph.module_calls:
+        if call.path and call.last_op >= call.first_op and graph.ops[call.first_op].phase == "forward":
+            groups.setdefault((call.type, call.path.count(".")), []).append(call)
+    best = max(groups.values(), key=lambda calls: (len(calls) >= 2, sum(c.last_op - c.first_op + 1 for c in calls)),
+               default=[])
+    return tuple(sorted(best, key=lambda c: c.first_op)) if len(best) >= 2 else ()
+
+
+def _blocks_checkpointed(graph: Graph, calls: tuple[ModuleCall, ...], of: int, budget: int | None,
+                         name: str) -> Plan | None:
+    pool = candidates(graph)
+    producers = [c.producer for c in pool]
+    dropped: set[int] = set()
+    actions = []
+    for call in calls:
+        first, last = call.first_op, call.last_op
+        within = pool[bisect.bisect_left(producers, first):bisect.bisect_right(producers, last)]
+        inside = [c for c in within if c.last_forward <= last and writers(graph, c.tensor)[-1] <= last]
+        if not inside:
+            continue
+        action = Recompute(tuple(c.tensor for c in inside), tuple(range(first, last + 1)),
+                           min(c.first_backward for c in inside))
+        if any(graph.ops[i].name.split(".")[0] in COLLECTIVE_NAMESPACES for i in action.ops):
+            continue
+        try:
+            check_recompute(graph, action, dropped | set(action.tensors))
+        except PlanError:
+            continue
+        dropped.update(action.tensors)
+        actions.append(action)
+    if not actions:
+        return None
+    return Plan(name, graph.fingerprint, budget, recomputes=tuple(actions),
+                notes=(f"checkpointed {len(calls)} of {of} {calls[0].type} calls",))
 
 
 def _root(graph: Graph) -> int:
@@ -80,7 +133,7 @@ def _segments(graph: Graph, segments: int) -> tuple[list[tuple[int, int]], int]:
 
 @per_graph
 def forward_layers(graph: Graph) -> tuple[tuple[int, int], ...]:
-    """(first op, last op) of each run of consecutive forward ops of one module.
+    """(first op, last op) of each run of consecutive forward ops of one module, the loss's left out.
 
     A run that writes in place into a tensor made before it (ReLU6(inplace=True) after a
     BatchNorm: autograd clones the input, then the op overwrites it) joins the run before:
@@ -88,7 +141,7 @@ def forward_layers(graph: Graph) -> tuple[tuple[int, int], ...]:
     """
     layers: list[list[int]] = []
     for op in graph.ops:
-        if op.phase != "forward":
+        if op.phase != "forward" or op.module == LOSS_SCOPE:  # backward starts right after the loss: nothing to gain
             continue
         if layers and graph.ops[layers[-1][1]].module == op.module and layers[-1][1] == op.index - 1:
             layers[-1][1] = op.index

@@ -26,6 +26,7 @@ class HookStep(Step):
         self.events = events
         self._recorder = OpMode(self.on_recorded_op) if self.plan.recomputes else None
         self._recording = False  # the recorder is on (NOTE [hook points] 6)
+        self._rerunning = False  # a module call runs again for a recomputation: its calls are not the step's (7)
         self._module_hooks: tuple = ()
 
     def _begin(self) -> None:
@@ -34,7 +35,8 @@ class HookStep(Step):
         thread = threading.get_ident()  # module hooks are global: follow this thread's step only
         self._module_hooks = (
             register_module_forward_pre_hook(lambda m, a: self._module_event(thread, "enter", m)),
-            register_module_forward_hook(lambda m, a, o: self._module_event(thread, "exit", m)))
+            register_module_forward_hook(lambda m, a, k, o: self._module_event(thread, "exit", m, a, k),
+                                         with_kwargs=True))
 
     def _end(self) -> None:
         try:
@@ -47,9 +49,16 @@ class HookStep(Step):
     def _check_complete(self) -> None:
         self.events.check_complete()
 
-    def _module_event(self, thread: int, kind: str, module: torch.nn.Module) -> None:
-        if threading.get_ident() == thread:
+    def _module_event(self, thread: int, kind: str, module: torch.nn.Module, args: tuple = (),
+                      kwargs: dict | None = None) -> None:
+        if threading.get_ident() == thread and not self._rerunning:
             boundary, switch, recording = self.events.module_called(kind, module)
+            rerun = self.events.rerun_calls.get(self.events.seen - 1)
+            if rerun is not None:  # NOTE [hook points] 7: the call a recomputation re-runs
+                if kind == "enter":
+                    self.reruns[rerun].entered(module)
+                else:
+                    self.reruns[rerun].exited(args, kwargs or {})
             if recording is not None and recording < 0:
                 self._switch_recording(None)
             if switch < 0:
@@ -98,6 +107,13 @@ class HookStep(Step):
         if boundary is not None:
             self._at_boundary(boundary)
         return packed
+
+    def _replay(self, replay) -> None:
+        self._rerunning = True
+        try:
+            super()._replay(replay)
+        finally:
+            self._rerunning = False
 
     def _unpack(self, packed):
         """The call may stand for a boundary where the plan acts (a replay, a prefetch) before it unpacks."""

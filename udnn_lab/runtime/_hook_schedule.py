@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection
+from itertools import accumulate
 
 import torch
 
@@ -25,7 +26,8 @@ class HookSchedule:
     """
 
     def __init__(self, events: tuple[HookEvent, ...], acting: set[int], op_families: tuple[str, ...],
-                 planned: Collection[int] = (), recording: tuple[tuple[int, int], ...] = ()) -> None:
+                 planned: Collection[int] = (), recording: tuple[tuple[int, int], ...] = (),
+                 reruns: tuple[tuple[int, int, int], ...] = ()) -> None:
         self.op_families = op_families
         self.seen = 0
         windows = saved_tensor_windows(events, acting, planned)
@@ -48,6 +50,12 @@ class HookSchedule:
             before = after
             if ordinal in opens or ordinal in closes:  # module calls: always shown
                 self.recording[position] = opens.get(ordinal, -1)
+        # module events (by position) of the calls a recomputation re-runs: their 'enter' and 'exit' -> which
+        # recomputation (NOTE [hook points] 7)
+        positions = list(accumulate(shown, initial=-1))[1:]  # module calls are always shown
+        self.rerun_calls: dict[int, int] = {}
+        for enter, exit_, recompute in reruns:
+            self.rerun_calls[positions[enter]] = self.rerun_calls[positions[exit_]] = recompute
         self.triggers = _triggers(self.events, acting)  # position -> the boundary it stands for
         self.last_trigger = max(self.triggers, default=-1)
 

@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from udnn_lab.graph.plan_ir import Offload, Plan, Recompute
 from udnn_lab.runtime._replay import Replay
+from udnn_lab.runtime._rerun import ModuleRerun
 from udnn_lab.runtime.pinned_pool import HostPool
 
 
@@ -45,7 +46,7 @@ class Slot:
         self.prefetch_done: torch.cuda.Event | None = None
         self.handles = 0
         self.saved: list[weakref.ref[Handle]] = []  # its handles, to check when the storage is written
-        self.replay: Replay | None = None
+        self.replay: Replay | ModuleRerun | None = None
         self.watchers: list[weakref.ref] = []  # weakrefs whose callbacks follow the storage and the handles
 
 

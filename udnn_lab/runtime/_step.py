@@ -20,6 +20,7 @@ from udnn_lab.graph.plan_ir import Offload, Recompute, TensorSite, other_step
 from udnn_lab.graph.step_graph import op_family
 from udnn_lab.runtime._copies import Copies
 from udnn_lab.runtime._replay import Replay, per_op_kind, recorded_call
+from udnn_lab.runtime._rerun import ModuleRerun, rerun_calls
 from udnn_lab.runtime._slots import (
     Handle,
     Kept,
@@ -67,14 +68,22 @@ class Step:
         self.prefetch_at = group(plan.offloads, "prefetch_at")
         self.release_at = group(plan.offloads, "release_op")
         self.wait_at = group([o for o in plan.offloads if o.wait_before is not None], "wait_before")
-        self.replay_at: dict[int, list[Replay]] = {}
+        self.replay_at: dict[int, list[Replay | ModuleRerun]] = {}
         self.recording: dict[int, list[Replay]] = {}
-        for recompute in plan.recomputes:
-            replay = Replay(recompute)
+        self.reruns: dict[int, ModuleRerun] = {}  # recomputation -> its module call's re-run (NOTE [hook points] 7)
+        calls = rerun_calls(plan) if self.by_hook_events else {}
+        for index, recompute in enumerate(plan.recomputes):
+            replay: Replay | ModuleRerun
+            if index in calls:
+                replay = self.reruns[index] = ModuleRerun(recompute, calls[index], plan.hook_events)
+                for tensor in recompute.tensors:
+                    self.slots[tensor].replay = replay
+            else:
+                replay = Replay(recompute)
+                for op in recompute.ops:
+                    self.recording.setdefault(op, []).append(replay)
             # autograd unpacks a node's saved tensors before the node's first op: replay after the op before
             self.replay_at.setdefault(recompute.at_op - 1, []).append(replay)
-            for op in recompute.ops:
-                self.recording.setdefault(op, []).append(replay)
         self.expected = plan.op_families  # NOTE [offload runtime] 1: the step must be the plan's step
         self.copying_in: deque[Slot] = deque()  # prefetches in flight
         self.recomputed = self.on_demand = 0
@@ -151,6 +160,7 @@ class Step:
             slot.replay = None
         self.replay_at.clear()
         self.recording.clear()
+        self.reruns.clear()
         if self.runtime.pool is not None:
             self.runtime.pool.reset()
         if completed:
@@ -248,7 +258,7 @@ class Step:
         self.copying_in.append(slot)
         self._adopt(slot.restored)
 
-    def _replay(self, replay: Replay) -> None:
+    def _replay(self, replay: Replay | ModuleRerun) -> None:
         """NOTE [offload runtime] 6: re-run the recorded forward ops before backward unpacks."""
         for tensor, value in replay.run().items():
             slot = self.slots[tensor]
@@ -267,6 +277,8 @@ class Step:
 
     def _handle(self, slot: Slot, tensor: torch.Tensor) -> Handle:
         handle = Handle(slot, tensor)
+        if isinstance(slot.replay, ModuleRerun):  # NOTE [hook points] 7: forward lets it go as it would
+            handle.saved = None
         slot.saved.append(weakref.ref(handle))
         slot.handles += 1
         slot.watchers.append(weakref.ref(handle, partial(self._handle_gone, slot)))

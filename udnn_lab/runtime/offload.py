@@ -79,6 +79,7 @@ from udnn_lab.graph.plan_ir import Plan, check_plan
 from udnn_lab.runtime._by_hooks import HookStep
 from udnn_lab.runtime._by_ops import OpByOpStep
 from udnn_lab.runtime._hook_schedule import HookSchedule
+from udnn_lab.runtime._rerun import rerun_calls
 from udnn_lab.runtime._slots import Observer, StepStats
 from udnn_lab.runtime._step import Step
 from udnn_lab.runtime.pinned_pool import HostPool
@@ -143,8 +144,10 @@ class OffloadRuntime:
         plan = self.plan
         if self._schedule is None and plan is not None and plan.hook_events:
             acting, planned = plan.hook_actions()
-            if (plan.recording or not plan.recomputes) and HookSchedule.covers(plan.hook_events, acting):
-                self._schedule = HookSchedule(plan.hook_events, acting, plan.op_families, planned, plan.recording)
+            if (plan.recording or plan.reruns or not plan.recomputes) and HookSchedule.covers(plan.hook_events, acting):
+                reruns = tuple((call.enter, call.exit, index) for index, call in rerun_calls(plan).items())
+                self._schedule = HookSchedule(plan.hook_events, acting, plan.op_families, planned, plan.recording,
+                                              reruns)
         if self._schedule is not None:
             self._schedule.seen = 0
         return self._schedule

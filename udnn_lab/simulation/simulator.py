@@ -8,7 +8,10 @@ NOTE [simulated streams]
      waits are stalls. A recomputation followed op by op holds the tensors it restores from
      the op before (the runtime replays as that op ends, before autograd's node unpacks
      them); followed by hooks, from its own op (it replays at the node's first unpack, once
-     the op before is done: NOTE [hook points] 6). Its scratch outputs are not counted.
+     the op before is done: NOTE [hook points] 6). Its scratch outputs are not counted. A
+     tensor it reads that forward would let go before it runs stays on the device until the
+     last recomputation reading it has run: the runtime holds it (a recording, or a module
+     call's arguments: NOTE [hook points] 7).
   2. Device-to-host copies run in order on their own stream; an offloaded tensor's copy
      starts when both the stream and its ``after_op`` are done, and its device memory is
      freed when the copy completes, not before. An offload with a release point
@@ -37,7 +40,9 @@ NOTE [simulated streams]
      unpacks of its windows; every pack and unpack when it follows the step op by op) at the
      call's boundary, each offload's actions at the op its copy starts before, and each op a
      recomputation records and re-runs at the recomputation's op (recording happens in forward,
-     but the host work is the same). That clock counts the runtime's work alone, not the host's
+     but the host work is the same); a recomputation that re-runs a module call (NOTE [hook points]
+     7) pays its ops' own host work, as eager does, and a hook call for each module call and pack
+     inside it. That clock counts the runtime's work alone, not the host's
      own work per op: a lower bound.
   7. On a CPU the device is the host: a copy to or from the host pool is a memcpy the runtime
      makes while compute waits, so compute's clock runs through it (a sync stall for a copy to
@@ -61,6 +66,7 @@ from udnn_lab.cost.profiling import Profile
 from udnn_lab.graph.hook_points import window_ops
 from udnn_lab.graph.liveness import op_table
 from udnn_lab.graph.plan_ir import Offload, Plan, Recompute
+from udnn_lab.graph.reruns import NOT_RERUN, rerun_call
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware import CHOICES, Hardware, machine_hardware
 from udnn_lab.simulation._communication import Communication, has_collectives, host_copies, host_op_time_s, host_ops
@@ -210,6 +216,11 @@ class _Run:
                 if release is not None:
                     self.release_at.setdefault(release, []).append(offload.tensor)
                     self.release_op[offload.tensor] = release
+        self.hold_after: dict[int, list[int]] = {}  # NOTE [simulated streams] 1: sources held past forward
+        self.unhold_after: dict[int, list[int]] = {}
+        for tensor, (freed, until) in _held_sources(self.graph, self.plan.recomputes, on_device).items():
+            self.hold_after.setdefault(freed, []).append(tensor)
+            self.unhold_after.setdefault(until, []).append(tensor)
         for recompute in self.plan.recomputes:
             self.recompute_at.setdefault(recompute.at_op, []).append(recompute)
             for tensor in recompute.tensors:
@@ -220,7 +231,8 @@ class _Run:
                     self.drop_after.setdefault(max(last, held if held is not None else last), []).append(tensor)
         readers = {i for t in moved for i in self.graph.tensors[t].consumers}
         self.action_ops = set(self.offload_after) | set(self.prefetch_at) | set(self.sync_before) \
-            | set(self.release_at) | set(self.recompute_at) | set(self.drop_after) | readers
+            | set(self.release_at) | set(self.recompute_at) | set(self.drop_after) | readers \
+            | set(self.hold_after) | set(self.unhold_after)
 
     def _release_point(self, offload: Offload) -> int | None:
         """The plan's release point, never before forward lets the tensor go (NOTE [forward holders])."""
@@ -343,8 +355,7 @@ class _Run:
         ready = max([start] + [self.h2d_end[t] for t in op.inputs if t in self.h2d_end])
         self._stall(start, ready, i, "stall_prefetch")
         end = self._run_op(op, ready)
-        for tensor in self.drop_after.get(i, []):
-            self._change(tensor, -1, i + 1)
+        self._forward_done_with(i)
         for offload in self.offload_after.get(i, []):
             self._offload(offload, end, i)
             if not self.cuda:  # NOTE [simulated streams] 7
@@ -352,6 +363,14 @@ class _Run:
                 self._stall(end, copied, i, "stall_sync")
                 end = copied
         return ready, end
+
+    def _forward_done_with(self, i: int) -> None:
+        """After op ``i``: the recomputed tensors forward lets go, and the sources the runtime holds for a
+        recomputation from when forward lets them go until it has run (NOTE [simulated streams] 1)."""
+        for tensor in self.drop_after.get(i, []) + self.unhold_after.get(i, []):
+            self._change(tensor, -1, i + 1)
+        for tensor in self.hold_after.get(i, []):
+            self._change(tensor, +1, i + 1)
 
     def _host_copy(self, op, clock: float) -> None:
         """A shard's copy to the device (or its cast, on the copy-in stream), or a gradient's to the host (NOTE
@@ -508,6 +527,24 @@ class _Run:
         )
 
 
+def _held_sources(graph: Graph, recomputes: tuple[Recompute, ...], on_device) -> dict[int, tuple[int, int]]:
+    """Tensor -> (the op after which forward lets it go, the last op a recomputation reading it runs at) for the
+    recomputations' sources that forward lets go first (NOTE [simulated streams] 1)."""
+    held: dict[int, tuple[int, int]] = {}
+    for recompute in recomputes:
+        made: set[int] = set()
+        for index in recompute.ops:
+            op = graph.ops[index]
+            for source in op.inputs:
+                tensor = graph.tensors[source]
+                if source not in made and on_device[source] and tensor.free_step is not None \
+                        and tensor.free_step < recompute.at_op and tensor.category not in ("parameter", "buffer"):
+                    before = held.get(source, (tensor.free_step, recompute.at_op))
+                    held[source] = (tensor.free_step, max(before[1], recompute.at_op))
+            made.update(op.outputs)
+    return held
+
+
 def _runtime_host_work(graph: Graph, plan: Plan, cost: CostModel,
                        windows: tuple[tuple[int, int], ...] | None) -> dict[int, float]:
     """Op -> host seconds of the runtime's own work at it under ``plan`` (NOTE [simulated streams] 6)."""
@@ -532,9 +569,23 @@ def _runtime_host_work(graph: Graph, plan: Plan, cost: CostModel,
             add(boundary, count * cost.hook_call_s)
     for offload in plan.offloads:
         add(offload.after_op + 1, cost.offload_action_s)
-    for recompute in plan.recomputes:
-        add(recompute.at_op, len(recompute.ops) * cost.replay_op_s)
+    for at_op, seconds in _recompute_host_s(graph, plan, cost, windows is not None):
+        add(at_op, seconds)
     return work
+
+
+def _recompute_host_s(graph: Graph, plan: Plan, cost: CostModel, on_hooks: bool) -> list[tuple[int, float]]:
+    """(op, host seconds) of each recomputation: each op it records and replays, or, re-running a module call
+    (NOTE [hook points] 7), the module's own Python, as eager's, and a hook call for each call and pack inside."""
+    reruns = plan.reruns_in(graph) if on_hooks else ()
+    found = []
+    for index, recompute in enumerate(plan.recomputes):
+        if reruns and reruns[index] != NOT_RERUN:
+            call = rerun_call(graph.hook_events, reruns[index], recompute.tensors)
+            found.append((recompute.at_op, (call.exit - call.enter - 1) * cost.hook_call_s))
+        else:
+            found.append((recompute.at_op, len(recompute.ops) * cost.replay_op_s))
+    return found
 
 
 def _op_scratch(graph: Graph, cost: CostModel) -> list[int]:

@@ -1,0 +1,96 @@
+"""Recomputations a runtime can carry out by calling a module's forward again (NOTE [hook points] 7)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from udnn_lab.graph.step_graph import Graph, HookEvent, writes_in_place
+from udnn_lab.vocabulary import COLLECTIVE_NAMESPACES
+
+NOT_RERUN = -1  # a Plan.reruns entry: the recomputation is recorded and replayed op by op
+# the buffers batch normalization writes in training: a re-run writes copies of them (NOTE [hook points] 7)
+RUNNING_STATISTICS = frozenset({"running_mean", "running_var", "num_batches_tracked"})
+
+
+@dataclass(frozen=True)
+class RerunCall:
+    """The module call a recomputation re-runs, as the runtime meets it in the step's hook events."""
+
+    enter: int  # position of the call's 'enter' in the hook events
+    exit: int  # position of its 'exit'
+    packs: tuple[int, ...]  # positions of the packs between them, in order
+    restores: dict[int, int]  # index among those packs -> the Graph tensor id it restores (its first pack)
+
+
+def module_reruns(graph: Graph, recomputes: tuple) -> tuple[int, ...]:
+    """For each recomputation, the position of the 'enter' of the module call whose forward it re-runs whole, or
+    NOT_RERUN; () when none is (NOTE [hook points] 7)."""
+    events = graph.hook_events
+    if not events or not recomputes:
+        return ()
+    spans = call_spans(events)
+    points = {event.boundary for event in events}
+    found = tuple(_rerun_of(graph, recompute, spans, points) for recompute in recomputes)
+    return found if any(enter != NOT_RERUN for enter in found) else ()
+
+
+def call_spans(events: tuple[HookEvent, ...]) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    """(first op, one past the last op) -> the (enter, exit) positions of the module calls that run exactly those
+    ops and push no saved-tensor hooks, outermost first."""
+    spans: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    stack: list[int] = []
+    for ordinal, event in enumerate(events):
+        if event.kind == "enter":
+            stack.append(ordinal)
+        elif event.kind == "exit" and stack:
+            enter = stack.pop()
+            if events[enter].own_hooks and event.own_hooks and events[enter].node == event.node:
+                spans.setdefault((events[enter].boundary, event.boundary), []).append((enter, ordinal))
+    for calls in spans.values():
+        calls.sort()
+    return spans
+
+
+def rerun_call(events: tuple[HookEvent, ...], enter: int, tensors: tuple[int, ...]) -> RerunCall:
+    """What the runtime needs of the call entered at ``enter`` to restore ``tensors`` by re-running it."""
+    depth, exit_ = 0, None
+    for ordinal in range(enter, len(events)):
+        kind = events[ordinal].kind
+        depth += kind == "enter"
+        depth -= kind == "exit"
+        if depth == 0:
+            exit_ = ordinal
+            break
+    if exit_ is None:
+        raise ValueError(f"hook event {enter} is not the 'enter' of a module call that returns")
+    packs = tuple(i for i in range(enter, exit_) if events[i].kind == "pack")
+    restores: dict[int, int] = {}
+    for index, position in enumerate(packs):
+        tensor = events[position].tensor
+        if tensor in tensors and tensor not in restores.values():
+            restores[index] = tensor
+    return RerunCall(enter, exit_, packs, restores)
+
+
+def _rerun_of(graph: Graph, recompute, spans: dict, points: set[int]) -> int:
+    first, last = recompute.ops[0], recompute.ops[-1]
+    if recompute.ops != tuple(range(first, last + 1)) or recompute.at_op not in points:
+        return NOT_RERUN
+    for op in (graph.ops[i] for i in recompute.ops):
+        if op.phase != "forward" or op.name.split(".")[0] in COLLECTIVE_NAMESPACES:
+            return NOT_RERUN
+        if writes_in_place(op.name) and any(_from_before(graph, t, first) for t in op.outputs if t in op.inputs):
+            return NOT_RERUN  # it would write again into what forward left behind
+    for enter, exit_ in spans.get((first, last + 1), ()):
+        call = rerun_call(graph.hook_events, enter, recompute.tensors)
+        if call.exit == exit_ and graph.hook_events[exit_].plain_arguments \
+                and set(call.restores.values()) == set(recompute.tensors):
+            return enter
+    return NOT_RERUN
+
+
+def _from_before(graph: Graph, tensor_id: int, first: int) -> bool:
+    tensor = graph.tensors[tensor_id]
+    if tensor.category == "buffer" and tensor.name.rsplit(".", 1)[-1] in RUNNING_STATISTICS:
+        return False
+    return tensor.producer is None or tensor.producer < first
