@@ -50,7 +50,8 @@ from udnn_lab.hardware.host_probes import host_probes  # noqa: E402
 
 TARGET = 0.03
 # GPT-2 without its key and value cache: a training step never reads it, and transformers' own gradient
-# checkpointing, the peer below, turns it off
+# checkpointing, the peer below, turns it off. Without it, transformers checks the attention mask's values, which
+# fake tensors cannot: every step here is traced as it runs (ul.trace(..., fake=False)), as ul.profile measures it
 WORKLOADS = [("resnet50", {"batch": 2, "image_size": 64}), ("transformer", {"batch": 2}),
              ("hf:gpt2", {"batch": 2, "small": True, "seq_len": 64, "config_overrides": {"use_cache": False}})]
 QUICK_WORKLOADS = [("resnet18", {"batch": 16, "image_size": 32})]
@@ -90,7 +91,7 @@ def _budgets(graph: ul.Graph, policy: str, hardware: ul.Hardware, profile: ul.Pr
 def _rows(name: str, options: dict, repeats: int) -> list[dict]:
     work = ul.zoo.get(name, optimizer="none", **options)
     profile = ul.profile(work, repeats=repeats)
-    graph = ul.trace(work)
+    graph = ul.trace(work, fake=False)
     unpriced = dataclasses.replace(profile, dispatch_mode_op_s=None, replay_op_s=None)
     hardware = ul.Hardware.load("cpu-amd-epyc-2cpu")
     # the runtime's host figures measured now, on this run's thread, as the step's own figures are (Hardware.measure's
@@ -140,7 +141,7 @@ def _against_checkpoint(name: str, options: dict, repeats: int) -> list[dict]:
     batch = options["batch"]
     # forward and backward only, as the rows above and as the peak is counted (no optimizer step)
     bench = Bench(name, batch, {**{k: v for k, v in options.items() if k != "batch"}, "optimizer": "none"},
-                  torch.device("cpu"), 3)
+                  torch.device("cpu"), 3, fake=False)
     base = {"workload": name, "options": options}
     model = checkpointed(copy.deepcopy(bench.work.model))
     if model is None:

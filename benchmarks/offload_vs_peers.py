@@ -56,10 +56,13 @@ FRACTIONS = (1.0, 0.7, 0.5, 0.35)
 class Bench:
     """Runs steps of one workload by each method and measures them."""
 
-    def __init__(self, name: str, batch: int, options: dict, device: torch.device, steps: int) -> None:
+    def __init__(self, name: str, batch: int, options: dict, device: torch.device, steps: int,
+                 fake: bool = True) -> None:
+        """``fake=False``: trace the step as it runs (where fake tensors would take another path, a data-dependent
+        check in the model's code)."""
         self.name, self.batch, self.options, self.device, self.steps = name, batch, options, device, steps
         self.work = ul.zoo.get(name, batch=batch, device=device, **options)
-        self.graph = ul.trace(self.work)
+        self.graph = ul.trace(self.work, fake=fake)
         self.cuda = device.type == "cuda"
         self.hardware = _hardware(device)
 

@@ -194,3 +194,16 @@ def test_a_re_run_is_priced_by_its_hook_calls_not_per_replayed_op():
     rerun = ul.simulate(graph, chosen.located(graph), hardware=pricey).step_time_s
     replayed = ul.simulate(graph, chosen.located(graph, on_hooks=False), hardware=pricey).step_time_s
     assert rerun < 1.0 < replayed
+
+
+def test_a_plan_file_keeps_which_calls_are_re_run(tmp_path):
+    torch.manual_seed(0)
+    work = _work(Stack(), torch.randn(4, 16, 32))
+    graph = ul.trace(work)
+    located = block_plans(graph, None)[0].located(graph)
+    loaded = ul.Plan.load(located.save(tmp_path / "plan.json"), graph)
+    assert loaded.reruns == located.reruns and loaded == located
+    expected = _step(copy.deepcopy(work.model), work)
+    runtime = OffloadRuntime(loaded)
+    got = _step(copy.deepcopy(work.model), work, runtime)
+    assert runtime.last_step.recomputed and all(torch.equal(a, b) for a, b in zip(expected[1], got[1]))
