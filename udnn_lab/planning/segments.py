@@ -50,13 +50,26 @@ def segment_plans(graph: Graph, budget: int | None, name: str = NAME) -> tuple[P
 def block_plans(graph: Graph, budget: int | None, name: str = NAME) -> tuple[Plan, ...]:
     """Checkpointing whole calls of the model's repeated block (torch.utils.checkpoint around each block), the
     first n of them for a few n: a runtime that follows hooks re-runs such a call as it is (NOTE [hook points]
-    7), where a recording replays its ops one by one."""
+    7), where a recording replays its ops one by one. Offered where the step's hook calls are known (a runtime
+    can re-run them): elsewhere the segments above cover the same ground."""
+    return tuple(Plan(name, graph.fingerprint, budget, recomputes=actions, notes=(note,))
+                 for actions, note in _block_recomputes(graph))
+
+
+@per_graph  # a budget search asks for the plans at many budgets: their actions do not depend on it
+def _block_recomputes(graph: Graph) -> tuple[tuple[tuple[Recompute, ...], str], ...]:
     blocks = repeated_block(graph)
-    if len(blocks) < 2:
+    if len(blocks) < 2 or not graph.hook_events:
         return ()
-    counts = sorted({len(blocks), len(blocks) - 1, max(1, len(blocks) // 2), max(1, len(blocks) // 4)}, reverse=True)
-    return tuple(plan for plan in (_blocks_checkpointed(graph, blocks[:n], len(blocks), budget, name)
-                                   for n in counts) if plan is not None)
+    counts = {len(blocks), max(1, len(blocks) // 2), max(1, len(blocks) // 4)}
+    if len(blocks) <= 24:  # the last block's recomputation runs as backward starts: keeping it is often as good
+        counts.add(len(blocks) - 1)
+    found = []
+    for n in sorted(counts, reverse=True):
+        actions = _blocks_checkpointed(graph, blocks[:n])
+        if actions:
+            found.append((actions, f"checkpointed {n} of {len(blocks)} {blocks[0].type} calls"))
+    return tuple(found)
 
 
 @per_graph
@@ -72,8 +85,7 @@ def repeated_block(graph: Graph) -> tuple[ModuleCall, ...]:
     return tuple(sorted(best, key=lambda c: c.first_op)) if len(best) >= 2 else ()
 
 
-def _blocks_checkpointed(graph: Graph, calls: tuple[ModuleCall, ...], of: int, budget: int | None,
-                         name: str) -> Plan | None:
+def _blocks_checkpointed(graph: Graph, calls: tuple[ModuleCall, ...]) -> tuple[Recompute, ...]:
     pool = candidates(graph)
     producers = [c.producer for c in pool]
     dropped: set[int] = set()
@@ -94,10 +106,7 @@ def _blocks_checkpointed(graph: Graph, calls: tuple[ModuleCall, ...], of: int, b
             continue
         dropped.update(action.tensors)
         actions.append(action)
-    if not actions:
-        return None
-    return Plan(name, graph.fingerprint, budget, recomputes=tuple(actions),
-                notes=(f"checkpointed {len(calls)} of {of} {calls[0].type} calls",))
+    return tuple(actions)
 
 
 def _root(graph: Graph) -> int:
