@@ -64,11 +64,8 @@ PEAK_TOLERANCE = 0.01
 TIME_TOLERANCE = 0.10
 SNAPSHOTS_PER_MODEL = 3  # allocator histories kept for one model (each a few MB compressed)
 PLAN_WITH_PROFILE = True  # plan with the step's own ul.profile where it matches the trace (step 3 of the docstring)
-# decoders train without their key and value cache (transformers' own gradient checkpointing turns it off): a
-# layer's call then takes plain arguments only, so a plan can re-run it whole (NOTE [hook points] 7)
-NO_CACHE = {"use_cache": False}
 LLAMA_STYLE = {"hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 16, "num_key_value_heads": 8,
-               "num_hidden_layers": 4, **NO_CACHE}
+               "num_hidden_layers": 4}
 
 
 @dataclass(frozen=True)
@@ -88,9 +85,7 @@ class Case:
 
         options = dict(self.options)
         if small and self.model.startswith("hf:"):
-            kept = {k: v for k, v in options.get("config_overrides", {}).items() if k in NO_CACHE}
-            options = {k: v for k, v in options.items() if k != "config_overrides"} | {"small": True, "seq_len": 64} \
-                | ({"config_overrides": kept} if kept else {})
+            options = {k: v for k, v in options.items() if k != "config_overrides"} | {"small": True, "seq_len": 64}
         if small and self.input_shape is None and not self.model.startswith("hf:"):
             options["image_size"] = 64
         shape = self.input_shape
@@ -104,7 +99,7 @@ _BF16_1024 = {"precision": "bf16-mixed", "seq_len": 1024}
 CORPUS = (
     Case("resnet50", "resnet50", 256, 2),
     Case("llama-style", "hf:llama-3-8b", 4, 1, {**_BF16_1024, "config_overrides": LLAMA_STYLE}),
-    Case("gpt2", "hf:gpt2", 8, 1, {**_BF16_1024, "config_overrides": NO_CACHE}),
+    Case("gpt2", "hf:gpt2", 8, 1, _BF16_1024),
     Case("swin_t", "torchvision.models:swin_t", 64, 2, input_shape=(3, 224, 224)),
     Case("vit_b_16", "torchvision.models:vit_b_16", 64, 2, input_shape=(3, 224, 224)),
     Case("vgg16", "vgg16", 128, 2, policies=SEED_POLICIES + ("auto",)),
