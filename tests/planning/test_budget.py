@@ -63,3 +63,20 @@ def test_a_floor_of_weights_gradients_and_optimizer_state_is_named_with_what_wou
     with pytest.raises(ul.PlanInfeasible) as raised:
         ul.plan(activations, "300 MiB", "auto", hardware="h100-sxm")  # its floor is activations: no such clause
     assert "is weights" not in str(raised.value) and "lower the batch size" in str(raised.value)
+
+
+def test_a_floor_set_by_one_op_s_working_set_names_the_op_and_what_would_lower_it():
+    """Issue: a language model's logits (a long sequence times a large vocabulary) are read and written by one op
+    at once; no plan goes below that, and the message says which op and that a smaller micro-batch would."""
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 20000))
+    tokens = torch.randint(64, (4, 256))
+    graph = ul.trace(model, tokens, loss_fn=lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()),
+                     target=torch.randint(20000, (4, 256)), optimizer=None)
+    with pytest.raises(ul.PlanInfeasible) as raised:
+        ul.plan(graph, "1 MiB", "auto", hardware="cpu-amd-epyc-2cpu")
+    said = str(raised.value)
+    assert "alone reads and writes" in said and "smaller micro-batch" in said and "\n" not in said
+    assert "is weights" not in said

@@ -49,7 +49,8 @@ def plan(graph: Graph, budget: int | str | None = None, policy: str = "auto", ha
         minimum = min_budget(graph, policy, cost=cost, within_device=False)
         other = None if policy == "auto" else _fitting_policy(graph, cost, budget_bytes, host_bytes)
         hint = f"; {other!r} fits {format_bytes(budget_bytes)}" if other else \
-            (_fixed_floor(graph, minimum) or "; no policy fits it: raise the budget, or lower the batch size")
+            (_fixed_floor(graph, minimum) or _one_op_floor(graph, minimum)
+             or "; no policy fits it: raise the budget, or lower the batch size")
         raise PlanInfeasible(f"policy {policy!r} cannot fit {graph.model_name} into {format_bytes(budget_bytes)}: "
                              f"the smallest budget it meets is {format_bytes(minimum)}{hint}", minimum, other)
     if host_bytes is not None and plan_host_bytes(graph, result) > host_bytes:
@@ -82,6 +83,32 @@ def _fixed_floor(graph: Graph, minimum: int) -> str:
             f"({format_bytes(int(curve['optimizer_state'].iloc[at]))}), which no offload or recomputation of saved "
             "tensors moves: shard them (FSDP), keep optimizer state in 8 bits or on the host, or train fewer "
             "parameters (LoRA); a smaller batch lowers only the rest")
+
+
+def _one_op_floor(graph: Graph, minimum: int) -> str:
+    """Where one op's inputs and outputs, with the model's state beside them, are most of a policy's smallest
+    budget: they are all on the device while it runs, so no plan goes lower; that in words, else ''."""
+    curve = graph.memory_curve()
+    fixed = curve[list(FIXED)].sum(axis=1).to_numpy()
+    best = (0, -1)
+    for op in graph.ops:
+        touched = {t for t in (*op.inputs, *op.outputs)
+                   if graph.on_device(graph.tensors[t]) and graph.tensors[t].category not in FIXED}
+        best = max(best, (sum(graph.tensors[t].nbytes for t in touched), op.index))
+    working, at = best
+    if at < 0 or not minimum:
+        return ""
+    touched = set(graph.ops[at].inputs) | set(graph.ops[at].outputs)
+    held = sum(t.nbytes for t in graph.tensors if t.held_past_forward and t.id not in touched and graph.on_device(t)
+               and t.producer is not None and t.producer <= at and (t.free_step is None or t.free_step >= at))
+    if working + held + int(fixed[at]) < FIXED_SHARE * minimum:
+        return ""
+    op = graph.ops[at]
+    return (f"; op {at} ({op.name}, in {op.module or 'the model'}) alone reads and writes {format_bytes(working)} "
+            f"at once, beside {format_bytes(int(fixed[at]))} of weights, gradients and optimizer state and "
+            f"{format_bytes(held)} the training loop holds (the output, the loss), and all of it is on the device "
+            "while the op runs, which no offload or recomputation changes: a smaller micro-batch or sequence "
+            "length lowers it (gradient accumulation keeps the batch)")
 
 
 def check_within_device(budget_bytes: int | None, hardware: Hardware) -> None:
