@@ -65,7 +65,8 @@ def _step(model, work, runtime=None):
     optimizer = optimizer_like(work.optimizer, model.parameters())
     torch.manual_seed(0)
     with runtime if runtime is not None else torch.enable_grad():
-        _, loss = run_step(model, args, kwargs, loss_fn=work.loss_fn, target=work.target, optimizer=optimizer)
+        _, loss = run_step(model, args, kwargs, loss_fn=work.loss_fn, target=work.target, optimizer=optimizer,
+                           options=work.step_options)
     return loss.detach(), [p.grad for p in model.parameters()], [t.clone() for t in model.state_dict().values()]
 
 
@@ -207,3 +208,17 @@ def test_a_plan_file_keeps_which_calls_are_re_run(tmp_path):
     runtime = OffloadRuntime(loaded)
     got = _step(copy.deepcopy(work.model), work, runtime)
     assert runtime.last_step.recomputed and all(torch.equal(a, b) for a, b in zip(expected[1], got[1]))
+
+
+def test_re_runs_under_autocast_and_gradient_accumulation_are_exact():
+    """bf16-mixed: the re-run casts as forward did (autocast's state at the call's start); two micro-batches: each
+    call of each is re-run once."""
+    torch.manual_seed(0)
+    work = dataclasses.replace(_work(Stack(), torch.randn(4, 16, 32)), precision="bf16-mixed", grad_accumulation=2)
+    graph = ul.trace(work)
+    located = block_plans(graph, None)[0].located(graph)
+    assert len(located.reruns) == 8 and NOT_RERUN not in located.reruns
+    expected = _step(copy.deepcopy(work.model), work)
+    runtime = OffloadRuntime(located)
+    got = _step(copy.deepcopy(work.model), work, runtime)
+    assert torch.equal(expected[0], got[0]) and all(torch.equal(a, b) for a, b in zip(expected[1], got[1]))
