@@ -222,3 +222,12 @@ def test_re_runs_under_autocast_and_gradient_accumulation_are_exact():
     runtime = OffloadRuntime(located)
     got = _step(copy.deepcopy(work.model), work, runtime)
     assert torch.equal(expected[0], got[0]) and all(torch.equal(a, b) for a, b in zip(expected[1], got[1]))
+
+
+def test_the_runtime_says_how_many_module_calls_it_re_runs():
+    torch.manual_seed(0)
+    work = _work(Stack(), torch.randn(4, 16, 32))
+    graph = ul.trace(work)
+    located = block_plans(graph, None)[0].located(graph)
+    assert OffloadRuntime(located).follows.startswith("by module and saved-tensor hooks (4 module calls re-run, ")
+    assert "re-run" not in OffloadRuntime(located.located(graph, on_hooks=False)).follows

@@ -131,13 +131,17 @@ class OffloadRuntime:
 
     @property
     def follows(self) -> str:
-        """How the runtime follows the step, in words: nothing to do, op by op, or by hooks (in how many windows)."""
+        """How the runtime follows the step, in words: nothing to do, op by op, or by hooks (re-running how many
+        module calls, in how many windows)."""
         if not self.enabled:
             return "nothing (no plan to carry out)"
         schedule = self.hook_schedule()
         if schedule is None:
             return "op by op (a dispatch mode)"
-        return f"by module and saved-tensor hooks ({schedule.windows})"
+        assert self.plan is not None  # enabled only with a plan
+        reruns = len(rerun_calls(self.plan))
+        again = f"{reruns} module call{'' if reruns == 1 else 's'} re-run, " if reruns else ""
+        return f"by module and saved-tensor hooks ({again}{schedule.windows})"
 
     def hook_schedule(self) -> HookSchedule | None:
         """A fresh count of the step's hook calls, when the plan can be followed by them (NOTE [hook points])."""
