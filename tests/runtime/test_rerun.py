@@ -231,3 +231,16 @@ def test_the_runtime_says_how_many_module_calls_it_re_runs():
     located = block_plans(graph, None)[0].located(graph)
     assert OffloadRuntime(located).follows.startswith("by module and saved-tensor hooks (4 module calls re-run, ")
     assert "re-run" not in OffloadRuntime(located.located(graph, on_hooks=False)).follows
+
+
+def test_the_plan_s_reasons_say_which_module_a_tensor_is_rebuilt_by_calling_again():
+    torch.manual_seed(0)
+    work = _work(Stack(), torch.randn(4, 16, 32))
+    graph = ul.trace(work)
+    chosen = block_plans(graph, None)[0]
+    reasons = ul.frames.plan_reasons(graph, chosen, ul.simulate(graph, chosen, hardware=CPU))
+    rebuilt = reasons[reasons["action"] == "recompute"]["reason"]
+    assert len(rebuilt) and rebuilt.str.endswith("by calling its Block again").all()
+    replayed = ul.frames.plan_reasons(graph, chosen.located(graph, on_hooks=False),
+                                      ul.simulate(graph, chosen, hardware=CPU))
+    assert not replayed["reason"].str.contains("calling").any()

@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from udnn_lab.graph.plan_ir import Offload, Plan, Recompute
+from udnn_lab.graph.reruns import NOT_RERUN
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.simulation.simulator import Simulation
 from udnn_lab.units import format_bytes, format_seconds
@@ -38,6 +39,7 @@ def plan_reasons(graph: Graph, plan: Plan, simulation: Simulation) -> pd.DataFra
     copies = _copies(events)
     waits = _waits(graph, events, copies)
     rebuilds = _rebuilds(graph, plan, simulation)
+    rerun_by = _rerun_modules(graph, plan)
     per_mib = [seconds / (graph.tensors[t].nbytes / MIB) for t, seconds in rebuilds.items() if graph.tensors[t].nbytes]
     median_per_mib = float(np.median(per_mib)) if per_mib else 0.0
     rows = []
@@ -50,7 +52,8 @@ def plan_reasons(graph: Graph, plan: Plan, simulation: Simulation) -> pd.DataFra
         rebuild_s = rebuilds.get(t.id, np.nan) if isinstance(action, Recompute) else np.nan
         rows.append({"tensor": t.name, "id": t.id, "module": t.module, "category": t.category, "nbytes": t.nbytes,
                      "action": _action_name(action),
-                     "reason": _reason(t, action, plan, simulation, copy_s, waited_s, rebuild_s, median_per_mib),
+                     "reason": _reason(t, action, plan, simulation, copy_s, waited_s, rebuild_s, median_per_mib)
+                     + (f", by calling its {rerun_by[t.id]} again" if t.id in rerun_by else ""),
                      "copy_s": copy_s, "waited_s": waited_s, "rebuild_s": rebuild_s})
     frame = pd.DataFrame(rows, columns=PLAN_REASON_COLUMNS)
     frame.attrs.update(model=graph.model_name, policy=plan.policy, budget_bytes=plan.budget_bytes,
@@ -107,6 +110,13 @@ def _waits(graph: Graph, events: pd.DataFrame, copies: dict[str, float]) -> dict
             if name in by_name and name in prefetched.index and prefetched[name] >= stall["end_s"] - 1e-12:
                 waits[tensor_id] = waits.get(tensor_id, 0.0) + float(stall["end_s"] - stall["start_s"])
     return waits
+
+
+def _rerun_modules(graph: Graph, plan: Plan) -> dict[int, str]:
+    """Recomputed tensor id -> the class of the module call the runtime re-runs for it (NOTE [hook points] 7)."""
+    reruns = plan.reruns_in(graph)
+    return {t: graph.hook_events[enter].node for recompute, enter in zip(plan.recomputes, reruns)
+            if enter != NOT_RERUN for t in recompute.tensors}
 
 
 def _rebuilds(graph: Graph, plan: Plan, simulation: Simulation) -> dict[int, float]:
