@@ -49,9 +49,10 @@ from udnn_lab.errors import PlanInfeasible  # noqa: E402
 from udnn_lab.hardware.host_probes import host_probes  # noqa: E402
 
 TARGET = 0.03
-# GPT-2 without its key and value cache: a training step never reads it, and transformers' own gradient
-# checkpointing, the peer below, turns it off. Without it, transformers checks the attention mask's values, which
-# fake tensors cannot: every step here is traced as it runs (ul.trace(..., fake=False)), as ul.profile measures it
+# GPT-2 without its key and value cache: a training step never reads it, transformers' own gradient checkpointing
+# (the peer below) passes its blocks none, and a block that takes a cache is not re-run. Without it, transformers
+# checks the attention mask's values, which fake tensors cannot: every step here is traced as it runs
+# (ul.trace(..., fake=False)), as ul.profile measures it
 WORKLOADS = [("resnet50", {"batch": 2, "image_size": 64}), ("transformer", {"batch": 2}),
              ("hf:gpt2", {"batch": 2, "small": True, "seq_len": 64, "config_overrides": {"use_cache": False}})]
 QUICK_WORKLOADS = [("resnet18", {"batch": 16, "image_size": 32})]
