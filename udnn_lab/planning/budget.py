@@ -107,8 +107,8 @@ def _one_op_floor(graph: Graph, minimum: int) -> str:
     return (f"; op {at} ({op.name}, in {op.module or 'the model'}) alone reads and writes {format_bytes(working)} "
             f"at once, beside {format_bytes(int(fixed[at]))} of weights, gradients and optimizer state and "
             f"{format_bytes(held)} the training loop holds (the output, the loss), and all of it is on the device "
-            "while the op runs, which no offload or recomputation changes: a smaller micro-batch or sequence "
-            "length lowers it (gradient accumulation keeps the batch)")
+            "while the op runs, which no offload or recomputation changes: a smaller micro-batch or input (fewer "
+            "tokens, smaller images) lowers it (gradient accumulation keeps the batch)")
 
 
 def check_within_device(budget_bytes: int | None, hardware: Hardware) -> None:
