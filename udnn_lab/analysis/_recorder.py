@@ -452,13 +452,13 @@ class StepRecorder(TorchDispatchMode):
             self.calls.append(call)
 
 
-_PLAIN = (torch.Tensor, type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.Size, slice)
+PLAIN_TYPES = (torch.Tensor, type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.Size, slice)
 
 
 def plain_values(arguments: Any) -> bool:
     """Whether ``arguments`` hold only tensors and plain values (in tuples, lists and dicts): nothing a module's
     forward could change in place other than a tensor, like a cache object (NOTE [hook points] 7)."""
-    return all(isinstance(leaf, _PLAIN) for leaf in tree_flatten(arguments)[0])
+    return all(isinstance(leaf, PLAIN_TYPES) for leaf in tree_flatten(arguments)[0])
 
 
 def process_group(func, args: tuple, kwargs: dict) -> dist.ProcessGroup | None:

@@ -3,8 +3,8 @@
 ``record_real_step`` runs one training step on real tensors under the recorder and returns its Graph (the
 tracer's own rules: which ops are recorded, NOTE [storage lifetimes]). ``records_op`` says whether an op is
 one the Graph counts, so that a runtime following a plan numbers ops as the plan does. ``flat_tensors``,
-``is_distributed``, ``resized_storages`` and ``plain_values`` read tensors out of arguments and models as the
-recorder does;
+``is_distributed``, ``resized_storages`` and ``plain_values`` (with ``PLAIN_TYPES``) read tensors out of
+arguments and models as the recorder does;
 ``HOST_NOTE_START`` and ``with_host_note`` write and find a graph's note on host memory (NOTE [host storages]).
 """
 
@@ -17,7 +17,7 @@ import torch
 
 from udnn_lab.analysis._fake.memo import flat_tensors
 from udnn_lab.analysis._host import HOST_NOTE_START, with_host_note
-from udnn_lab.analysis._recorder import StepRecorder, plain_values, records_op
+from udnn_lab.analysis._recorder import PLAIN_TYPES, StepRecorder, plain_values, records_op
 from udnn_lab.analysis._recording import graph_from_recording, record_step
 from udnn_lab.analysis._sharded import is_distributed, resized_storages
 from udnn_lab.graph.step_graph import Graph
@@ -39,5 +39,5 @@ def record_real_step(model: torch.nn.Module, args: tuple, kwargs: dict, *, targe
     return graph_from_recording(recorder, name, device_type, fake=False)
 
 
-__all__ = ["HOST_NOTE_START", "flat_tensors", "is_distributed", "plain_values", "record_real_step", "records_op",
-           "resized_storages", "with_host_note"]
+__all__ = ["HOST_NOTE_START", "PLAIN_TYPES", "flat_tensors", "is_distributed", "plain_values", "record_real_step",
+           "records_op", "resized_storages", "with_host_note"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from udnn_lab.graph.cached import per_graph
 from udnn_lab.graph.step_graph import Graph, HookEvent, writes_in_place
 from udnn_lab.vocabulary import COLLECTIVE_NAMESPACES
 
@@ -28,10 +29,15 @@ def module_reruns(graph: Graph, recomputes: tuple) -> tuple[int, ...]:
     events = graph.hook_events
     if not events or not recomputes:
         return ()
-    spans = call_spans(events)
-    points = {event.boundary for event in events}
+    spans, points = _calls_and_points(graph)
     found = tuple(_rerun_of(graph, recompute, spans, points) for recompute in recomputes)
     return found if any(enter != NOT_RERUN for enter in found) else ()
+
+
+@per_graph
+def _calls_and_points(graph: Graph) -> tuple[dict[tuple[int, int], list[tuple[int, int]]], frozenset[int]]:
+    """The graph's module call spans and hook points: the same for every plan a planner simulates on it."""
+    return call_spans(graph.hook_events), frozenset(event.boundary for event in graph.hook_events)
 
 
 def call_spans(events: tuple[HookEvent, ...]) -> dict[tuple[int, int], list[tuple[int, int]]]:
@@ -72,7 +78,7 @@ def rerun_call(events: tuple[HookEvent, ...], enter: int, tensors: tuple[int, ..
     return RerunCall(enter, exit_, packs, restores)
 
 
-def _rerun_of(graph: Graph, recompute, spans: dict, points: set[int]) -> int:
+def _rerun_of(graph: Graph, recompute, spans: dict, points: frozenset[int]) -> int:
     first, last = recompute.ops[0], recompute.ops[-1]
     if recompute.ops != tuple(range(first, last + 1)) or recompute.at_op not in points:
         return NOT_RERUN

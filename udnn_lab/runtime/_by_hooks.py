@@ -22,7 +22,7 @@ class HookStep(Step):
     by_hook_events = True
 
     def __init__(self, runtime: Owner, events: HookSchedule) -> None:
-        super().__init__(runtime)
+        super().__init__(runtime, events.reruns)
         self.events = events
         self._recorder = OpMode(self.on_recorded_op) if self.plan.recomputes else None
         self._recording = False  # the recorder is on (NOTE [hook points] 6)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from itertools import accumulate
+from types import MappingProxyType
 
 import torch
 
 from udnn_lab.errors import PlanMismatch
 from udnn_lab.graph.hook_points import saved_tensor_windows, seen_in_windows
 from udnn_lab.graph.plan_ir import other_step
+from udnn_lab.graph.reruns import RerunCall
 from udnn_lab.graph.step_graph import HookEvent
 
 WHOLE_STEP = "the whole step"
@@ -27,8 +29,9 @@ class HookSchedule:
 
     def __init__(self, events: tuple[HookEvent, ...], acting: set[int], op_families: tuple[str, ...],
                  planned: Collection[int] = (), recording: tuple[tuple[int, int], ...] = (),
-                 reruns: tuple[tuple[int, int, int], ...] = ()) -> None:
+                 reruns: Mapping[int, RerunCall] = MappingProxyType({})) -> None:
         self.op_families = op_families
+        self.reruns = reruns  # recomputation -> the module call it re-runs (NOTE [hook points] 7)
         self.seen = 0
         windows = saved_tensor_windows(events, acting, planned)
         self.whole_step = windows is None  # hooks in force from start to finish
@@ -54,8 +57,8 @@ class HookSchedule:
         # recomputation (NOTE [hook points] 7)
         positions = list(accumulate(shown, initial=-1))[1:]  # module calls are always shown
         self.rerun_calls: dict[int, int] = {}
-        for enter, exit_, recompute in reruns:
-            self.rerun_calls[positions[enter]] = self.rerun_calls[positions[exit_]] = recompute
+        for recompute, call in reruns.items():
+            self.rerun_calls[positions[call.enter]] = self.rerun_calls[positions[call.exit]] = recompute
         self.triggers = _triggers(self.events, acting)  # position -> the boundary it stands for
         self.last_trigger = max(self.triggers, default=-1)
 

@@ -9,7 +9,7 @@ import weakref
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from udnn_lab.analysis.recording import plain_values
+from udnn_lab.analysis.recording import PLAIN_TYPES
 from udnn_lab.errors import ReplayError
 from udnn_lab.graph.plan_ir import Plan, Recompute, other_step
 from udnn_lab.graph.reruns import NOT_RERUN, RUNNING_STATISTICS, RerunCall, rerun_call
@@ -50,7 +50,7 @@ class ModuleRerun:
     def exited(self, args: tuple, kwargs: dict) -> None:
         """At the call's 'exit': its arguments, detached as they required grad, with their versions."""
         leaves, spec = tree_flatten((args, kwargs))
-        if not plain_values(leaves):
+        if not all(isinstance(leaf, PLAIN_TYPES) for leaf in leaves):
             module = type(self.module).__name__
             raise other_step(f"this step is not the one the plan was made for: {module} takes an argument that is "
                              "neither a tensor nor a plain value (a cache?) where the traced step's did not, so the "

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
+from collections.abc import Mapping
 from functools import partial
+from types import MappingProxyType
 
 import torch
 
@@ -17,10 +19,11 @@ from udnn_lab.analysis.recording import flat_tensors, records_op
 from udnn_lab.analysis.step import view_replay
 from udnn_lab.errors import PlanMismatch
 from udnn_lab.graph.plan_ir import Offload, Recompute, TensorSite, other_step
+from udnn_lab.graph.reruns import RerunCall
 from udnn_lab.graph.step_graph import op_family
 from udnn_lab.runtime._copies import Copies
 from udnn_lab.runtime._replay import Replay, per_op_kind, recorded_call
-from udnn_lab.runtime._rerun import ModuleRerun, rerun_calls
+from udnn_lab.runtime._rerun import ModuleRerun
 from udnn_lab.runtime._slots import (
     Handle,
     Kept,
@@ -45,7 +48,7 @@ class Step:
 
     by_hook_events = False  # how the subclass follows the step: by hook calls, or op by op
 
-    def __init__(self, runtime: Owner) -> None:
+    def __init__(self, runtime: Owner, reruns: Mapping[int, RerunCall] = MappingProxyType({})) -> None:
         self.runtime, plan = runtime, runtime.plan
         assert plan is not None  # a runtime makes steps only when enabled, and it is enabled only with a plan
         self.plan = plan
@@ -71,11 +74,10 @@ class Step:
         self.replay_at: dict[int, list[Replay | ModuleRerun]] = {}
         self.recording: dict[int, list[Replay]] = {}
         self.reruns: dict[int, ModuleRerun] = {}  # recomputation -> its module call's re-run (NOTE [hook points] 7)
-        calls = rerun_calls(plan) if self.by_hook_events else {}
         for index, recompute in enumerate(plan.recomputes):
             replay: Replay | ModuleRerun
-            if index in calls:
-                replay = self.reruns[index] = ModuleRerun(recompute, calls[index], plan.hook_events)
+            if index in reruns:
+                replay = self.reruns[index] = ModuleRerun(recompute, reruns[index], plan.hook_events)
                 for tensor in recompute.tensors:
                     self.slots[tensor].replay = replay
             else:

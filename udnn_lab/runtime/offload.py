@@ -138,8 +138,7 @@ class OffloadRuntime:
         schedule = self.hook_schedule()
         if schedule is None:
             return "op by op (a dispatch mode)"
-        assert self.plan is not None  # enabled only with a plan
-        reruns = len(rerun_calls(self.plan))
+        reruns = len(schedule.reruns)
         again = f"{reruns} module call{'' if reruns == 1 else 's'} re-run, " if reruns else ""
         return f"by module and saved-tensor hooks ({again}{schedule.windows})"
 
@@ -149,9 +148,8 @@ class OffloadRuntime:
         if self._schedule is None and plan is not None and plan.hook_events:
             acting, planned = plan.hook_actions()
             if (plan.recording or plan.reruns or not plan.recomputes) and HookSchedule.covers(plan.hook_events, acting):
-                reruns = tuple((call.enter, call.exit, index) for index, call in rerun_calls(plan).items())
                 self._schedule = HookSchedule(plan.hook_events, acting, plan.op_families, planned, plan.recording,
-                                              reruns)
+                                              rerun_calls(plan))
         if self._schedule is not None:
             self._schedule.seen = 0
         return self._schedule
