@@ -9,19 +9,22 @@ import torch
 from udnn_lab.errors import UnmeasuredFigureWarning
 from udnn_lab.hardware import Hardware
 from udnn_lab.hardware import host_probes as host_probes_module
-from udnn_lab.hardware.host_probes import host_probes, step_probes
-from udnn_lab.runtime._host_probe import _two_unknowns, runtime_host_figures, step_host_figures
+from udnn_lab.hardware.host_probes import ProbedStep, host_probes, step_probes
+from udnn_lab.runtime._host_probe import runtime_host_figures, two_unknowns
+from udnn_lab.runtime._step_probes import step_hook_figures, step_replay_figures
 from udnn_lab.zoo import get as zoo_get
 
 
 def test_the_probe_is_registered_when_the_runtime_is_imported():
-    assert runtime_host_figures in host_probes() and step_host_figures in step_probes()
+    assert runtime_host_figures in host_probes()
+    assert {step_replay_figures, step_hook_figures} <= set(step_probes())
 
 
 def test_the_step_probe_measures_a_replay_on_the_steps_own_forward():
     torch.set_num_threads(1)
     work = zoo_get("mlp3", batch=4)
-    measured = step_host_figures(lambda: work.model(work.example_input), torch.device("cpu"), 2)
+    step = ProbedStep(lambda: work.model(work.example_input), lambda: None, None, torch.device("cpu"))
+    measured = step_replay_figures(step, 2)
     assert set(measured.figures) == {"replay_op_s"} and 0 < measured.figures["replay_op_s"] < 1e-2
     assert "this step's" in measured.source
 
@@ -29,7 +32,7 @@ def test_the_step_probe_measures_a_replay_on_the_steps_own_forward():
 def test_a_step_probe_that_fails_leaves_the_profiles_figure_unmeasured_and_says_why(monkeypatch):
     import udnn_lab as ul
 
-    def broken(forward, device, repeats):
+    def broken(step, repeats):
         raise RuntimeError("a view of another dtype")
 
     monkeypatch.setattr(host_probes_module, "_STEP_PROBES", {"broken": broken})
@@ -48,9 +51,9 @@ def test_the_probe_measures_hook_calls_offloads_and_replays_on_this_cpu():
 
 
 def test_two_unknowns_are_solved_and_never_negative():
-    assert _two_unknowns((100, 1, 100 * 5e-6 + 30e-6), (200, 40, 200 * 5e-6 + 40 * 30e-6)) == \
+    assert two_unknowns((100, 1, 100 * 5e-6 + 30e-6), (200, 40, 200 * 5e-6 + 40 * 30e-6)) == \
         pytest.approx((5e-6, 30e-6), rel=1e-9)
-    a, b = _two_unknowns((100, 1, 1e-3), (200, 40, 1.1e-3))  # more offloads, hardly more time: noise
+    a, b = two_unknowns((100, 1, 1e-3), (200, 40, 1.1e-3))  # more offloads, hardly more time: noise
     assert a >= 0 and b >= 0 and (a, b) != (0.0, 0.0)
 
 
@@ -74,7 +77,7 @@ def test_a_probe_that_fails_leaves_its_figures_unmeasured_and_says_why(monkeypat
 
 
 def test_the_step_probe_keeps_to_its_time_once_it_has_three_rounds():
-    from udnn_lab.runtime._host_probe import _replay_op_s
+    from udnn_lab.runtime._host_probe import replay_op_s_on
 
     calls = []
     layer = torch.nn.Linear(8, 8)
@@ -84,6 +87,6 @@ def test_the_step_probe_keeps_to_its_time_once_it_has_three_rounds():
         calls.append(1)
         return layer(x).relu()
 
-    _, ops = _replay_op_s(forward, torch.device("cpu"), rounds=50, limit_s=0.0)
+    _, ops = replay_op_s_on(forward, torch.device("cpu"), rounds=50, limit_s=0.0)
     assert ops == 3  # t, addmm, relu
     assert len(calls) == 3 * (2 + 3)  # two warm-up rounds, three measured: recorded, passed through, plain

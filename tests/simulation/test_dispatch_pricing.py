@@ -113,6 +113,18 @@ def test_the_profiled_steps_own_replay_figure_comes_first():
     assert CostModel(dataclasses.replace(CPU, replay_op_s=None)).replay_op_s == 0.0
 
 
+def test_the_profiled_steps_own_hook_call_figure_comes_first():
+    """NOTE [host probes] 4: a hook call's host time is the profiled step's where it was measured there."""
+    from udnn_lab.cost.model import CostModel
+
+    hardware = dataclasses.replace(CPU, hook_call_s=5e-6)
+    measured = ul.profile(zoo.get("mlp3", batch=4), repeats=2)
+    assert measured.hook_call_s is None or 0 < measured.hook_call_s < 1e-3
+    assert CostModel(hardware, dataclasses.replace(measured, hook_call_s=9e-6)).hook_call_s == 9e-6
+    assert CostModel(hardware, dataclasses.replace(measured, hook_call_s=None)).hook_call_s == 5e-6
+    assert CostModel(dataclasses.replace(CPU, hook_call_s=None)).hook_call_s == 0.0
+
+
 def test_a_planner_sees_the_price_of_a_dispatch_mode():
     """Behind a slow link auto recomputes; once seeing the recorded ops through a dispatch mode costs more than
     the copies, it offloads (a plan followed by its hooks alone) instead."""

@@ -27,14 +27,17 @@ from udnn_lab.workload import DEFAULT_STEP, StepOptions
 def record_real_step(model: torch.nn.Module, args: tuple, kwargs: dict, *, target: Any, loss_fn: Callable | None,
                      optimizer: torch.optim.Optimizer | None, name: str, device_type: str,
                      options: StepOptions = DEFAULT_STEP, scaler: torch.amp.GradScaler | None = None,
-                     runtime: Any = None, after_op: Callable[[], None] | None = None) -> Graph:
+                     runtime: Any = None, after_op: Callable[[], None] | None = None,
+                     track_saved: bool = False) -> Graph:
     """One real training step, recorded: its Graph (``fake=False``), named ``name`` on ``device_type``.
 
     ``runtime``: an OffloadRuntime the step runs under; ``after_op``: called after each recorded op (to read the
-    CUDA allocator's counters). ``options`` and ``scaler``: as ``run_step`` takes them.
+    CUDA allocator's counters). ``options`` and ``scaler``: as ``run_step`` takes them. ``track_saved``: record
+    what autograd saves and the module and saved-tensor hook calls, as ``trace`` does (a plan can then be made
+    for the Graph and followed by hooks).
     """
     recorder = StepRecorder(after_op=after_op)
-    record_step(recorder, model, args, kwargs, target, loss_fn, optimizer, track_saved=False, runtime=runtime,
+    record_step(recorder, model, args, kwargs, target, loss_fn, optimizer, track_saved=track_saved, runtime=runtime,
                 options=options, scaler=scaler)
     return graph_from_recording(recorder, name, device_type, fake=False)
 

@@ -178,8 +178,13 @@ class CostModel:
 
     @property
     def hook_call_s(self) -> float:
-        """Host seconds the runtime spends per hook call it handles (NOTE [simulated streams] 6); 0: not measured."""
-        return self.hardware.hook_call_s or 0.0
+        """Host seconds the runtime spends per hook call it handles (NOTE [simulated streams] 6): the profiled step's
+        own figure where there is one (NOTE [host probes] 4), else the hardware profile's; 0 where neither was
+        measured."""
+        measured = self.profile.hook_call_s if self.profile is not None else None
+        if measured is None:
+            measured = self.hardware.hook_call_s
+        return measured or 0.0
 
     @property
     def offload_action_s(self) -> float:

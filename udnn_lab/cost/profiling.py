@@ -6,7 +6,7 @@ around each op on a CPU (where ops run synchronously), taken over ``repeats`` st
 after ``warmup`` steps; the median of each op is kept. Plain steps are also timed,
 so the framework's cost between ops (Python, autograd) is known: ``overhead_per_op_s``; and steps under a
 pass-through dispatch mode, so what following this step op by op costs is known: ``dispatch_mode_op_s``;
-and the probes the later stages register measure their host work on this step's forward (``replay_op_s``:
+and the probes the later stages register measure their host work on this step (``replay_op_s``, ``hook_call_s``:
 NOTE [host probes] 4).
 """
 
@@ -42,7 +42,7 @@ from udnn_lab.devices import device_name, model_device
 from udnn_lab.errors import TraceMismatch, UnmeasuredFigureWarning
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware import PassThroughMode
-from udnn_lab.hardware.host_probes import step_probes
+from udnn_lab.hardware.host_probes import ProbedStep, step_probes
 from udnn_lab.units import format_seconds
 from udnn_lab.workload import StepOptions, Workload, as_workload, check_one_process
 
@@ -74,6 +74,9 @@ class Profile:
     # host seconds a recomputation adds to each op it records and re-runs, measured on this step's forward by the
     # runtime's step probe (NOTE [host probes] 4); None: not measured
     replay_op_s: float | None = None
+    # host seconds the runtime spends per module or saved-tensor hook call it handles, measured on this step by the
+    # runtime's step probe (NOTE [host probes] 4); None: not measured, or not above the step's own variation
+    hook_call_s: float | None = None
     # per op, the most bytes the caching allocator held while the op ran beyond what it held before and after it
     # (a library's scratch: cuDNN's convolution workspaces), the largest over the timed steps; CUDA only, None
     # elsewhere (NOTE [op scratch])
@@ -183,7 +186,7 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         ensure_optimizer_state(work.optimizer)
         graph = record_real_step(work.model, args, kwargs, target=target, loss_fn=work.loss_fn,
                                  optimizer=work.optimizer, name=work.name, device_type=where.type,
-                                 options=work.step_options, scaler=scaler)
+                                 options=work.step_options, scaler=scaler, track_saved=True)  # for the probes
         timed = [_timed_step(work.model, args, kwargs, step, where, graph) for _ in range(repeats)]
         per_op = [seconds for seconds, _ in timed]
         scratch = tuple(int(max(column)) for column in zip(*(bytes_ for _, bytes_ in timed))) \
@@ -193,7 +196,9 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         for _ in range(repeats):  # in turn, so that a change in the machine's load hits both alike
             host.append(_host_step(work.model, args, kwargs, step, where, None))
             moded.append(_host_step(work.model, args, kwargs, step, where, PassThroughMode()))
-        stepped = _step_figures(lambda: _forward(work.model, args, kwargs, work.step_options, where), where, repeats)
+        probed = ProbedStep(forward=lambda: _forward(work.model, args, kwargs, work.step_options, where),
+                            run=lambda: run_step(work.model, args, kwargs, **step), graph=graph, device=where)
+        stepped = _step_figures(probed, repeats)
     times = np.array(per_op)
     return Profile(
         model_name=work.name, device=where.type, device_name=device_name(where), torch_version=torch.__version__,
@@ -204,7 +209,7 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         time_s=tuple(float(v) for v in np.median(times, axis=0)), time_min_s=tuple(float(v) for v in times.min(axis=0)),
         repeats=repeats, step_time_s=statistics.median(plain), threads=torch.get_num_threads(),
         dispatch_mode_op_s=max(0.0, statistics.median(moded) - statistics.median(host)) / max(len(graph.ops), 1),
-        replay_op_s=stepped.get("replay_op_s"), scratch_bytes=scratch,
+        replay_op_s=stepped.get("replay_op_s"), hook_call_s=stepped.get("hook_call_s"), scratch_bytes=scratch,
     )
 
 
@@ -213,13 +218,13 @@ def _forward(model: torch.nn.Module, args: tuple, kwargs: dict, options: StepOpt
         model(*args, **kwargs)
 
 
-def _step_figures(forward: Callable[[], Any], where: torch.device, repeats: int) -> dict[str, float]:
-    """What the registered step probes measure on this step's forward (NOTE [host probes] 4); a probe that fails
-    leaves its figures out, with a warning naming the error."""
+def _step_figures(step: ProbedStep, repeats: int) -> dict[str, float]:
+    """What the registered step probes measure on this step (NOTE [host probes] 4); a probe that fails leaves its
+    figures out, with a warning naming the error."""
     figures: dict[str, float] = {}
     for probe in step_probes():
         try:
-            figures.update(probe(forward, where, repeats).figures)
+            figures.update(probe(step, repeats).figures)
         except Exception as err:  # noqa: BLE001 - any failure of a probe leaves only its figures unmeasured
             warnings.warn(f"a step probe could not measure this step ({type(err).__name__}: {err}): the cost model "
                           "uses the machine's figures for what it measures", UnmeasuredFigureWarning, stacklevel=3)

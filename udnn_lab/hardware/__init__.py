@@ -4,7 +4,7 @@ May import: devices, units, errors and vocabulary.
 """
 
 from udnn_lab.hardware._dispatch_probe import PassThroughMode
-from udnn_lab.hardware.host_probes import HostFigures, register_host_probe, register_step_probe
+from udnn_lab.hardware.host_probes import HostFigures, ProbedStep, register_host_probe, register_step_probe
 from udnn_lab.hardware.profiles import Hardware, HardwareMismatchWarning, HardwareProfileError, UnknownHardwareError
 from udnn_lab.hardware.this_machine import (
     CACHE_VARIABLE,
@@ -18,6 +18,6 @@ from udnn_lab.hardware.this_machine import (
 )
 
 __all__ = ["CACHE_VARIABLE", "CHOICES", "HARDWARE_VARIABLE", "Hardware", "HardwareMismatchWarning",
-           "HardwareProfileError", "HostFigures", "MachineDevice", "PassThroughMode", "PREDICTED_DEVICE",
+           "HardwareProfileError", "HostFigures", "MachineDevice", "PassThroughMode", "PREDICTED_DEVICE", "ProbedStep",
            "ShippedProfileWarning", "UnknownHardwareError", "cache_dir", "machine_hardware", "register_host_probe",
            "register_step_probe"]

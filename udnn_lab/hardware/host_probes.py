@@ -14,11 +14,15 @@ NOTE [host probes]
      ``ul.simulate``, ``ul.plan``, ...), so a profile measured through it has them.
   3. A probe that fails leaves its figures None with an UnmeasuredFigureWarning naming the
      error: the rest of the profile, measured by this stage, is kept.
-  4. A figure that depends on the step as much as on the machine (a replay's host time per op
-     grows with its ops' arguments and outputs) is measured on the profiled step too: the
-     runtime registers a step probe (``register_step_probe``) that ``ul.profile`` runs on the
-     step's own forward; the cost model prefers the profile's figure to the machine's, as it
-     does for ``dispatch_mode_op_s``. It fails as in 3, leaving the profile's figure None.
+  4. A figure that depends on the step as much as on the machine is measured on the profiled
+     step too: a replay's host time per op grows with its ops' arguments and outputs, a hook
+     call's with the modules' (a module hook is handed every argument; a model of many small
+     modules called with keywords pays twice what a network of convolutions does). The runtime
+     registers step probes (``register_step_probe``) that ``ul.profile`` runs on the step
+     itself (``ProbedStep``: its forward, the whole step, its Graph); the cost model prefers the
+     profile's figure to the machine's, as it does for ``dispatch_mode_op_s``. A probe fails as
+     in 3, leaving the profile's figure None; a probe whose figure does not show above the
+     step's own variation (a long step, few hook calls) returns none, and the machine's stands.
 """
 
 from __future__ import annotations
@@ -52,8 +56,18 @@ def host_probes() -> tuple[HostProbe, ...]:
     return tuple(_PROBES.values())
 
 
-# (the step's forward, as the step runs it; its device; repeats) -> figures on that forward (NOTE [host probes] 4)
-StepProbe = Callable[[Callable[[], Any], torch.device, int], HostFigures]
+@dataclass(frozen=True)
+class ProbedStep:
+    """The profiled step as a step probe may run it (NOTE [host probes] 4)."""
+
+    forward: Callable[[], Any]  # its forward, as the step runs it (precision included)
+    run: Callable[[], Any]  # the whole step as it was recorded: forward, loss, backward, the optimizer's step
+    graph: Any  # that step's Graph, recorded on real tensors with its hook events (graph/ is not imported here)
+    device: torch.device
+
+
+# (the step, repeats) -> figures measured on it (NOTE [host probes] 4)
+StepProbe = Callable[[ProbedStep, int], HostFigures]
 _STEP_PROBES: dict[str, StepProbe] = {}
 
 

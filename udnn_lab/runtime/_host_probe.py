@@ -11,8 +11,8 @@ argument lists of a real network, on inputs too small to take time), medians aga
   mode passing the ops through, and re-runs it, against the same forward under ``no_grad``; the two
   differences over the ops recorded.
 
-``step_host_figures`` measures ``replay_op_s`` the same way on a profiled step's own forward
-(NOTE [host probes] 4): per op, a replay costs more where ops take more arguments and outputs.
+The step probes (``_step_probes``) measure ``replay_op_s`` and ``hook_call_s`` the same ways on the profiled
+step itself (NOTE [host probes] 4).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 
 from udnn_lab.analysis import trace
 from udnn_lab.errors import PlanError
-from udnn_lab.graph import Graph, Offload, Plan, Recompute
+from udnn_lab.graph import Graph, Offload, Plan, Recompute, TensorInfo
 from udnn_lab.hardware import HostFigures, PassThroughMode
 from udnn_lab.runtime._replay import Replay, per_op_kind, recorded_call
 from udnn_lab.runtime._slots import OpMode
@@ -36,7 +36,6 @@ from udnn_lab.runtime.offload import OffloadRuntime
 from udnn_lab.vocabulary import traced_op
 
 _BLOCKS = 8
-STEP_PROBE_S = 3.0  # what the step probe may take, once it has three rounds (NOTE [host probes] 4)
 
 
 class _Residual(torch.nn.Module):
@@ -56,20 +55,21 @@ def runtime_host_figures(device: torch.device, repeats: int, measured: Mapping[s
     """The runtime's host figures on ``device`` (module docstring); ``measured``: the profile's figures so far."""
     network, x = _Residual().to(device), torch.randn(2, 4, 4, 4, device=device)
     graph = trace(network, x)
-    one, every = _offload_plans(graph)
+    one, every = offload_plans(graph)
     runtimes = {"one": OffloadRuntime(one), "every": OffloadRuntime(every)}
     try:
         contexts: dict[str, Callable[[], Any]] = {"eager": nullcontext}
-        contexts.update({name: partial(_same, runtime) for name, runtime in runtimes.items()})
-        seconds = _interleaved(network, x, contexts, repeats)
+        contexts.update({name: partial(itself, runtime) for name, runtime in runtimes.items()})
+        seconds = {name: statistics.median(values) for name, values in
+                   interleaved(lambda: _step(network, x), x.device, contexts, max(repeats, 5) * 4 + 2).items()}
     finally:
         for runtime in runtimes.values():
             runtime.release()
     calls = {name: sum(plan.hook_calls(graph).values()) for name, plan in (("one", one), ("every", every))}
-    hook_call_s, offload_action_s = _two_unknowns(
+    hook_call_s, offload_action_s = two_unknowns(
         (calls["one"], len(one.offloads), seconds["one"] - seconds["eager"]),
         (calls["every"], len(every.offloads), seconds["every"] - seconds["eager"]))
-    replay_op_s, recorded = _replay_op_s(lambda: network(x), x.device, max(repeats, 5) * 4 + 2)
+    replay_op_s, recorded = replay_op_s_on(lambda: network(x), x.device, max(repeats, 5) * 4 + 2)
     return HostFigures(
         {"hook_call_s": hook_call_s, "offload_action_s": offload_action_s, "replay_op_s": replay_op_s},
         f"the runtime's host probe: an {_BLOCKS}-block residual network's step followed by hooks offloading one "
@@ -78,26 +78,13 @@ def runtime_host_figures(device: torch.device, repeats: int, measured: Mapping[s
         "a forward without grad")
 
 
-def _same(runtime: OffloadRuntime) -> OffloadRuntime:
+def itself(runtime: OffloadRuntime) -> OffloadRuntime:
     return runtime
 
 
-def _offload_plans(graph: Graph) -> tuple[Plan, Plan]:
+def offload_plans(graph: Graph) -> tuple[Plan, Plan]:
     """Two located plans followed by hooks: one saved activation offloaded, and every one that can be."""
-    offloads = []
-    for tensor in graph.tensors:
-        if tensor.category != "feature_map" or not tensor.saved or tensor.first_backward_use is None \
-                or tensor.producer is None:
-            continue
-        last = tensor.last_forward_use if tensor.last_forward_use is not None else tensor.alloc_step
-        offload = Offload(tensor.id, after_op=last, prefetch_at=tensor.first_backward_use - 1)
-        alone = Plan("probe", graph.fingerprint, offloads=(offload,))
-        try:
-            alone.validate(graph)
-        except PlanError:
-            continue
-        if not alone.followed_op_by_op(graph):
-            offloads.append(offload)
+    offloads = [offload for tensor in graph.tensors if (offload := offload_by_hooks(graph, tensor)) is not None]
     plans = tuple(Plan("probe", graph.fingerprint, offloads=chosen).located(graph)
                   for chosen in ((offloads[len(offloads) // 2],), tuple(offloads))) if offloads else ()
     if not plans or any(plan.followed_op_by_op(graph) for plan in plans):
@@ -106,25 +93,44 @@ def _offload_plans(graph: Graph) -> tuple[Plan, Plan]:
     return plans[0], plans[1]
 
 
-def _interleaved(network: torch.nn.Module, x: torch.Tensor, contexts: Mapping[str, Callable[[], Any]],
-                 repeats: int) -> dict[str, float]:
-    """Median host seconds of a step under each context, taken in turn."""
+def offload_by_hooks(graph: Graph, tensor: TensorInfo) -> Offload | None:
+    """An offload of a saved activation from its last use in forward to its first in backward, where a plan of it
+    alone is valid and followed by hooks; None elsewhere."""
+    if tensor.category != "feature_map" or not tensor.saved or tensor.first_backward_use is None \
+            or tensor.producer is None:
+        return None
+    last = tensor.last_forward_use if tensor.last_forward_use is not None else tensor.alloc_step
+    offload = Offload(tensor.id, after_op=last, prefetch_at=tensor.first_backward_use - 1)
+    alone = Plan("probe", graph.fingerprint, offloads=(offload,))
+    try:
+        alone.validate(graph)
+    except PlanError:
+        return None
+    return None if alone.followed_op_by_op(graph) else offload
+
+
+def interleaved(step: Callable[[], Any], device: torch.device, contexts: Mapping[str, Callable[[], Any]],
+                rounds: int, limit_s: float | None = None) -> dict[str, list[float]]:
+    """Host seconds of ``step`` under each context, taken in turn for ``rounds`` less two (warm-up); ``limit_s``:
+    fewer rounds (three measured at least) once that long has passed."""
     times: dict[str, list[float]] = {name: [] for name in contexts}
-    for index in range(max(repeats, 5) * 4 + 2):
+    started = time.perf_counter()
+    for index in range(rounds):
+        if limit_s is not None and index >= 5 and time.perf_counter() - started > limit_s:
+            break
         for name, context in contexts.items():
-            seconds = _host_seconds(lambda: _step(network, x, context()), x.device)
+            seconds = host_seconds(lambda: under(step, context()), device)
             if index >= 2:  # warm-up
                 times[name].append(seconds)
-    return {name: statistics.median(values) for name, values in times.items()}
+    return times
 
 
-def _step(network: torch.nn.Module, x: torch.Tensor, context) -> None:
+def _step(network: torch.nn.Module, x: torch.Tensor) -> None:
     network.zero_grad(set_to_none=True)
-    with context:
-        network(x).sum().backward()
+    network(x).sum().backward()
 
 
-def _host_seconds(work: Callable[[], Any], device: torch.device) -> float:
+def host_seconds(work: Callable[[], Any], device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
@@ -132,7 +138,7 @@ def _host_seconds(work: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - start  # host time: a GPU runs these tiny kernels faster than they are issued
 
 
-def _two_unknowns(first: tuple[int, int, float], second: tuple[int, int, float]) -> tuple[float, float]:
+def two_unknowns(first: tuple[int, int, float], second: tuple[int, int, float]) -> tuple[float, float]:
     """(a, b) with ``calls x a + offloads x b = seconds`` for both, neither below 0: noise can make one negative,
     and then the other alone explains both steps as well as it can."""
     (c1, k1, s1), (c2, k2, s2) = first, second
@@ -166,7 +172,7 @@ class _Recording(OpMode):
         return recorded_call((self.replay,), func, args, kwargs, lambda _: self.device)
 
 
-def _replay_op_s(forward: Callable[[], Any], device: torch.device, rounds: int,
+def replay_op_s_on(forward: Callable[[], Any], device: torch.device, rounds: int,
                  limit_s: float | None = None) -> tuple[float, int]:
     """(host seconds a replay adds to each op it records and re-runs, ops recorded): ``forward`` recorded against
     passed through a dispatch mode, and re-run against run plainly, without grad, medians of ``rounds`` less 2;
@@ -184,10 +190,10 @@ def _replay_op_s(forward: Callable[[], Any], device: torch.device, rounds: int,
         mode = _Recording(replay, device)
         # recorded as the runtime records, with grad (outputs that need it are detached as they are recorded); the
         # replay runs without building a graph, against a forward that builds none
-        seconds = (_host_seconds(lambda: _under(forward, mode), device),
-                   _host_seconds(lambda: _under(forward, PassThroughMode()), device),
-                   _host_seconds(replay.run, device),
-                   _host_seconds(lambda: _under(forward, torch.no_grad()), device))
+        seconds = (host_seconds(lambda: under(forward, mode), device),
+                   host_seconds(lambda: under(forward, PassThroughMode()), device),
+                   host_seconds(replay.run, device),
+                   host_seconds(lambda: under(forward, torch.no_grad()), device))
         ops = mode.ops
         if index >= 2:
             for values, value in zip((recording, passing, rerun, plain), seconds):
@@ -197,15 +203,6 @@ def _replay_op_s(forward: Callable[[], Any], device: torch.device, rounds: int,
     return max(added, 0.0) / max(ops, 1), ops
 
 
-def step_host_figures(forward: Callable[[], Any], device: torch.device, repeats: int) -> HostFigures:
-    """The replay's host time per op on a profiled step's own forward (NOTE [host probes] 4)."""
-    # a difference of medians wants rounds; a large step's forward takes long: a few seconds at most
-    replay_op_s, recorded = _replay_op_s(forward, device, max(repeats, 5) * 2 + 2, STEP_PROBE_S)
-    return HostFigures({"replay_op_s": replay_op_s},
-                       f"a replay recording and re-running this step's {recorded} forward ops, less passing them "
-                       "through and a forward without grad")
-
-
-def _under(forward: Callable[[], Any], mode) -> None:
+def under(forward: Callable[[], Any], mode) -> None:
     with mode:
         forward()

@@ -35,7 +35,8 @@ NOTE [simulated streams]
      much longer (replays run without the mode: NOTE [offload runtime] 8). On a GPU the host
      issues ops ahead of the device: its clock advances by that time per such op, and compute
      waits for an op not issued yet (``stall_host``). The runtime's own host work is priced the
-     same way, from figures its host probe measured (NOTE [host probes]): each module and
+     same way, from figures its host probes measured (the profiled step's own where its step
+     probes found them, the machine's otherwise: NOTE [host probes] 4): each module and
      saved-tensor hook call it handles (``Plan.hook_calls``: every module call, the packs and
      unpacks of its windows; every pack and unpack when it follows the step op by op) at the
      call's boundary, each offload's actions at the op its copy starts before, and each op a

@@ -1,0 +1,75 @@
+"""The runtime's probes on a profiled step (NOTE [host probes] 4): its hook calls are timed on the step itself."""
+
+import dataclasses
+import random
+import time
+
+import pytest
+import torch
+
+import udnn_lab as ul
+from udnn_lab.analysis.step import run_step, split_input
+from udnn_lab.hardware import ProbedStep
+from udnn_lab.runtime._hook_schedule import HookSchedule
+from udnn_lab.runtime._step_probes import _paired_extra, _probe_plans, step_hook_figures
+from udnn_lab.zoo import get as zoo_get
+
+ADDED_S = 1e-4  # what the test adds to each hook call the runtime handles
+
+
+@pytest.fixture(scope="module")
+def probed():
+    torch.set_num_threads(1)
+    work = zoo_get("resnet18", batch=2, image_size=32, optimizer="none")
+    args, kwargs = split_input(work.example_input)
+    graph = ul.trace(work, fake=False)
+    return ProbedStep(lambda: work.model(*args, **kwargs),
+                      lambda: run_step(work.model, args, kwargs, loss_fn=work.loss_fn, target=work.target),
+                      graph, torch.device("cpu"))
+
+
+def test_the_probes_two_plans_are_followed_by_hooks_and_far_apart_in_calls_per_offload(probed):
+    one, several = _probe_plans(probed.graph)
+    assert len(one.offloads) == 1 and len(several.offloads) > 1
+    assert not one.followed_op_by_op(probed.graph) and not several.followed_op_by_op(probed.graph)
+    calls = [sum(plan.hook_calls(probed.graph).values()) for plan in (one, several)]
+    assert calls[0] >= 2 * calls[1] / len(several.offloads)
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_the_probe_finds_what_each_hook_call_costs_on_the_step(probed, monkeypatch):
+    """Every hook call made dearer by a known time: the figure on the step is that time, and what it cost before."""
+    for name in ("packed", "unpacked", "module_called"):
+        original = getattr(HookSchedule, name)
+        monkeypatch.setattr(HookSchedule, name,
+                            lambda self, *a, _original=original: (_busy(ADDED_S), _original(self, *a))[1])
+    measured = step_hook_figures(probed, 2)
+    assert set(measured.figures) == {"hook_call_s"}, measured.source
+    assert ADDED_S < measured.figures["hook_call_s"] < ADDED_S + 1e-4, measured.source
+    assert "this step offloading one saved activation" in measured.source
+
+
+def test_a_step_whose_variation_hides_its_hook_calls_gives_no_figure(probed):
+    noisy = ProbedStep(probed.forward, lambda: (probed.run(), time.sleep(random.uniform(0.0, 0.03))),
+                       probed.graph, probed.device)
+    measured = step_hook_figures(noisy, 1)
+    assert measured.figures == {} and "machine's figure stands" in measured.source
+
+
+def test_a_step_with_nothing_to_offload_by_hooks_gives_no_figure():
+    graph = ul.trace(zoo_get("mlp3", batch=4))
+    stripped = ProbedStep(lambda: None, lambda: None, dataclasses.replace(graph, hook_events=()), torch.device("cpu"))
+    measured = step_hook_figures(stripped, 1)
+    assert measured.figures == {} and "no two offload plans" in measured.source
+
+
+def test_a_paired_extra_is_the_median_difference_round_by_round_with_its_error():
+    median, error = _paired_extra([1.0, 2.0, 3.0, 4.0, 5.0], [0.5, 1.5, 2.5, 3.5, 4.5])
+    assert median == 0.5 and error == 0.0  # a load that changes between rounds hits both alike
+    median, error = _paired_extra([1.0, 1.2, 1.0, 1.2], [1.0, 1.0, 1.0, 1.0])
+    assert median == pytest.approx(0.1) and error > 0
