@@ -49,6 +49,7 @@ from udnn_lab.errors import PlanInfeasible  # noqa: E402
 from udnn_lab.hardware.host_probes import host_probes  # noqa: E402
 
 TARGET = 0.03
+ROUNDS_S = 30.0  # what the timed rounds of one workload's plans may take, where its steps are short
 # GPT-2 without its key and value cache: a training step never reads it, transformers' own gradient checkpointing
 # (the peer below) passes its blocks none, and a block that takes a cache is not re-run. Without it, transformers
 # checks the attention mask's values, which fake tensors cannot: every step here is traced as it runs
@@ -60,21 +61,28 @@ POLICIES = ("auto", "vdnn++", "recompute", "checkpoint-segments", "pin-greedy")
 
 
 def _steps(work: ul.Workload, contexts: dict, repeats: int, models: dict | None = None) -> dict[str, float]:
-    """Median CPU seconds of forward and backward under each context, taken in turn (a change in load hits all);
-    ``models``: a model of its own for some contexts (by default each runs a copy of the workload's)."""
+    """Median CPU seconds of forward and backward under each context, taken in turn (a change in load hits all):
+    ``repeats`` rounds, or as many as ROUNDS_S allows where a round is short (up to 10 times as many: a step of a few
+    milliseconds varies by a few percent); ``models``: a model of its own for some contexts (by default each runs a
+    copy of the workload's)."""
     own = models or {}
     models = {name: own[name] if name in own else copy.deepcopy(work.model) for name in contexts}
     args, kwargs = split_input(work.example_input)
     times: dict[str, list[float]] = {name: [] for name in contexts}
-    for index in range(repeats + 2):  # two warm-up rounds
+    rounds, index = repeats + 2, 0
+    while index < rounds:
+        started = time.perf_counter()
         for name, context in contexts.items():
             model = models[name]
             model.zero_grad(set_to_none=True)
             start = time.process_time()
             with context():
                 compute_loss(model(*args, **kwargs), work.loss_fn, work.target).backward()
-            if index >= 2:
+            if index >= 2:  # two warm-up rounds
                 times[name].append(time.process_time() - start)
+        if index == 1:
+            rounds = 2 + max(repeats, min(10 * repeats, int(ROUNDS_S / (time.perf_counter() - started))))
+        index += 1
     return {name: statistics.median(values) for name, values in times.items()}
 
 
