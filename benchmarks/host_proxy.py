@@ -101,7 +101,7 @@ def _rows(name: str, options: dict, repeats: int) -> list[dict]:
     work = ul.zoo.get(name, optimizer="none", **options)
     profile = ul.profile(work, repeats=repeats)
     graph = ul.trace(work, fake=False)
-    unpriced = dataclasses.replace(profile, dispatch_mode_op_s=None, replay_op_s=None)
+    unpriced = dataclasses.replace(profile, dispatch_mode_op_s=None, replay_op_s=None, hook_call_s=None)
     hardware = ul.Hardware.load("cpu-amd-epyc-2cpu")
     # the runtime's host figures measured now, on this run's thread, as the step's own figures are (Hardware.measure's
     # probes: NOTE [host probes]); the shipped profile's were measured on another day, on two threads
