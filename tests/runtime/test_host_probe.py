@@ -23,7 +23,7 @@ def test_the_probe_is_registered_when_the_runtime_is_imported():
 def test_the_step_probe_measures_a_replay_on_the_steps_own_forward():
     torch.set_num_threads(1)
     work = zoo_get("mlp3", batch=4)
-    step = ProbedStep(lambda: work.model(work.example_input), lambda: None, None, torch.device("cpu"))
+    step = ProbedStep(lambda: work.model(work.example_input), lambda: None, None, torch.device("cpu"), 0.01)
     measured = step_replay_figures(step, 2)
     assert set(measured.figures) == {"replay_op_s"} and 0 < measured.figures["replay_op_s"] < 1e-2
     assert "this step's" in measured.source

@@ -25,7 +25,7 @@ def probed():
     graph = ul.trace(work, fake=False)
     return ProbedStep(lambda: work.model(*args, **kwargs),
                       lambda: run_step(work.model, args, kwargs, loss_fn=work.loss_fn, target=work.target),
-                      graph, torch.device("cpu"))
+                      graph, torch.device("cpu"), 0.01)
 
 
 def test_the_probes_two_plans_are_followed_by_hooks_and_far_apart_in_calls_per_offload(probed):
@@ -56,16 +56,24 @@ def test_the_probe_finds_what_each_hook_call_costs_on_the_step(probed, monkeypat
 
 def test_a_step_whose_variation_hides_its_hook_calls_gives_no_figure(probed):
     noisy = ProbedStep(probed.forward, lambda: (probed.run(), time.sleep(random.uniform(0.0, 0.03))),
-                       probed.graph, probed.device)
+                       probed.graph, probed.device, probed.step_time_s)
     measured = step_hook_figures(noisy, 1)
     assert measured.figures == {} and "machine's figure stands" in measured.source
 
 
 def test_a_step_with_nothing_to_offload_by_hooks_gives_no_figure():
     graph = ul.trace(zoo_get("mlp3", batch=4))
-    stripped = ProbedStep(lambda: None, lambda: None, dataclasses.replace(graph, hook_events=()), torch.device("cpu"))
+    stripped = ProbedStep(lambda: None, lambda: None, dataclasses.replace(graph, hook_events=()), torch.device("cpu"),
+                          0.01)
     measured = step_hook_figures(stripped, 1)
     assert measured.figures == {} and "no two offload plans" in measured.source
+
+
+def test_a_step_too_long_for_its_hook_calls_to_show_is_not_probed(probed):
+    calls = []
+    long = ProbedStep(probed.forward, lambda: calls.append(1), probed.graph, probed.device, 60.0)
+    measured = step_hook_figures(long, 5)
+    assert measured.figures == {} and "too long" in measured.source and not calls
 
 
 def test_a_paired_extra_is_the_median_difference_round_by_round_with_its_error():

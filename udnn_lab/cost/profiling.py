@@ -197,7 +197,8 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
             host.append(_host_step(work.model, args, kwargs, step, where, None))
             moded.append(_host_step(work.model, args, kwargs, step, where, PassThroughMode()))
         probed = ProbedStep(forward=lambda: _forward(work.model, args, kwargs, work.step_options, where),
-                            run=lambda: run_step(work.model, args, kwargs, **step), graph=graph, device=where)
+                            run=lambda: run_step(work.model, args, kwargs, **step), graph=graph, device=where,
+                            step_time_s=statistics.median(plain))
         stepped = _step_figures(probed, repeats)
     times = np.array(per_op)
     return Profile(

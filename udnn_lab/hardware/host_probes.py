@@ -64,6 +64,7 @@ class ProbedStep:
     run: Callable[[], Any]  # the whole step as it was recorded: forward, loss, backward, the optimizer's step
     graph: Any  # that step's Graph, recorded on real tensors with its hook events (graph/ is not imported here)
     device: torch.device
+    step_time_s: float  # the whole step, as timed plainly: what a probe's figure must show above
 
 
 # (the step, repeats) -> figures measured on it (NOTE [host probes] 4)

@@ -20,7 +20,7 @@ from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
-from udnn_lab.graph import Graph, Plan
+from udnn_lab.graph import Graph, Offload, Plan
 from udnn_lab.hardware import HostFigures, ProbedStep
 from udnn_lab.runtime._host_probe import interleaved, itself, offload_by_hooks, replay_op_s_on, two_unknowns
 from udnn_lab.runtime.offload import OffloadRuntime
@@ -28,6 +28,9 @@ from udnn_lab.runtime.offload import OffloadRuntime
 STEP_PROBE_S = 3.0  # what each step probe may take, once it has three rounds
 SMALLEST_OFFLOADS = 16  # the probe's plans offload among this many of the step's smallest saved activations
 CLEAR_OF_NOISE = 3.0  # standard errors the extra time must stand above zero
+# a step whose hook calls, at this much each, would add less than VISIBLE of it is not probed: a few rounds of it
+# vary by more than that (a large step on a GPU, whose host issues kernels it waits for)
+CHEAP_CALL_S, VISIBLE = 5e-6, 0.01
 
 
 def step_replay_figures(step: ProbedStep, repeats: int) -> HostFigures:
@@ -46,6 +49,10 @@ def step_hook_figures(step: ProbedStep, repeats: int) -> HostFigures:
         return HostFigures({}, "this step has no two offload plans followed by hooks whose hook calls per offload "
                                "differ enough to tell the two apart: the machine's figure stands")
     one, several = plans
+    calls = {"one": _calls(one, step.graph), "several": _calls(several, step.graph)}
+    if calls["several"] * CHEAP_CALL_S < VISIBLE * step.step_time_s:
+        return HostFigures({}, f"this step ({step.step_time_s * 1e3:.1f} ms) is too long for its probe's "
+                               f"{calls['several']} hook calls to show: the machine's figure stands")
     runtimes = {"one": OffloadRuntime(one), "several": OffloadRuntime(several)}
     try:
         contexts: dict[str, Callable[[], Any]] = {"eager": nullcontext}
@@ -55,7 +62,6 @@ def step_hook_figures(step: ProbedStep, repeats: int) -> HostFigures:
         for runtime in runtimes.values():
             runtime.release()
     extra = {name: _paired_extra(rounds[name], rounds["eager"]) for name in runtimes}
-    calls = {"one": _calls(one, step.graph), "several": _calls(several, step.graph)}
     what = (f"this step offloading one saved activation ({calls['one']} hook calls) and its "
             f"{len(several.offloads)} smallest ({calls['several']}), less the step alone, over "
             f"{len(rounds['eager'])} rounds")
@@ -68,7 +74,7 @@ def step_hook_figures(step: ProbedStep, repeats: int) -> HostFigures:
 
 def _probe_plans(graph: Graph) -> tuple[Plan, Plan] | None:
     """(one offload, several), located, or None where their hook calls per offload are too close to solve for."""
-    candidates = []  # (the offload, its hook calls alone), smallest tensors first
+    candidates: list[tuple[Offload, int]] = []  # (the offload, its hook calls alone), smallest tensors first
     for tensor in sorted(graph.tensors, key=lambda t: t.nbytes):
         if len(candidates) == SMALLEST_OFFLOADS:
             break
