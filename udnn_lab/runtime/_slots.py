@@ -33,7 +33,7 @@ class Slot:
     """One planned storage during one step."""
 
     __slots__ = ("tensor", "action", "device_data", "key", "host", "host_offset", "offload_done", "restored",
-                 "prefetch_done", "handles", "replay", "watchers", "saved")
+                 "rebuilt", "prefetch_done", "handles", "replay", "watchers", "saved")
 
     def __init__(self, tensor: int, action: Offload | Recompute) -> None:
         self.tensor, self.action = tensor, action
@@ -43,6 +43,7 @@ class Slot:
         self.host_offset: int | None = None
         self.offload_done: torch.cuda.Event | None = None
         self.restored: torch.Tensor | None = None
+        self.rebuilt: torch.Tensor | None = None  # a recomputed tensor as its replay made it (over ``restored``)
         self.prefetch_done: torch.cuda.Event | None = None
         self.handles = 0
         self.saved: list[weakref.ref[Handle]] = []  # its handles, to check when the storage is written

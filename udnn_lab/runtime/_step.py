@@ -151,7 +151,7 @@ class Step:
             if copies is not None:
                 copies.finish(slot.offload_done)
                 copies.finish(slot.prefetch_done)
-            slot.restored = slot.device_data = slot.prefetch_done = slot.offload_done = slot.host = None
+            slot.restored = slot.rebuilt = slot.device_data = slot.prefetch_done = slot.offload_done = slot.host = None
             slot.watchers.clear()
             slot.saved.clear()
         self.copying_in.clear()
@@ -264,7 +264,7 @@ class Step:
         """NOTE [offload runtime] 6: re-run the recorded forward ops before backward unpacks."""
         for tensor, value in replay.run().items():
             slot = self.slots[tensor]
-            slot.restored = bytes_of(value)
+            slot.restored, slot.rebuilt = bytes_of(value), value
             self._adopt(slot.restored)
             self.recomputed += 1
 
@@ -326,6 +326,10 @@ class Step:
         if slot.restored is None:
             self._on_demand(slot)
         self.copies.use(slot.prefetch_done)
+        rebuilt = slot.rebuilt
+        if rebuilt is not None and rebuilt.dtype == packed.dtype and rebuilt.shape == packed.shape \
+                and rebuilt.stride() == packed.stride and rebuilt.storage_offset() == packed.offset:
+            return rebuilt  # the saved tensor as recomputed: no view to make
         with torch._C._DisableTorchDispatch():
             view = torch.empty(0, dtype=packed.dtype, device=slot.restored.device)
             view.set_(slot.restored.untyped_storage(), packed.offset, packed.shape, packed.stride)
@@ -350,7 +354,7 @@ class Step:
     def _drop(self, slot: Slot) -> None:
         assert self.copies is not None
         self.copies.finish(slot.prefetch_done)  # NOTE [offload runtime] 7: a copy may still use block and slice
-        slot.restored = slot.device_data = slot.prefetch_done = slot.offload_done = None
+        slot.restored = slot.rebuilt = slot.device_data = slot.prefetch_done = slot.offload_done = None
         self._give_back(slot)
 
     def _give_back(self, slot: Slot) -> None:
