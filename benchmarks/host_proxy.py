@@ -51,9 +51,8 @@ from udnn_lab.hardware.host_probes import host_probes  # noqa: E402
 TARGET = 0.03
 ROUNDS_S = 30.0  # what the timed rounds of one workload's plans may take, where its steps are short
 # GPT-2 without its key and value cache: a training step never reads it, transformers' own gradient checkpointing
-# (the peer below) passes its blocks none, and a block that takes a cache is not re-run. Without it, transformers
-# checks the attention mask's values, which fake tensors cannot: every step here is traced as it runs
-# (ul.trace(..., fake=False)), as ul.profile measures it
+# (the peer below) passes its blocks none, and a block that takes a cache is not re-run. Every step here is traced
+# as it runs (ul.trace(..., fake=False)), the step ul.profile measures
 WORKLOADS = [("resnet50", {"batch": 2, "image_size": 64}), ("transformer", {"batch": 2}),
              ("hf:gpt2", {"batch": 2, "small": True, "seq_len": 64, "config_overrides": {"use_cache": False}})]
 QUICK_WORKLOADS = [("resnet18", {"batch": 16, "image_size": 32})]

@@ -135,6 +135,7 @@ class StepRecorder(TorchDispatchMode):
         super().__init__()
         self.after_op = after_op
         self._fake = FakeFastPaths(fake_mode, fast_paths) if fake_mode is not None else None
+        self.known: Any = None  # a fake trace's KnownValues: it answers reads of what it knows (NOTE [known values])
         self.storages: list[StorageRecord] = []
         self.ops: list[OpRecord] = []
         self.calls: list[CallRecord] = []
@@ -288,6 +289,8 @@ class StepRecorder(TorchDispatchMode):
         """Run an op as this recorder's step runs it: fake fast paths and probes included."""
         if self._fake is None:
             return func(*args, **kwargs)
+        if func is HOST_READ and self.known is not None and self.known.knows(args[0]):
+            return self.known.read(args[0])  # NOTE [known values] 4
         if func is HOST_READ and self.phase == "optimizer" and isinstance(args[0], FakeTensor):
             return zero_of(args[0].dtype)  # NOTE [host reads in the optimizer step] 2
         return self._fake.run(func, args, kwargs)

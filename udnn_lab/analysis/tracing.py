@@ -21,6 +21,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from udnn_lab.analysis._fake.attention import CudaAttentionKernels
 from udnn_lab.analysis._fake.tensors import FAKE_LIMITS, fake_initial_state, fake_inputs, fake_optimizer, fake_state
+from udnn_lab.analysis._fake.values import KnownValues
 from udnn_lab.analysis._holders import forward_releases
 from udnn_lab.analysis._recorder import StepRecorder
 from udnn_lab.analysis._recording import graph_from_recording, record_step
@@ -111,8 +112,11 @@ def _trace_fake(work: Workload, device: torch.device, counted_as: str, fast_path
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = work.model
     fakes = fake_state(model, fake_mode, device)
-    args, kwargs = split_input(fake_inputs(work.example_input, fake_mode, device))
+    example = fake_inputs(work.example_input, fake_mode, device)
+    args, kwargs = split_input(example)
     target = fake_inputs(work.target, fake_mode, device)
+    values = KnownValues()  # NOTE [known values]
+    values.know((work.example_input, work.target), (example, target))
     optimizer = fake_optimizer(work.optimizer, model, fakes, fake_mode, device, counted_as)
     options = work.step_options
     recorder = StepRecorder(fake_mode=fake_mode, fast_paths=fast_paths)
@@ -123,9 +127,9 @@ def _trace_fake(work: Workload, device: torch.device, counted_as: str, fast_path
     with _reparametrize_module(model, fakes, tie_weights=True), fake_mode, attention, state:
         scaler = grad_scaler(options, device)  # on the device whose kernels run the step
         record_step(recorder, model, args, kwargs, target, work.loss_fn, optimizer, track_saved=True,
-                    options=options, scaler=scaler)
+                    options=options, scaler=scaler, values=values)
         holders = forward_releases(model, args, kwargs, target, work.loss_fn, recorder.run_op,  # [forward holders]
-                                   options, scaler)
+                                   options, scaler, values=values)
         return graph_from_recording(recorder, work.name, counted_as, fake=True,
                                     notes=substitution_notes(substituted, options, attention),
                                     cpu_stands_for_device=substituted, holders=holders)
