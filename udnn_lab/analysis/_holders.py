@@ -72,19 +72,18 @@ class _Releases(TorchDispatchMode):
 
 def forward_releases(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, loss_fn: Callable | None,
                      run_op: Callable, options: StepOptions = DEFAULT_STEP, scaler: torch.amp.GradScaler | None = None,
-                     runtime: Any = None, values: Any = None) -> tuple[int, dict[tuple[int, int], int | None]]:
+                     runtime: Any = None) -> tuple[int, dict[tuple[int, int], int | None]]:
     """(ops counted, {(producer op, position among its new storages): op after which it is released, or HELD}).
 
     Run where the trace's fake mode and fake parameters are active, with the trace's ``run_op``
     (its fast paths and probes decide shapes and strides, so the same ops run: NOTE [forward holders] 2),
     and the step's ``options`` and ``scaler`` (autocast, the loss's division and scaling are forward too).
     ``runtime``: a dispatch mode the step ran under, inside the recorder (NOTE [host storages] 2): entered here
-    inside the counting too, so that the ops it adds are counted. ``values``: the trace's KnownValues, above it all
-    again, so that forward takes the path it took (NOTE [known values]).
+    inside the counting too, so that the ops it adds are counted.
     """
     watcher = _Releases(run_op)
     keep_nothing = torch.autograd.graph.saved_tensors_hooks(lambda tensor: None, lambda packed: packed)
-    with view_replay(), keep_nothing, watcher, runtime or nullcontext(), values or nullcontext():
+    with view_replay(), keep_nothing, watcher, runtime or nullcontext():
         output, loss, start = forward_loss(model, args, kwargs, loss_fn=loss_fn, target=target, options=options,
                                            scaler=scaler)
     released = dict(watcher.released)

@@ -293,7 +293,10 @@ class StepRecorder(TorchDispatchMode):
             return self.known.read(args[0])  # NOTE [known values] 4
         if func is HOST_READ and self.phase == "optimizer" and isinstance(args[0], FakeTensor):
             return zero_of(args[0].dtype)  # NOTE [host reads in the optimizer step] 2
-        return self._fake.run(func, args, kwargs)
+        out = self._fake.run(func, args, kwargs)
+        if self.known is not None:
+            self.known.follow(func, args, kwargs, out)
+        return out
 
     def _wraps(self, kind: type) -> bool:
         wraps = self._wrappers.get(kind)

@@ -23,15 +23,13 @@ _CAST = "aten._to_copy.default"  # what autocast (and tensor.to(dtype)) runs to 
 
 def record_step(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwargs: dict, target: Any,
                 loss_fn: Callable | None, optimizer: torch.optim.Optimizer | None, *, track_saved: bool,
-                runtime=None, options: StepOptions = DEFAULT_STEP, scaler: torch.amp.GradScaler | None = None,
-                values=None) -> None:
+                runtime=None, options: StepOptions = DEFAULT_STEP, scaler: torch.amp.GradScaler | None = None) -> None:
     """Run one training step with ``recorder`` watching; roles of pre-existing tensors are registered first.
 
     ``runtime``: an OffloadRuntime to run the step under (or FSDP2's offload copies, NOTE [host
     storages] 2); it is entered inside the recorder, so the recorder sees the step's ops as the
     runtime lets them run, and is told (as the runtime's ``observer``) of the storages it allocates.
-    ``options`` and ``scaler``: as ``run_step`` takes them. ``values``: a fake trace's KnownValues, entered above
-    the recorder (NOTE [known values] 4).
+    ``options`` and ``scaler``: as ``run_step`` takes them.
     """
     named = dict(model.named_parameters())
     recorder.name_parameters(named)
@@ -48,7 +46,6 @@ def record_step(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwa
     # the optimizer's own state is met at its step, where a fresh optimizer makes it (NOTE [optimizer state of a
     # traced step]): numbered there whether it existed before the step or not, so both steps are one graph
     recorder.watch_resizes(resized_storages(model))
-    recorder.known = values
 
     def mark(phase: str, scope: str | None) -> None:
         recorder.phase, recorder.scope = phase, scope
@@ -59,7 +56,7 @@ def record_step(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwa
         runtime.observer = recorder
     modules = recorder.logging_modules() if track_saved else nullcontext()
     with no_gc(), recorder.watching(model), modules, recorder, saved_hooks, runtime or nullcontext(), \
-            resizes_seen() as resized, values or nullcontext():
+            resizes_seen() as resized:
         recorder.recording, recorder.resized = True, resized
         try:
             run_step(model, args, kwargs, loss_fn=loss_fn, target=target, optimizer=optimizer, options=options,

@@ -120,16 +120,17 @@ def _trace_fake(work: Workload, device: torch.device, counted_as: str, fast_path
     optimizer = fake_optimizer(work.optimizer, model, fakes, fake_mode, device, counted_as)
     options = work.step_options
     recorder = StepRecorder(fake_mode=fake_mode, fast_paths=fast_paths)
+    recorder.known = values
     substituted = counted_as != device.type
     attention = CudaAttentionKernels(fake_mode) if substituted else nullcontext()
     # the optimizer's state is made as it first steps (NOTE [optimizer state of a traced step])
     state = state_at_first_step(optimizer, fake_initial_state(fake_mode, device))
-    with _reparametrize_module(model, fakes, tie_weights=True), fake_mode, attention, state:
+    with _reparametrize_module(model, fakes, tie_weights=True), fake_mode, attention, state, values:
         scaler = grad_scaler(options, device)  # on the device whose kernels run the step
         record_step(recorder, model, args, kwargs, target, work.loss_fn, optimizer, track_saved=True,
-                    options=options, scaler=scaler, values=values)
+                    options=options, scaler=scaler)
         holders = forward_releases(model, args, kwargs, target, work.loss_fn, recorder.run_op,  # [forward holders]
-                                   options, scaler, values=values)
+                                   options, scaler)
         return graph_from_recording(recorder, work.name, counted_as, fake=True,
                                     notes=substitution_notes(substituted, options, attention),
                                     cpu_stands_for_device=substituted, holders=holders)

@@ -17,9 +17,10 @@ NOTE [known values]
      answer, and Hugging Face's ``is_fake_tensor`` says False for it during the trace, so its
      checks run on it as in eager. Float tensors never carry values: activations are what the
      trace is for, and no model decides on them.
-  4. The mode sits above the recorder and follows the values of what comes back up from it; the
-     recorder answers a scalar read of a tensor with values itself (``read``), below its record
-     of the op, so the read is in the trace as it is in a real step's.
+  4. The recorder follows the values as it runs each op (``follow``, after its fake fast paths:
+     views and all), and answers a scalar read of a tensor with values itself (``read``), so the
+     read is in the trace as a real step's is. The trace enters ``KnownValues`` around the step
+     (and the forward it runs again for its holders) for the duration of transformers' check.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -45,11 +45,10 @@ def _exact(tensor: Any) -> bool:
     return isinstance(tensor, torch.Tensor) and not (tensor.is_floating_point() or tensor.is_complex())
 
 
-class KnownValues(TorchDispatchMode):
+class KnownValues:
     """Carries real values beside small integer and bool fake tensors (NOTE [known values])."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.values: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._patched: list[tuple[Any, str, Any]] = []
 
@@ -74,30 +73,28 @@ class KnownValues(TorchDispatchMode):
             original = transformers_utils.is_fake_tensor
             self._patched.append((transformers_utils, "is_fake_tensor", original))
             transformers_utils.is_fake_tensor = lambda x: original(x) and not self.knows(x)  # NOTE 3
-        return super().__enter__()
+        return self
 
-    def __exit__(self, *exc):
-        try:
-            return super().__exit__(*exc)
-        finally:
-            while self._patched:
-                module, name, original = self._patched.pop()
-                setattr(module, name, original)
+    def __exit__(self, *exc) -> None:
+        while self._patched:
+            module, name, original = self._patched.pop()
+            setattr(module, name, original)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        outputs = _tensors(out)
-        if outputs and all(_exact(t) and t.numel() <= KNOWN_NUMEL for t in outputs) \
-                and torch.Tag.nondeterministic_seeded not in func.tags:
-            inputs = _tensors((args, kwargs))
-            packet = func.overloadpacket
-            if (inputs and all(self.knows(t) for t in inputs)) or (not inputs and packet in _FACTORIES) \
-                    or packet in _VALUE_FREE:
-                self._follow(func, args, kwargs, outputs)
-                return out
-        self._forget_written(func, args, kwargs)
-        return out
+    def follow(self, func, args: tuple, kwargs: dict, out: Any) -> None:
+        """After ``func`` ran on fakes: its outputs' values where they follow (NOTE 2)."""
+        # most ops make float tensors: decided on the first output alone, before anything is flattened
+        first = out if isinstance(out, torch.Tensor) else out[0] if isinstance(out, (tuple, list)) and out else None
+        if isinstance(first, torch.Tensor) and _exact(first) and torch.Tag.nondeterministic_seeded not in func.tags:
+            outputs = _tensors(out)
+            if all(_exact(t) and t.numel() <= KNOWN_NUMEL for t in outputs):
+                inputs = _tensors((args, kwargs))
+                packet = func.overloadpacket
+                if (inputs and all(self.knows(t) for t in inputs)) or (not inputs and packet in _FACTORIES) \
+                        or packet in _VALUE_FREE:
+                    self._follow(func, args, kwargs, outputs)
+                    return
+        if self.values and func._schema.is_mutable:
+            self._forget_written(func, args, kwargs)
 
     def _follow(self, func, args: tuple, kwargs: dict, outputs: list[torch.Tensor]) -> None:
         try:
