@@ -94,3 +94,19 @@ def test_transformers_fake_tensor_check_is_as_it_was_after_the_trace():
     before = import_utils.is_fake_tensor
     ul.trace(zoo_get("hf:gpt2", optimizer="none", batch=1, small=True, seq_len=8))
     assert import_utils.is_fake_tensor is before
+
+
+
+# what a rank's forward runs beyond one process's: collectives, FSDP's copies, and the views and splits around them
+_AROUND = ("_c10d", "c10d", "fsdp", "aten.all_gather", "aten._foreach_copy", "aten.split", "aten.view", "aten.empty")
+
+
+@pytest.mark.parametrize("parallel", [ul.DDP(2), ul.FSDP(2)], ids=["ddp", "fsdp"])
+def test_one_rank_of_a_decoder_without_its_cache_runs_the_forward_of_one_process(parallel):
+    torch.set_num_threads(1)
+    work = zoo_get("hf:gpt2", optimizer="none", batch=1, small=True, seq_len=16, config_overrides={"use_cache": False})
+
+    def forward(graph) -> list[str]:
+        return [op.name for op in graph.ops if op.phase == "forward" and not op.name.startswith(_AROUND)]
+
+    assert forward(ul.trace(work, parallel=parallel)) == forward(ul.trace(work))

@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from udnn_lab.analysis._fake.attention import CudaAttentionKernels
 from udnn_lab.analysis._fake.tensors import fake_inputs, fake_replica, meta_replica
+from udnn_lab.analysis._fake.values import KnownValues
 from udnn_lab.analysis._fake_group import CompletedCollectives, fake_process_group, rebuild_buckets
 from udnn_lab.analysis._holders import forward_releases
 from udnn_lab.analysis._host import HostCopies, PinnedCopies, offloaded_shards, with_host_note
@@ -54,11 +55,14 @@ def trace_one_rank(work: Workload, parallel: Parallel, counted_as: str, fast_pat
         if isinstance(spec, FSDP):  # NOTE [local shard steps]
             options = work.step_options
             optimizer = steps_on_shards(optimizer, options.scales_loss, options.clip_grad_norm is not None)
-        args, kwargs = split_input(fake_inputs(work.example_input, fake_mode, device))
+        example = fake_inputs(work.example_input, fake_mode, device)
+        args, kwargs = split_input(example)
         target = fake_inputs(work.target, fake_mode, device)
+        recorder.known = values = KnownValues()  # NOTE [known values]
+        values.know((work.example_input, work.target), (example, target))
         options = work.step_options
         attention = CudaAttentionKernels(fake_mode) if substituted else nullcontext()
-        with fake_mode, attention:
+        with fake_mode, attention, values:
             scaler = grad_scaler(options, device)
             _warm_up(recorder, model, args, kwargs, target, work, optimizer, scaler)
             if isinstance(spec, FSDP) and optimizer is not None and not isinstance(optimizer, LocalShardSteps):
