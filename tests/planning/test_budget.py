@@ -80,3 +80,19 @@ def test_a_floor_set_by_one_op_s_working_set_names_the_op_and_what_would_lower_i
     said = str(raised.value)
     assert "alone reads and writes" in said and "smaller micro-batch" in said and "\n" not in said
     assert "is weights" not in said
+
+
+def test_a_floor_set_by_one_optimizer_op_names_what_lowers_it_which_is_not_the_batch():
+    """Adam's step on a layer that is most of the model: its temporaries, beside the weights and state, are the
+    floor; a smaller batch does not lower them, a fused optimizer does."""
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 4))
+    graph = ul.trace(model, torch.randn(2, 64), nn.functional.cross_entropy, torch.optim.Adam(model.parameters()),
+                     target=torch.tensor([0, 3]))
+    with pytest.raises(ul.PlanInfeasible) as raised:
+        ul.plan(graph, int(graph.peak_bytes * 0.9), "auto", hardware="cpu-amd-epyc-2cpu")
+    said = str(raised.value)
+    assert "in <optimizer>" in said and "fused=True" in said and "not the batch" in said and "\n" not in said
+    assert "smaller micro-batch" not in said
