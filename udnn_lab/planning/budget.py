@@ -104,10 +104,13 @@ def _one_op_floor(graph: Graph, minimum: int) -> str:
     if working + held + int(fixed[at]) < FIXED_SHARE * minimum:
         return ""
     op = graph.ops[at]
-    helps = ("it is the optimizer's step, not the batch: a fused optimizer (fused=True) makes no such temporaries, "
-             "foreach=False makes them one parameter at a time, and sharding (FSDP) or 8-bit optimizer state shrinks "
-             "what sits beside them") if op.phase == "optimizer" else \
-        "a smaller micro-batch or input (fewer tokens, smaller images) lowers it (gradient accumulation keeps the batch)"
+    if op.phase == "optimizer":
+        helps = ("it is the optimizer's step, not the batch: a fused optimizer (fused=True) makes no such temporaries, "
+                 "foreach=False makes them one parameter at a time, and sharding (FSDP) or 8-bit optimizer state "
+                 "shrinks what sits beside them")
+    else:
+        helps = ("a smaller micro-batch or input (fewer tokens, smaller images) lowers it (gradient accumulation keeps "
+                 "the batch)")
     return (f"; op {at} ({op.name}, in {op.module or 'the model'}) alone reads and writes {format_bytes(working)} "
             f"at once, beside {format_bytes(int(fixed[at]))} of weights, gradients and optimizer state and "
             f"{format_bytes(held)} the training loop holds (the output, the loss), and all of it is on the device "
