@@ -96,3 +96,6 @@ def test_a_floor_set_by_one_optimizer_op_names_what_lowers_it_which_is_not_the_b
     said = str(raised.value)
     assert "in <optimizer>" in said and "fused=True" in said and "not the batch" in said and "\n" not in said
     assert "smaller micro-batch" not in said
+    fused = torch.optim.Adam(model.parameters(), fused=True)  # what the message names: no temporaries, a lower floor
+    fused_graph = ul.trace(model, torch.randn(2, 64), nn.functional.cross_entropy, fused, target=torch.tensor([0, 3]))
+    assert fused_graph.peak_bytes < int(graph.peak_bytes * 0.9)

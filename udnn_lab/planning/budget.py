@@ -106,8 +106,7 @@ def _one_op_floor(graph: Graph, minimum: int) -> str:
     op = graph.ops[at]
     if op.phase == "optimizer":
         helps = ("it is the optimizer's step, not the batch: a fused optimizer (fused=True) makes no such temporaries, "
-                 "foreach=False makes them one parameter at a time, and sharding (FSDP) or 8-bit optimizer state "
-                 "shrinks what sits beside them")
+                 "and sharding (FSDP) or 8-bit optimizer state shrinks what sits beside them")
     else:
         helps = ("a smaller micro-batch or input (fewer tokens, smaller images) lowers it (gradient accumulation keeps "
                  "the batch)")
