@@ -84,7 +84,7 @@ def itself(runtime: OffloadRuntime) -> OffloadRuntime:
 
 def offload_plans(graph: Graph) -> tuple[Plan, Plan]:
     """Two located plans followed by hooks: one saved activation offloaded, and every one that can be."""
-    offloads = [offload for tensor in graph.tensors if (offload := offload_by_hooks(graph, tensor)) is not None]
+    offloads = [alone.offloads[0] for tensor in graph.tensors if (alone := offload_by_hooks(graph, tensor)) is not None]
     plans = tuple(Plan("probe", graph.fingerprint, offloads=chosen).located(graph)
                   for chosen in ((offloads[len(offloads) // 2],), tuple(offloads))) if offloads else ()
     if not plans or any(plan.followed_op_by_op(graph) for plan in plans):
@@ -93,9 +93,9 @@ def offload_plans(graph: Graph) -> tuple[Plan, Plan]:
     return plans[0], plans[1]
 
 
-def offload_by_hooks(graph: Graph, tensor: TensorInfo) -> Offload | None:
-    """An offload of a saved activation from its last use in forward to its first in backward, where a plan of it
-    alone is valid and followed by hooks; None elsewhere."""
+def offload_by_hooks(graph: Graph, tensor: TensorInfo) -> Plan | None:
+    """A plan offloading a saved activation alone, from its last use in forward to its first in backward, where it
+    is valid and followed by hooks; None elsewhere."""
     if tensor.category != "feature_map" or not tensor.saved or tensor.first_backward_use is None \
             or tensor.producer is None:
         return None
@@ -106,7 +106,7 @@ def offload_by_hooks(graph: Graph, tensor: TensorInfo) -> Offload | None:
         alone.validate(graph)
     except PlanError:
         return None
-    return None if alone.followed_op_by_op(graph) else offload
+    return None if alone.followed_op_by_op(graph) else alone
 
 
 def interleaved(step: Callable[[], Any], device: torch.device, contexts: Mapping[str, Callable[[], Any]],

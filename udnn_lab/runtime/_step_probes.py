@@ -78,9 +78,9 @@ def _probe_plans(graph: Graph) -> tuple[Plan, Plan] | None:
     for tensor in sorted(graph.tensors, key=lambda t: t.nbytes):
         if len(candidates) == SMALLEST_OFFLOADS:
             break
-        offload = offload_by_hooks(graph, tensor)
-        if offload is not None:
-            candidates.append((offload, _calls(Plan("probe", graph.fingerprint, offloads=(offload,)), graph)))
+        alone = offload_by_hooks(graph, tensor)
+        if alone is not None:  # its hook calls from the analysis that found it followed by hooks
+            candidates.append((alone.offloads[0], _calls(alone, graph)))
     if len(candidates) < 2:
         return None
     fewest = min(candidates, key=lambda candidate: candidate[1])[0]
