@@ -13,6 +13,7 @@ from udnn_lab.errors import ReplayError
 from udnn_lab.graph.reruns import NOT_RERUN, module_reruns
 from udnn_lab.planning.segments import block_plans, repeated_block
 from udnn_lab.runtime import OffloadRuntime
+from udnn_lab.runtime._rerun import rerun_calls
 from udnn_lab.workload import Workload, optimizer_like
 
 CPU = ul.Hardware.load("cpu-amd-epyc-2cpu")
@@ -195,6 +196,57 @@ def test_a_re_run_is_priced_by_its_hook_calls_not_per_replayed_op():
     rerun = ul.simulate(graph, chosen.located(graph), hardware=pricey).step_time_s
     replayed = ul.simulate(graph, chosen.located(graph, on_hooks=False), hardware=pricey).step_time_s
     assert rerun < 1.0 < replayed
+
+
+def test_a_re_run_pays_one_hook_call_per_pack_inside_the_call():
+    """NOTE [simulated streams] 6: the call's module calls run without the runtime's hooks."""
+    torch.manual_seed(0)
+    work = _work(Stack(), torch.randn(4, 16, 32))
+    graph = ul.trace(work)
+    located = block_plans(graph, None)[0].located(graph)
+    free = dataclasses.replace(CPU, replay_op_s=0.0, hook_call_s=0.0, offload_action_s=0.0, dispatch_mode_op_s=None)
+    priced = dataclasses.replace(free, hook_call_s=1e-3)
+    followed = sum(located.hook_calls(graph).values())
+    packs_re_run = sum(len(call.packs) for call in rerun_calls(located).values())
+    assert packs_re_run and located.reruns
+    extra = ul.simulate(graph, located, hardware=priced).step_time_s - \
+        ul.simulate(graph, located, hardware=free).step_time_s
+    assert extra == pytest.approx((followed + packs_re_run) * 1e-3, rel=1e-6)
+
+
+class Watching(nn.Module):
+    """Notes, at each call, whether any global module hook is in force."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hooked: list[bool] = []
+
+    def forward(self, x):
+        from torch.nn.modules import module
+
+        self.hooked.append(bool(module._global_forward_pre_hooks or module._global_forward_hooks))
+        return x
+
+
+def test_a_re_run_calls_its_modules_without_the_runtimes_hooks():
+    """NOTE [hook points] 7: torch's fast path for the re-run's module calls, and the hooks back after it."""
+    torch.manual_seed(0)
+    model = Stack()
+    for block in model.blocks:
+        block.norm = nn.Sequential(Watching(), block.norm)
+    work = _work(model, torch.randn(4, 16, 32))
+    graph = ul.trace(work)
+    located = block_plans(graph, None)[0].located(graph)
+    runtime = OffloadRuntime(located)
+    expected = _step(copy.deepcopy(model), work)
+    for block in model.blocks:
+        block.norm[0].hooked.clear()
+    got = _step(model, work, runtime)
+    assert all(torch.equal(a, b) for a, b in zip(expected[1], got[1]))
+    seen = [block.norm[0].hooked for block in model.blocks]
+    re_run = len(rerun_calls(located))
+    assert re_run and sorted(seen) == [[True]] * (len(seen) - re_run) + [[True, False]] * re_run
+    assert not torch.nn.modules.module._global_forward_pre_hooks  # removed with the step
 
 
 def test_a_plan_file_keeps_which_calls_are_re_run(tmp_path):

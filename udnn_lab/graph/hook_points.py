@@ -67,8 +67,10 @@ NOTE [hook points]
      qualifies (``graph/reruns.py``) only where no op of the call writes in place into a tensor
      from before it (a parameter, buffer or input included) or is a collective, and no
      saved-tensor hooks are pushed inside the step around it. The module's
-     Python runs again as it did in forward: the simulator charges no per-op replay, only the
-     hook calls inside the call (NOTE [simulated streams] 6).
+     Python runs again as it did in forward, without the runtime's module hooks (they are removed
+     while it runs, so torch calls its modules on its fast path, as under checkpoint): the
+     simulator charges no per-op replay, only a hook call per pack inside the call (NOTE
+     [simulated streams] 6).
 """
 
 from __future__ import annotations

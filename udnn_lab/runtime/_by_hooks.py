@@ -26,49 +26,58 @@ class HookStep(Step):
         self.events = events
         self._recorder = OpMode(self.on_recorded_op) if self.plan.recomputes else None
         self._recording = False  # the recorder is on (NOTE [hook points] 6)
-        self._rerunning = False  # a module call runs again for a recomputation: its calls are not the step's (7)
         self._module_hooks: tuple = ()
+        self._thread = threading.get_ident()  # module hooks are global: follow this thread's step only
 
     def _begin(self) -> None:
         if self.events.whole_step:
             self._switch_hooks(True)
-        thread = threading.get_ident()  # module hooks are global: follow this thread's step only
+        self._hook_modules()
+
+    def _hook_modules(self) -> None:
+        thread = self._thread  # a re-run in backward may run on autograd's own thread
         self._module_hooks = (
             register_module_forward_pre_hook(lambda m, a: self._module_event(thread, "enter", m)),
             register_module_forward_hook(lambda m, a, k, o: self._module_event(thread, "exit", m, a, k),
                                          with_kwargs=True))
+
+    def _unhook_modules(self) -> None:
+        for handle in self._module_hooks:
+            handle.remove()
+        self._module_hooks = ()
 
     def _end(self) -> None:
         try:
             if self._recording:  # an error inside a recording window
                 self._switch_recording(None)
         finally:
-            for handle in self._module_hooks:
-                handle.remove()
+            self._unhook_modules()
 
     def _check_complete(self) -> None:
         self.events.check_complete()
 
     def _module_event(self, thread: int, kind: str, module: torch.nn.Module, args: tuple = (),
                       kwargs: dict | None = None) -> None:
-        if threading.get_ident() == thread and not self._rerunning:
-            boundary, switch, recording = self.events.module_called(kind, module)
-            rerun = self.events.rerun_calls.get(self.events.seen - 1)
-            if rerun is not None:  # NOTE [hook points] 7: the call a recomputation re-runs
-                if kind == "enter":
-                    self.reruns[rerun].entered(module)
-                else:
-                    self.reruns[rerun].exited(args, kwargs or {})
-            if recording is not None and recording < 0:
-                self._switch_recording(None)
-            if switch < 0:
-                self._switch_hooks(False)
-            if boundary is not None:
-                self._at_boundary(boundary)
-            if switch > 0:
-                self._switch_hooks(True)
-            if recording is not None and recording >= 0:
-                self._switch_recording(recording)
+        if threading.get_ident() != thread:
+            return
+        action = self.events.module_called(kind, module)
+        if action is None:  # nearly every call: counted and checked only
+            return
+        if action.rerun is not None:  # NOTE [hook points] 7: the call a recomputation re-runs
+            if kind == "enter":
+                self.reruns[action.rerun].entered(module)
+            else:
+                self.reruns[action.rerun].exited(args, kwargs or {})
+        if action.recording is not None and action.recording < 0:
+            self._switch_recording(None)
+        if action.switch < 0:
+            self._switch_hooks(False)
+        if action.boundary is not None:
+            self._at_boundary(action.boundary)
+        if action.switch > 0:
+            self._switch_hooks(True)
+        if action.recording is not None and action.recording >= 0:
+            self._switch_recording(action.recording)
 
     def _switch_recording(self, index: int | None) -> None:
         """The recording mode on from op ``index``, or off (None) (NOTE [hook points] 6)."""
@@ -109,11 +118,15 @@ class HookStep(Step):
         return packed
 
     def _replay(self, replay) -> None:
-        self._rerunning = True
+        """A re-run's module calls are not the step's (NOTE [hook points] 7): without the global hooks, torch calls
+        them on its fast path, as checkpoint's recomputation is called."""
+        hooked = bool(self._module_hooks)
+        self._unhook_modules()
         try:
             super()._replay(replay)
         finally:
-            self._rerunning = False
+            if hooked:
+                self._hook_modules()
 
     def _unpack(self, packed):
         """The call may stand for a boundary where the plan acts (a replay, a prefetch) before it unpacks."""

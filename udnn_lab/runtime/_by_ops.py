@@ -3,13 +3,15 @@ carry (NOTE [hook points] 4)."""
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
+from functools import partial
 
 import torch
 
 from udnn_lab.analysis.recording import flat_tensors
 from udnn_lab.errors import PlanMismatch
-from udnn_lab.runtime._slots import Handle, Kept, OpMode, Owner, alive
+from udnn_lab.runtime._slots import Handle, Kept, OpMode, Owner, Slot, alive
 from udnn_lab.runtime._step import Step
 
 # gloo's reduce-scatter returns this rank's chunk by these two ops in work.wait(); NCCL, and the trace, reduce
@@ -27,6 +29,7 @@ class OpByOpStep(Step):
         self.watched = set(self.sites) | set(self.offload_after) | set(self.prefetch_at) | set(self.replay_at) \
             | set(self.recording) | set(self.release_at) | set(self.wait_at) | set(self.let_go)
         self.last_planned_op = max(self.watched, default=-1)
+        self.by_key: dict[int, Slot] = {}  # the planned storages met, by id, while they live
         self._mode = OpMode(self.on_op)  # every op of the step (NOTE [offload runtime] 1)
 
     def _begin(self) -> None:
@@ -35,6 +38,7 @@ class OpByOpStep(Step):
 
     def _end(self) -> None:
         self._mode.__exit__(None, None, None)
+        self.by_key.clear()
 
     def _check_complete(self) -> None:
         if self.index < self.last_planned_op + 1:
@@ -104,8 +108,14 @@ class OpByOpStep(Step):
         if site.position >= len(fresh) or fresh[site.position].untyped_storage().nbytes() != site.nbytes:
             raise PlanMismatch(f"op {site.producer} did not make the {site.nbytes}-byte tensor the plan expects: the "
                                "step differs from the one the plan was made for; plan again for this model and batch")
-        self._meet(self.slots[site.tensor], fresh[site.position], site.producer)
+        slot = self.slots[site.tensor]
+        self._meet(slot, fresh[site.position], site.producer)
+        assert slot.key is not None  # set by _meet
+        self.by_key[slot.key] = slot
+        slot.watchers.append(weakref.ref(fresh[site.position].untyped_storage(), partial(self._storage_gone, slot.key)))
 
+    def _storage_gone(self, key: int, _ref) -> None:
+        self.by_key.pop(key, None)
     def _pack(self, tensor: torch.Tensor) -> Handle | Kept:
         """NOTE [offload runtime] 2: the storage met at its producer (1) names the slot."""
         slot = self.by_key.get(id(tensor.untyped_storage()))

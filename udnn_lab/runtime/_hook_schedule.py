@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from itertools import accumulate
 from types import MappingProxyType
+from typing import NamedTuple
 
 import torch
 
@@ -15,6 +16,17 @@ from udnn_lab.graph.reruns import RerunCall
 from udnn_lab.graph.step_graph import HookEvent
 
 WHOLE_STEP = "the whole step"
+# a traced event's dtype, as the trace writes it, to the dtype itself
+_DTYPES = {str(dtype): dtype for dtype in vars(torch).values() if isinstance(dtype, torch.dtype)}
+
+
+class ModuleAction(NamedTuple):
+    """What the runtime does at one module call."""
+
+    boundary: int | None  # the boundary to act at (None: none)
+    switch: int  # saved-tensor hooks go on (1), off (-1) or stay as they are (0) (NOTE [hook points] 5)
+    recording: int | None  # the recording mode opens (the index of the next op), closes (-1) or neither (None) (6)
+    rerun: int | None  # the recomputation whose module call this enters or leaves (7)
 
 
 class HookSchedule:
@@ -61,6 +73,17 @@ class HookSchedule:
             self.rerun_calls[positions[call.enter]] = self.rerun_calls[positions[call.exit]] = recompute
         self.triggers = _triggers(self.events, acting)  # position -> the boundary it stands for
         self.last_trigger = max(self.triggers, default=-1)
+        # what each call must be, compared in one go: (kind, class, mode) of a module call, (kind, shape, dtype) of a
+        # pack (its node apart: views' nodes vary), (kind,) of an unpack
+        self.expected = tuple((e.kind, e.node, e.training) if e.kind in ("enter", "exit") else
+                              (e.kind, e.shape, _DTYPES.get(e.dtype)) if e.kind == "pack" else (e.kind,)
+                              for e in self.events)
+        # module events (by position) at which anything is done, and what: few of them
+        self.module_actions: dict[int, ModuleAction] = {
+            position: ModuleAction(self.triggers.get(position), self.switches.get(position, 0),
+                                   self.recording.get(position), self.rerun_calls.get(position))
+            for position in {*self.switches, *self.recording, *self.rerun_calls,
+                             *(p for p in self.triggers if self.events[p].kind in ("enter", "exit"))}}
 
     @staticmethod
     def covers(events: tuple[HookEvent, ...], acting: set[int]) -> bool:
@@ -77,31 +100,33 @@ class HookSchedule:
         """A pack call: the traced event it is, and the boundary to act at now (None: none)."""
         ordinal = self.seen
         self.seen += 1
-        expected = self.events[ordinal] if ordinal < len(self.events) else None
+        # compared as cheaply as it can be: this runs for every saved tensor inside the windows
+        if ordinal >= len(self.expected) or self.expected[ordinal] != ("pack", tensor.shape, tensor.dtype):
+            self._pack_differs(ordinal, tensor)
+        expected = self.events[ordinal]
         node = tensor.grad_fn
         name = type(node).__name__ if node is not None else ""
-        # compared as cheaply as it can be: this runs for every saved tensor inside the windows
-        if expected is None or expected.kind != "pack" or tensor.shape != expected.shape \
-                or str(tensor.dtype) != expected.dtype \
-                or (name != expected.node and _view_family(expected.node) != _view_family(name)):
-            seen = (name, str(tensor.dtype), tuple(tensor.shape))
-            self._mismatch(ordinal, expected, "it saves a {1} tensor of shape {2} made by {0}".format(*_named(seen)))
-        assert expected is not None  # _mismatch raised otherwise
+        if name != expected.node and _view_family(expected.node) != _view_family(name):
+            self._pack_differs(ordinal, tensor)
         return expected, self.triggers.get(ordinal)
 
-    def module_called(self, kind: str, module: torch.nn.Module) -> tuple[int | None, int, int | None]:
-        """A module's forward starts ('enter') or returns ('exit'): the boundary to act at now (None: none),
-        whether saved-tensor hooks go on (1), off (-1) or stay as they are (0) (NOTE [hook points] 5), and
-        whether the recording mode opens here (the index of the next op), closes (-1) or neither (None) (6)."""
+    def _pack_differs(self, ordinal: int, tensor: torch.Tensor) -> None:
+        node = tensor.grad_fn
+        seen = (type(node).__name__ if node is not None else "", str(tensor.dtype), tuple(tensor.shape))
+        expected = self.events[ordinal] if ordinal < len(self.events) else None
+        self._mismatch(ordinal, expected, "it saves a {1} tensor of shape {2} made by {0}".format(*_named(seen)))
+
+    def module_called(self, kind: str, module: torch.nn.Module) -> ModuleAction | None:
+        """A module's forward starts ('enter') or returns ('exit'): what to do now (None: nothing)."""
         ordinal = self.seen
         self.seen += 1
-        name = type(module).__name__
-        expected = self.events[ordinal] if ordinal < len(self.events) else None
-        if expected is None or expected.kind != kind or expected.node != name or expected.training != module.training:
+        if ordinal >= len(self.expected) or self.expected[ordinal] != (kind, type(module).__name__, module.training):
+            expected = self.events[ordinal] if ordinal < len(self.events) else None
+            name = type(module).__name__
             mode = "" if expected is None or expected.training == module.training else \
                 f" in {'training' if module.training else 'eval'} mode"
             self._mismatch(ordinal, expected, f"it {'enters' if kind == 'enter' else 'leaves'} a {name}{mode}")
-        return self.triggers.get(ordinal), self.switches.get(ordinal, 0), self.recording.get(ordinal)
+        return self.module_actions.get(ordinal)
 
     def unpacked(self) -> int | None:
         """An unpack call: the boundary to act at before it (None: none)."""

@@ -66,7 +66,6 @@ class Step:
                 self.sites.setdefault(site.producer, []).append(site)
                 if isinstance(self.slots[site.tensor].action, Recompute):
                     self.let_go.setdefault(site.held_until + 1, []).append(self.slots[site.tensor])
-        self.by_key: dict[int, Slot] = {}
         self.offload_after = group(plan.offloads, "after_op")
         self.prefetch_at = group(plan.offloads, "prefetch_at")
         self.release_at = group(plan.offloads, "release_op")
@@ -155,7 +154,6 @@ class Step:
             slot.watchers.clear()
             slot.saved.clear()
         self.copying_in.clear()
-        self.by_key.clear()
         # The hooks and weakref callbacks make this object a reference cycle that only the
         # garbage collector frees: hold no tensor past the step (NOTE [offload runtime] 9).
         for slot in self.slots.values():
@@ -205,7 +203,6 @@ class Step:
     def _meet(self, slot: Slot, tensor: torch.Tensor, producer: int) -> None:
         """The planned storage is ``tensor``'s: follow it from here on."""
         slot.key = id(tensor.untyped_storage())
-        self.by_key[slot.key] = slot
         if self.copies is None:
             self.copies = Copies(tensor.device)
         if isinstance(slot.action, Offload):
@@ -215,10 +212,6 @@ class Step:
                 if slot.tensor in replay.recompute.tensors:
                     replay.restore_from(slot.tensor, slot.key)
                     slot.replay = replay
-        slot.watchers.append(weakref.ref(tensor.untyped_storage(), partial(self._storage_gone, slot.key)))
-
-    def _storage_gone(self, key: int, _ref) -> None:
-        self.by_key.pop(key, None)
 
     # -- actions --------------------------------------------------------------------------
     def _offload(self, slot: Slot) -> None:
@@ -264,8 +257,8 @@ class Step:
         """NOTE [offload runtime] 6: re-run the recorded forward ops before backward unpacks."""
         for tensor, value in replay.run().items():
             slot = self.slots[tensor]
-            slot.restored, slot.rebuilt = bytes_of(value), value
-            self._adopt(slot.restored)
+            slot.restored = slot.rebuilt = value  # its storage, and the saved tensor as the replay made it
+            self._adopt(value)
             self.recomputed += 1
 
     def _adopt(self, tensor: torch.Tensor) -> None:

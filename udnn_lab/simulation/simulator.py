@@ -42,9 +42,9 @@ NOTE [simulated streams]
      call's boundary, each offload's actions at the op its copy starts before, and each op a
      recomputation records and re-runs at the recomputation's op (recording happens in forward,
      but the host work is the same); a recomputation that re-runs a module call (NOTE [hook points]
-     7) pays its ops' own host work, as eager does, and a hook call for each module call and pack
-     inside it. That clock counts the runtime's work alone, not the host's
-     own work per op: a lower bound.
+     7) pays its ops' own host work, as eager does, and a hook call for each pack inside it (the
+     runtime's module hooks are off while it runs, so its module calls cost what eager's do).
+     That clock counts the runtime's work alone, not the host's own work per op: a lower bound.
   7. On a CPU the device is the host: a copy to or from the host pool is a memcpy the runtime
      makes while compute waits, so compute's clock runs through it (a sync stall for a copy to
      the host, a prefetch stall for one back).
@@ -577,13 +577,13 @@ def _runtime_host_work(graph: Graph, plan: Plan, cost: CostModel,
 
 def _recompute_host_s(graph: Graph, plan: Plan, cost: CostModel, on_hooks: bool) -> list[tuple[int, float]]:
     """(op, host seconds) of each recomputation: each op it records and replays, or, re-running a module call
-    (NOTE [hook points] 7), the module's own Python, as eager's, and a hook call for each call and pack inside."""
+    (NOTE [hook points] 7), the module's own Python, as eager's, and a hook call for each pack inside."""
     reruns = plan.reruns_in(graph) if on_hooks else ()
     found = []
     for index, recompute in enumerate(plan.recomputes):
         if reruns and reruns[index] != NOT_RERUN:
             call = rerun_call(graph.hook_events, reruns[index], recompute.tensors)
-            found.append((recompute.at_op, (call.exit - call.enter - 1) * cost.hook_call_s))
+            found.append((recompute.at_op, len(call.packs) * cost.hook_call_s))
         else:
             found.append((recompute.at_op, len(recompute.ops) * cost.replay_op_s))
     return found
