@@ -122,6 +122,7 @@ if TYPE_CHECKING:
     from udnn_lab.measurement import Measurement as Measurement
     from udnn_lab.measurement import load_snapshot as load_snapshot
     from udnn_lab.measurement import measure as measure
+    from udnn_lab.measurement import write_cpu_snapshot as write_cpu_snapshot
     from udnn_lab.parallel import DDP as DDP
     from udnn_lab.parallel import FSDP as FSDP
     from udnn_lab.planning import min_budget as min_budget

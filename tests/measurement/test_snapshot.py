@@ -78,3 +78,43 @@ def test_an_empty_history_has_no_peak(tmp_path):
     path.write_bytes(pickle.dumps({"segments": [], "device_traces": []}, protocol=4))
     snapshot = ul.load_snapshot(path)
     assert snapshot.peak().allocated_bytes == 0 and snapshot.transients().empty
+
+
+def test_a_replay_counts_what_was_held_before_the_history_began(resnet50):
+    snapshot = ul.load_snapshot(resnet50)
+    replay = snapshot.replay()
+    held_at_end = sum(block["requested_size"] for segment in snapshot.segments for block in segment["blocks"]
+                      if block["state"].startswith("active"))
+    assert replay.start_bytes == replay.allocated_bytes[-1] == held_at_end  # the step gave back all it took
+    assert round(replay.start_bytes / MIB, 1) == 634.2
+    assert round(replay.peak.allocated_bytes / MIB, 1) == 11389.0  # 10754.8 above the start, as peak() says
+    assert replay.peak.allocated_bytes == replay.allocated_bytes[replay.peak_event] == max(replay.allocated_bytes)
+    assert sum(block.size for block in replay.peak.blocks) == replay.peak.allocated_bytes
+    reserved = replay.reserved_bytes
+    assert reserved[-1] == sum(segment["total_size"] for segment in snapshot.segments)
+    assert (round(reserved[0] / MIB), round(max(reserved) / MIB)) == (4362, 14116)
+    counted = snapshot.replay(ul.units.cuda_block_bytes)  # requests in the allocator's 512-byte blocks
+    assert counted.peak.allocated_bytes > replay.peak.allocated_bytes and counted.peak_event == replay.peak_event
+
+
+def test_a_replay_of_a_small_history_by_hand(tmp_path):
+    frames = [{"filename": "/home/me/train.py", "line": 7, "name": "step"}]
+    events = [{"action": "free_requested", "addr": 1, "size": 300},
+              {"action": "free_completed", "addr": 1, "size": 300},
+              {"action": "segment_alloc", "addr": 4096, "size": 2048},
+              {"action": "alloc", "addr": 4096, "size": 1000, "frames": frames},
+              {"action": "alloc", "addr": 5096, "size": 500, "frames": frames},
+              {"action": "free_completed", "addr": 4096, "size": 1000}]
+    segments = [{"total_size": 1024, "blocks": [{"address": 2, "size": 512, "requested_size": 400,
+                                                 "state": "active_allocated"}]},
+                {"total_size": 2048, "blocks": [{"address": 5096, "size": 512, "requested_size": 500,
+                                                 "state": "active_allocated"}]}]
+    path = tmp_path / "small.pickle"
+    path.write_bytes(pickle.dumps({"segments": segments, "device_traces": [events]}))
+    replay = ul.load_snapshot(path).replay()
+    assert replay.start_bytes == 300 + 400  # freed without being allocated; held at the end, never allocated
+    assert replay.allocated_bytes == (700, 400, 400, 1400, 1900, 900)
+    assert replay.reserved_bytes == (1024, 1024, 3072, 3072, 3072, 3072)
+    assert (replay.peak.allocated_bytes, replay.peak_event) == (1900, 4)
+    assert sorted((b.size, b.where) for b in replay.peak.blocks) == [
+        (400, "(held before the history began)"), (500, "me/train.py:7 step"), (1000, "me/train.py:7 step")]

@@ -7,6 +7,8 @@ admits only what such a file holds (dicts, lists, strings, numbers, booleans, No
 anything that names a class or function, in one line, before it runs. Gzip'd files are read too.
 ``Snapshot.peak`` replays the first device's history: the most bytes allocated at once, and the
 blocks alive then, each with the innermost frame of the model's or a library's code that asked for it.
+``Snapshot.replay`` counts what was held before the history began too (the segments say what is held at the
+end): allocated and reserved bytes after each event, and the peak as the device held it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import gzip
 import io
 import pickle
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,9 @@ PLUMBING = ("/copy.py", "/torch/nn/modules/module.py", "/torch/autograd/", "/tor
             "/torch/amp/", "/torch/overrides.py", "/torch/utils/_python_dispatch.py", "/torch/_ops.py",
             "udnn_lab/runtime/offload.py", "/torch/_dynamo/", "/torch/_compile.py")
 NO_FRAME = "(no Python frame: allocated by a C++ library, or before the history began)"
+HELD_BEFORE = "(held before the history began)"
+SEGMENT_SIGNS = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
+_FREES = ("free_requested", "free_completed")
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,24 @@ class Peak:
 
 
 @dataclass(frozen=True)
+class Replay:
+    """The first device's history replayed from what was held when it began, not from zero.
+
+    Held at the start: blocks the history frees without having allocated them, and blocks the segments hold at
+    the end that the history never allocated (parameters, optimizer state made before recording began). The
+    reserved bytes count segments (the caching allocator's cudaMalloc'd memory); they are known only where the
+    history records segment events, and are None otherwise (a CPU run's history has none).
+    """
+
+    actions: tuple[str, ...]  # each event's action, in order
+    allocated_bytes: tuple[int, ...]  # allocated right after each event
+    reserved_bytes: tuple[int, ...] | None  # reserved right after each event; None: not recorded
+    start_bytes: int  # allocated before the first event
+    peak: Peak  # the most allocated at once, counting what was held at the start, and the blocks alive then
+    peak_event: int  # the event that made the peak; -1: the start itself
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """A snapshot as ``torch.cuda.memory._snapshot()`` returns it: ``segments`` and ``device_traces``."""
 
@@ -86,6 +110,61 @@ class Snapshot:
             elif event.get("action") == "free_completed" and event.get("addr") in live:
                 current -= live.pop(event["addr"]).size
         return Peak(most, tuple(at_most))
+
+    def replay(self, counted: Callable[[int], int] = int) -> Replay:
+        """Allocated (and reserved) bytes after each event, counting what was held before the history began.
+
+        The history's sizes are the bytes asked for; ``counted`` says how many each request holds
+        (``units.cuda_block_bytes``: the caching allocator's 512-byte blocks, as ``memory_allocated`` counts).
+        """
+        events = self.events
+        held = self._held_at_start()
+        live = {addr: Block(counted(size), where, 0) for addr, (size, where) in held.items()}
+        current = most = start = sum(block.size for block in live.values())
+        at_most, peak_event, allocated, order = list(live.values()), -1, [], 0
+        for position, event in enumerate(events):
+            if event.get("action") == "alloc":
+                order += 1
+                block = Block(counted(int(event["size"])), place(event.get("frames") or []), order)
+                live[event["addr"]] = block
+                current += block.size
+                if current > most:
+                    most, at_most, peak_event = current, list(live.values()), position
+            elif event.get("action") == "free_completed" and event.get("addr") in live:
+                current -= live.pop(event["addr"]).size
+            allocated.append(current)
+        return Replay(tuple(str(event.get("action")) for event in events), tuple(allocated), self._reserved(),
+                      start, Peak(most, tuple(at_most)), peak_event)
+
+    def _held_at_start(self) -> dict[int, tuple[int, str]]:
+        """Address -> (bytes, where) of the blocks held before the first event."""
+        held: dict[int, tuple[int, str]] = {}
+        allocated: set[int] = set()
+        for event in self.events:
+            addr = int(event.get("addr", -1))
+            if event.get("action") == "alloc":
+                allocated.add(addr)
+            elif event.get("action") in _FREES and addr not in allocated and addr not in held:
+                held[addr] = (int(event.get("size", 0)), HELD_BEFORE)
+        for segment in self.segments:
+            for block in segment.get("blocks") or []:
+                addr = block.get("address")
+                if str(block.get("state", "")).startswith("active") and addr not in allocated and addr not in held:
+                    size = int(block.get("requested_size", block.get("size", 0)))  # a request, as the history's
+                    held[addr] = (size, place(block["frames"]) if block.get("frames") else HELD_BEFORE)
+        return held
+
+    def _reserved(self) -> tuple[int, ...] | None:
+        """Reserved bytes after each event, back from the segments held at the end; None without segment events."""
+        signs = [SEGMENT_SIGNS.get(str(event.get("action")), 0) * int(event.get("size", 0)) for event in self.events]
+        if not any(signs):
+            return None
+        current = sum(int(segment.get("total_size", 0)) for segment in self.segments) - sum(signs)
+        reserved = []
+        for change in signs:
+            current += change
+            reserved.append(current)
+        return tuple(reserved)
 
     def transients(self, top: int = 10) -> pd.DataFrame:
         """The largest allocations freed before anything else was allocated (a kernel's workspace), with where."""
