@@ -20,10 +20,11 @@ from udnn_lab.charts.memory import (  # noqa: F401
     timeline,
     training,
 )
+from udnn_lab.charts.snapshot_overlay import snapshot_overlay  # noqa: F401
 
 __all__ = [
     "OP_RANGE", "OP_SELECTION", "TIME_RANGE", "bandwidth", "batch_sweep", "breakdown_bars",
     "budget_sweep", "by_world_size", "enable_offline", "layer_bars", "linked_memory_and_streams", "memory_by_category",
-    "memory_curve", "peak_by_size", "policy_savings", "predicted_vs_measured", "save", "step_times", "timeline",
-    "training",
+    "memory_curve", "peak_by_size", "policy_savings", "predicted_vs_measured", "save", "snapshot_overlay", "step_times",
+    "timeline", "training",
 ]

@@ -22,9 +22,17 @@ from udnn_lab.frames.memory import (  # noqa: F401
     training,
 )
 from udnn_lab.frames.plan_reasons import PLAN_REASON_COLUMNS, plan_reasons  # noqa: F401
+from udnn_lab.frames.snapshot_overlay import (  # noqa: F401
+    DIFFERENCE_COLUMNS,
+    PEAK_PART_COLUMNS,
+    SNAPSHOT_TIMELINE_COLUMNS,
+    SnapshotOverlay,
+    snapshot_overlay,
+)
 
 __all__ = [
-    "DEFAULT_POINTS", "LANES", "LIVE_TENSOR_COLUMNS", "PLAN_REASON_COLUMNS", "STALL_KINDS", "TIMELINE_FRAME_COLUMNS",
-    "TRAINING_COLUMNS", "bandwidth", "budget_sweep", "downsample", "layers", "live_tensors", "memory_by_category",
-    "memory_curve", "plan_reasons", "predicted_vs_measured", "savings", "simulations", "timeline", "training",
+    "DEFAULT_POINTS", "DIFFERENCE_COLUMNS", "LANES", "LIVE_TENSOR_COLUMNS", "PEAK_PART_COLUMNS", "PLAN_REASON_COLUMNS",
+    "SNAPSHOT_TIMELINE_COLUMNS", "STALL_KINDS", "SnapshotOverlay", "TIMELINE_FRAME_COLUMNS", "TRAINING_COLUMNS",
+    "bandwidth", "budget_sweep", "downsample", "layers", "live_tensors", "memory_by_category", "memory_curve",
+    "plan_reasons", "predicted_vs_measured", "savings", "simulations", "snapshot_overlay", "timeline", "training",
 ]
