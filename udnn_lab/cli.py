@@ -207,6 +207,8 @@ def _parser(names: Names | None = None) -> argparse.ArgumentParser:
                         help="planning policy (default auto: the fastest that fits)")
     report.add_argument("--out", type=Path, default=Path("report.html"),
                         help="HTML file to write (default report.html)")
+    report.add_argument("--snapshot", help="a memory snapshot of a real run of this step (the file "
+                                           "torch.cuda.memory._dump_snapshot writes): laid over the prediction")
     report.set_defaults(run=_report)
 
     train = commands.add_parser("train", parents=[step, common], help=COMMANDS["train"],
@@ -320,7 +322,8 @@ def _report(args: argparse.Namespace) -> int:
                             image_size=args.image_size, input_shape=args.input_shape, optimizer=args.optimizer,
                             dtype=args.dtype, seq_len=args.seq_len, attn_implementation=args.attn_implementation,
                             lora_rank=args.lora_rank, precision=args.precision,
-                            grad_accumulation=args.grad_accumulation, clip_grad_norm=args.clip_grad_norm)
+                            grad_accumulation=args.grad_accumulation, clip_grad_norm=args.clip_grad_norm,
+                            snapshot=args.snapshot)
     request.check_names()  # a mistyped name is said before a profile is looked for (or measured)
     request = replace(request, hardware=_by_name(args.hardware, _hardware(args.hardware)))
     write_report(request, args.out, progress=lambda line: print(line, file=sys.stderr), kernel=args.kernel)

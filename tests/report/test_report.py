@@ -96,6 +96,22 @@ def test_a_report_of_your_own_module(tmp_path, monkeypatch):
     assert "--input-shape 16" in header(page)["reproduce with"]
 
 
+def test_a_snapshot_of_a_real_run_is_laid_over_the_prediction(tmp_path):
+    work = ul.zoo.get("mlp3", batch=4)
+    snapshot = ul.write_cpu_snapshot(tmp_path / "mlp3.pickle.gz", work)
+    out = tmp_path / "mlp3.html"
+    assert main(["report", "mlp3", "--batch", "4", "--budget", "1GiB", "--hardware", "cpu-amd-epyc-2cpu",
+                 "--snapshot", str(snapshot), "--out", str(out)]) == 0
+    page = out.read_text(encoding="utf-8")
+    assert f"--snapshot {snapshot}" in header(page)["reproduce with"]
+    assert "A real run&#x27;s memory snapshot" in page or "A real run's memory snapshot" in page
+    assert f">{snapshot} over the prediction<" in page and page.count("<svg") == 4
+    graph = ul.trace(ul.zoo.get("mlp3", batch=4, device="meta"), device="cpu")
+    assert f"peak predicted {ul.format_bytes(graph.peak_bytes)}, measured {ul.format_bytes(graph.peak_bytes)}" in page
+    assert "size_bytes" in page and "same count" in page  # the differences table: the same storages on both sides
+    assert not LOADS_FROM_NETWORK.search(page)
+
+
 def test_the_template_ships_inside_the_package_with_a_parameters_cell():
     import nbformat
 
@@ -116,6 +132,7 @@ def test_the_template_ships_inside_the_package_with_a_parameters_cell():
     ({"optimizer": "lion"}, "unknown optimizer 'lion'; use one of default,"),
     ({"model": "hf:gpt-9000"}, "unknown Hugging Face model 'hf:gpt-9000'"),
     ({"batch": 0}, "the batch size must be a whole number of at least 1, got 0"),
+    ({"snapshot": "no/such/run.pickle"}, "no snapshot at no/such/run.pickle"),
 ])
 def test_a_bad_request_is_refused_before_any_kernel_starts(change, message):
     fields = {"model": "resnet18", "budget": "6GiB", **change}

@@ -62,6 +62,9 @@ class ReportRequest:
     precision: Precision | None = None  # PyTorch Lightning's names; None: dtype's '-true' one (32-true)
     grad_accumulation: int = 1  # micro-batches of ``batch`` examples per optimizer step
     clip_grad_norm: float | None = None  # max total gradient norm; None: no clipping
+    # a memory snapshot of a real run of this step (torch.cuda.memory._dump_snapshot's file, or
+    # ul.write_cpu_snapshot's): the report lays it over the prediction; None: no such section
+    snapshot: str | None = None
 
     def check(self) -> None:
         """Raise ValueError (or the zoo's and hardware's own errors): the names, then the model itself."""
@@ -81,6 +84,9 @@ class ReportRequest:
         self._check_budget_and_hardware()
         self._check_step_options()
         self._check_hf_options()
+        if self.snapshot is not None and not Path(self.snapshot).is_file():
+            raise ValueError(f"no snapshot at {self.snapshot}: give the file torch.cuda.memory._dump_snapshot(path) "
+                             "(or ul.write_cpu_snapshot) wrote")
         if self.model.lower().startswith(zoo.hf_configs.PREFIX):
             zoo.hf_configs.spec(self.model)
             if self.image_size is not None:
@@ -159,7 +165,7 @@ class ReportRequest:
         words += ["--policy", self.policy, "--optimizer", self.optimizer, "--dtype", self.dtype]
         accumulation = self.grad_accumulation if self.grad_accumulation != 1 else None
         for option, setting in (("--precision", self.precision), ("--grad-accumulation", accumulation),
-                                ("--clip-grad-norm", self.clip_grad_norm)):
+                                ("--clip-grad-norm", self.clip_grad_norm), ("--snapshot", self.snapshot)):
             words += [option, str(setting)] if setting is not None else []
         words += ["--out", str(out)]
         return shlex.join(words)

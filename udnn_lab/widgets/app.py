@@ -5,7 +5,8 @@ A thin shell: the controls are ipywidgets, the work is LabSession's calls into t
 chart is replaced in place (never new output widgets): the memory curve over the stream timeline of
 the same plan, a range of ops dragged on the curve fading the bars outside it and a span of time
 dragged on the timeline marking the ops in it, in the page alone. A click on the memory curve reaches
-Python through the chart's selections and lists the tensors live at that op (widgets/_drill.py).
+Python through the chart's selections and lists the tensors live at that op (widgets/_drill.py). A memory
+snapshot of a real run, once read, is laid over the prediction on screen (widgets/_snapshot.py).
 Changes are debounced; errors are shown in the app, never raised into the kernel.
 """
 
@@ -15,6 +16,7 @@ import asyncio
 import html
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import ipywidgets as widgets
 import pandas as pd
@@ -34,6 +36,7 @@ from udnn_lab.widgets._hf_controls import HFControls
 from udnn_lab.widgets._networks import offered
 from udnn_lab.widgets._offline_chart import OfflineChart
 from udnn_lab.widgets._parallel_controls import ParallelControls
+from udnn_lab.widgets._snapshot import SnapshotPanel
 from udnn_lab.widgets._state import LabSession, MeasuredStep, Setting
 from udnn_lab.widgets._texts import (
     error_text,
@@ -137,6 +140,8 @@ class MemoryLab(widgets.AppLayout):
         self.memory_and_streams = OfflineChart(None, layout=widgets.Layout(min_height="520px"))
         self.drill = DrillPanel()  # the tensors live at the op clicked on the memory curve
         self.memory_and_streams.observe(self.drill.on_selections, names="_vl_selections")  # what a click sets
+        self.snapshot = SnapshotPanel()  # a real run's memory snapshot over the prediction
+        self.snapshot.load_button.on_click(lambda _: self.overlay_snapshot(self.snapshot.path.value))
         grows = widgets.Layout(height="auto", width="100%", margin="0")  # long messages wrap; the footer grows
         self.summary = widgets.HTML(layout=grows)
         self.status = widgets.HTML(layout=grows)
@@ -147,7 +152,7 @@ class MemoryLab(widgets.AppLayout):
                                        self.budget_entry, self.budget, self.fit_status,
                                        self.minimum_text, self.actions]),
             # min_width 0: the grid's column, not the widest table row, sets how wide the centre is
-            center=widgets.VBox([self.memory_and_streams, self.drill.box, self.training.chart],
+            center=widgets.VBox([self.memory_and_streams, self.drill.box, self.snapshot.box, self.training.chart],
                                 layout=widgets.Layout(min_width="0")),
             footer=widgets.VBox([self.summary, self.status], layout=widgets.Layout(height="auto")),
             pane_widths=["300px", 1, 0], pane_heights=["30px", 1, "80px"], height="auto")
@@ -268,6 +273,7 @@ class MemoryLab(widgets.AppLayout):
         self._drawing = self._predicted(graph, sim, title, profile) if measured is None else \
             self._measured_drawing(measured, graph, setting, profile)
         self._draw()
+        self.snapshot.follow(graph, sim)
         self.minimum_text.value = minimum_named(policy, self._minimum, profile, measured)
         self.summary.value = summary(sim, profile, graph.host_peak_bytes if setting.offload_params else 0)
 
@@ -325,6 +331,12 @@ class MemoryLab(widgets.AppLayout):
                               f" step {format_seconds(measured.step_time_s or 0.0)}")
         except Exception as error:
             self._show_status(error)
+
+    def overlay_snapshot(self, path: str | Path) -> None:
+        """Lay a memory snapshot of a real run of this step (``torch.cuda.memory._dump_snapshot``'s file, or
+        ``ul.write_cpu_snapshot``'s) over the prediction on screen, and keep it there as the setting changes; a
+        file that is not one is said in one line under the snapshot box."""
+        self.snapshot.load(path)
 
     def show_timeline(self, events: pd.DataFrame | None) -> None:
         """Overlay measured stream events (frames.timeline's input: stream, kind, start_s, end_s, ...) on the
