@@ -6,7 +6,8 @@ the memory curve and reads the table of the tensors live at the op clicked; drag
 on the curve and sees the stream bars of the other ops fade, and across time on the streams
 and sees the ops that start then marked on the curve; then types a
 budget no plan meets and checks the message is whole on screen, measures a real step and
-reads both lines in the legend, trains two steps and checks that another network clears
+reads both lines in the legend, lays a real run's memory snapshot over the prediction (and refuses
+one that would run code, in one line), trains two steps and checks that another network clears
 the training view. It checks that the line saying whether the plan fits sits right under the
 budget's box and slider, that the live-tensor table's module names are whole, and that the app
 comes back in a new page opened while the kernel runs. Outside CI the test skips when chromium
@@ -122,7 +123,38 @@ def stop(server: subprocess.Popen) -> None:
     server.wait(timeout=10)
 
 
-def test_quickstart_runs_in_jupyterlab_and_the_budget_slider_redraws_the_chart(chromium, playwright, lab, tmp_path):
+class _RunsCode:
+    """What a hostile 'snapshot' holds: a pickle that runs a command when it is loaded."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.fixture
+def snapshots(tmp_path) -> tuple[Path, Path, Path]:
+    """A real CPU step written as a memory snapshot, a pickle that would run code, and the file it would touch."""
+    import pickle
+
+    import torch
+
+    import udnn_lab as ul
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    good = ul.write_cpu_snapshot(tmp_path / "run.pickle.gz", model, torch.randn(32, 64),
+                                 torch.nn.functional.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 target=torch.randint(10, (32,)))
+    marker = tmp_path / "ran"
+    bad = tmp_path / "hostile.pickle"
+    bad.write_bytes(pickle.dumps(_RunsCode(marker)))
+    return good, bad, marker
+
+
+def test_quickstart_runs_in_jupyterlab_and_the_budget_slider_redraws_the_chart(chromium, playwright, lab, tmp_path,
+                                                                                snapshots):
     url, token = lab
     browser = playwright.chromium.launch(executable_path=chromium)
     page = browser.new_page(viewport={"width": 1680, "height": 1100})
@@ -152,6 +184,7 @@ def test_quickstart_runs_in_jupyterlab_and_the_budget_slider_redraws_the_chart(c
         ops_and_time_spans_select_across_the_curve_and_the_streams(app)
         measure_shows_both_lines(app)
         an_infeasible_budget_is_said_in_full(page, app)
+        a_snapshot_of_a_real_run_lies_over_the_prediction(app, snapshots)
         another_network_clears_the_training_view(app)
 
         app.scroll_into_view_if_needed()
@@ -363,6 +396,31 @@ def an_infeasible_budget_is_said_in_full(page, app) -> None:
     entry.fill(fitting)  # the budget that fits, again
     entry.press("Enter")
     fit_line(app).filter(has_text="cannot fit").wait_for(state="detached", timeout=60_000)
+
+
+def a_snapshot_of_a_real_run_lies_over_the_prediction(app, snapshots: tuple[Path, Path, Path]) -> None:
+    """A pickle that would run code is refused in one line, unrun; a real run's snapshot draws its overlay chart
+    and the line of both peaks under it."""
+    good, bad, marker = snapshots
+    path = app.locator(".widget-text").filter(has=app.page.get_by_text("snapshot", exact=True)).locator("input")
+    overlay = app.get_by_role("button", name="Overlay snapshot")
+    charts_before = app.locator(".vega-embed svg.marks").count()
+    path.fill(str(bad))
+    path.press("Enter")  # the path is sent, and read, on Enter
+    refused = app.locator(".udnn-snapshot-message").filter(has_text="refused")
+    refused.wait_for(timeout=60_000)
+    assert "\n" not in refused.inner_text().strip() and not marker.exists(), refused.inner_text()
+    path.fill(str(good))
+    path.press("Enter")
+    peaks = app.locator(".udnn-snapshot-differences").filter(has_text="peak: predicted")
+    peaks.wait_for(timeout=60_000)
+    overlay.click()  # read again: the same overlay
+    assert re.search(r"measured [\d.]+ [KMG]?i?B", peaks.inner_text()), peaks.inner_text()
+    deadline = time.monotonic() + 30
+    while app.locator(".vega-embed svg.marks").count() == charts_before:
+        assert time.monotonic() < deadline, "the snapshot's overlay chart was not drawn"
+        time.sleep(0.25)
+    assert app.locator(".udnn-snapshot-message").inner_text().strip() == ""  # the refusal went with the good file
 
 
 def another_network_clears_the_training_view(app) -> None:

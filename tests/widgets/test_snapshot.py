@@ -27,8 +27,9 @@ def rows(chart) -> list[dict]:
 def test_a_snapshot_is_laid_over_the_prediction_on_screen(lab_and_run):
     lab, path = lab_and_run
     assert lab.snapshot.chart.layout.display == "none"  # nothing until a snapshot is read
-    lab.snapshot.path.value = str(path)
-    lab.snapshot.load_button.click()
+    lab.snapshot.path.value = str(path)  # what Enter in the box sends: read as it arrives
+    assert lab.snapshot.overlay is not None
+    lab.snapshot.load_button.click()  # read again
     overlay = lab.snapshot.overlay
     graph = lab.session.graph(lab.setting)
     assert overlay is not None and overlay.predicted_peak_bytes == graph.peak_bytes == overlay.measured_peak_bytes

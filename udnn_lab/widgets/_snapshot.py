@@ -29,8 +29,11 @@ class SnapshotPanel:
     """A path box, an "Overlay snapshot" button, the overlay chart and the largest differences."""
 
     def __init__(self) -> None:
+        # the path is sent on Enter or when the box loses focus, and read as it arrives: a button's click can
+        # reach the kernel before the path typed just before it (ipywidgets holds back state while it is busy)
         self.path = widgets.Text(placeholder="snapshot.pickle(.gz) from torch.cuda.memory._dump_snapshot",
-                                 description="snapshot", layout=widgets.Layout(width="420px"))
+                                 description="snapshot", continuous_update=False, layout=widgets.Layout(width="420px"))
+        self.path.observe(self._path_sent, names="value")
         self.load_button = widgets.Button(description="Overlay snapshot", icon="upload",
                                           tooltip="read a memory snapshot of a real run and lay it over the "
                                                   "prediction on screen")
@@ -44,16 +47,24 @@ class SnapshotPanel:
         self.snapshot: Snapshot | None = None
         self.overlay: SnapshotOverlay | None = None
         self._prediction: tuple[Graph, Simulation | None] | None = None
+        self._loading = False
 
     def load(self, path: str | Path) -> None:
         """Read the snapshot at ``path`` and lay it over the prediction last shown; a bad file is said in one line."""
+        self._loading = True
         try:
-            self.snapshot = load_snapshot(Path(str(path).strip()).expanduser())
             self.path.value = str(path)
+            self.snapshot = load_snapshot(Path(str(path).strip()).expanduser())
             self.message.value = ""
             self._draw()
         except Exception as error:  # the app shows every error; the kernel never sees one
             self.message.value = wrapping(error_text(error))
+        finally:
+            self._loading = False
+
+    def _path_sent(self, change: dict) -> None:
+        if not self._loading and str(change["new"]).strip():
+            self.load(change["new"])
 
     def follow(self, graph: Graph, simulation: Simulation | None) -> None:
         """The prediction on screen changed: lay the snapshot, once one is read, over this one."""
