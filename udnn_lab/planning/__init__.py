@@ -13,7 +13,8 @@ from udnn_lab.planning import vdnn, pinning, segments, recompute, auto, optimal 
 from udnn_lab.graph.plan_ir import Offload, Plan, PlanError, Recompute
 from udnn_lab.planning import host
 from udnn_lab.planning.budget import PlanInfeasible, check_within_device, floor_bytes, min_budget, plan, sweep
+from udnn_lab.planning.floors import unlowered
 from udnn_lab.planning.registry import POLICIES, policy, quick_policies
 
 __all__ = ["Offload", "Plan", "PlanError", "PlanInfeasible", "Recompute", "POLICIES", "check_within_device",
-           "floor_bytes", "host", "min_budget", "plan", "policy", "quick_policies", "sweep"]
+           "floor_bytes", "host", "min_budget", "plan", "policy", "quick_policies", "sweep", "unlowered"]

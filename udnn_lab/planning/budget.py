@@ -16,6 +16,7 @@ from udnn_lab.hardware.profiles import Hardware
 from udnn_lab.planning._candidates import candidates
 from udnn_lab.planning._curve_estimate import CurveEstimate
 from udnn_lab.planning.auto import auto_within_host
+from udnn_lab.planning.floors import fixed_floor, one_op_floor, unlowered_note
 from udnn_lab.planning.host import LOCAL, host_budget_bytes, plan_host_bytes
 from udnn_lab.planning.registry import POLICIES, quick_policies
 from udnn_lab.simulation.simulator import cost_model, simulate_with
@@ -49,12 +50,17 @@ def plan(graph: Graph, budget: int | str | None = None, policy: str = "auto", ha
         minimum = min_budget(graph, policy, cost=cost, within_device=False)
         other = None if policy == "auto" else _fitting_policy(graph, cost, budget_bytes, host_bytes)
         hint = f"; {other!r} fits {format_bytes(budget_bytes)}" if other else \
-            (_fixed_floor(graph, minimum) or _one_op_floor(graph, minimum)
+            (fixed_floor(graph, minimum) or one_op_floor(graph, minimum)
              or "; no policy fits it: raise the budget, or lower the batch size")
         raise PlanInfeasible(f"policy {policy!r} cannot fit {graph.model_name} into {format_bytes(budget_bytes)}: "
                              f"the smallest budget it meets is {format_bytes(minimum)}{hint}", minimum, other)
     if host_bytes is not None and plan_host_bytes(graph, result) > host_bytes:
         _host_exceeded(graph, cost, policy, result, simulation.peak_bytes, host_bytes)
+    # below the graph's own peak it is lower (keep-all's simulated peak is no lower than that), at no extra simulation
+    if (result.offloads or result.recomputes) and simulation.peak_bytes >= _graph_peak(graph):
+        kept = simulate_with(graph, Plan.keep_all(graph, budget_bytes), cost)
+        if simulation.peak_bytes >= kept.peak_bytes:  # slower, and no lower: say why, and what would help
+            result = replace(result, notes=(*result.notes, unlowered_note(graph, simulation, kept)))
     released = result.with_releases(simulation.released_before)
     located = released.located(graph)
     if located.hook_events and located.offloads != released.offloads:  # NOTE [hook points] 2: moved; still fits?
@@ -64,56 +70,8 @@ def plan(graph: Graph, budget: int | str | None = None, policy: str = "auto", ha
     return located
 
 
-FIXED = ("parameter", "buffer", "parameter_gradient", "optimizer_state")  # no plan of saved tensors moves them
-FIXED_SHARE = 0.8  # of the smallest budget: above it, say that the floor is the model's state, not its activations
-
-
-def _fixed_floor(graph: Graph, minimum: int) -> str:
-    """Where weights, their gradients and the optimizer's state are most of a policy's smallest budget: that in
-    words, with what would lower it (offloading or recomputing saved tensors cannot); else ''."""
-    curve = graph.memory_curve()
-    fixed = curve[list(FIXED)].sum(axis=1)
-    at = int(fixed.to_numpy().argmax())
-    held = int(fixed.iloc[at])
-    if not minimum or held < FIXED_SHARE * minimum:
-        return ""
-    weights = int(curve["parameter"].iloc[at] + curve["buffer"].iloc[at])
-    return (f"; {format_bytes(held)} of it ({held / minimum:.0%}) is weights ({format_bytes(weights)}), their "
-            f"gradients ({format_bytes(int(curve['parameter_gradient'].iloc[at]))}) and optimizer state "
-            f"({format_bytes(int(curve['optimizer_state'].iloc[at]))}), which no offload or recomputation of saved "
-            "tensors moves: shard them (FSDP), keep optimizer state in 8 bits or on the host, or train fewer "
-            "parameters (LoRA); a smaller batch lowers only the rest")
-
-
-def _one_op_floor(graph: Graph, minimum: int) -> str:
-    """Where one op's inputs and outputs, with the model's state beside them, are most of a policy's smallest
-    budget: they are all on the device while it runs, so no plan goes lower; that in words, else ''."""
-    curve = graph.memory_curve()
-    fixed = curve[list(FIXED)].sum(axis=1).to_numpy()
-    best = (0, -1)
-    for op in graph.ops:
-        touched = {t for t in (*op.inputs, *op.outputs)
-                   if graph.on_device(graph.tensors[t]) and graph.tensors[t].category not in FIXED}
-        best = max(best, (sum(graph.tensors[t].nbytes for t in touched), op.index))
-    working, at = best
-    if at < 0 or not minimum:
-        return ""
-    touched = set(graph.ops[at].inputs) | set(graph.ops[at].outputs)
-    held = sum(t.nbytes for t in graph.tensors if t.held_past_forward and t.id not in touched and graph.on_device(t)
-               and t.producer is not None and t.producer <= at and (t.free_step is None or t.free_step >= at))
-    if working + held + int(fixed[at]) < FIXED_SHARE * minimum:
-        return ""
-    op = graph.ops[at]
-    if op.phase == "optimizer":
-        helps = ("it is the optimizer's step, not the batch: a fused optimizer (fused=True) makes no such temporaries, "
-                 "and sharding (FSDP) or 8-bit optimizer state shrinks what sits beside them")
-    else:
-        helps = ("a smaller micro-batch or input (fewer tokens, smaller images) lowers it (gradient accumulation keeps "
-                 "the batch)")
-    return (f"; op {at} ({op.name}, in {op.module or 'the model'}) alone reads and writes {format_bytes(working)} "
-            f"at once, beside {format_bytes(int(fixed[at]))} of weights, gradients and optimizer state and "
-            f"{format_bytes(held)} the training loop holds (the output, the loss), and all of it is on the device "
-            f"while the op runs, which no offload or recomputation changes: {helps}")
+def _graph_peak(graph: Graph) -> int:
+    return graph.cuda_peak_bytes if graph.device == "cuda" else graph.peak_bytes
 
 
 def check_within_device(budget_bytes: int | None, hardware: Hardware) -> None:
