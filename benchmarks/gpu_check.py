@@ -4,7 +4,8 @@ Steps (each a child process with its own time limit, so one hang or crash does n
 
     corpus     benchmarks/gpu_corpus.py: 14 models at the sizes people train, every quick policy at three budgets
                (peak against budget and simulation, gradients against eager with an eager control, step time,
-               allocator snapshots and kernel times where a run is off)
+               allocator snapshots and kernel times where a run is off; reserved bytes against the allocator
+               model's, for benchmarks/gpu_errors.py)
     tests      pytest -m gpu, one record per test (outcome, seconds, failure text); among them NCCL ranks
                trained with ul.train(..., parallel=...) against their traces (one rank per GPU)
     hardware   Hardware.measure("cuda"): copy sweeps both ways, pinned and pageable, FLOP rates

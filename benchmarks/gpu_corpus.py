@@ -16,6 +16,11 @@ limit (one hang or crash loses one model):
    then steps for the time; measured peak against the budget and the simulated peak, step against the
    simulated step.
 
+Every row on a GPU also holds the caching allocator's side: the reserved bytes the first step added from an
+emptied cache against what the allocator model predicts for the plan's step, and what the process held outside
+the allocator (the device's used memory less memory_reserved: the CUDA context, libraries' workspaces), which
+``benchmarks/gpu_errors.py`` turns into the error distribution of allocated and reserved predictions.
+
 Diagnostics, so that a machine without a GPU can work from them (under ``<out>/gpu_corpus/``): for a run
 over budget or off by more than 1% (peak) the allocator's history of one more step
 (``torch.cuda.memory._snapshot()``, gzip'd pickle, stacks included: memory_viz reads it); the keep-all step's
@@ -122,6 +127,10 @@ CORPUS = (
 class Outcome:
     grads: list = field(default_factory=list)
     peaks: list = field(default_factory=list)  # bytes above what the step started with, per step
+    # the caching allocator's reserved bytes added during each step (max_memory_reserved less memory_reserved at
+    # its start): the first step's starts from an emptied cache, as a fresh process's does
+    reserved_growth: list = field(default_factory=list)
+    outside_allocator_bytes: int | None = None  # the device's used memory less what the allocator reserves
     seconds: list = field(default_factory=list)
     error: str = ""
     traceback: str = ""
@@ -195,6 +204,10 @@ class Model:
                 torch.manual_seed(0)
                 before = self._allocated()
                 self._reset_peak()
+                reserved_before = self._reserved()
+                if index == 0 and self.device.type == "cuda":
+                    free, total = torch.cuda.mem_get_info(self.device)
+                    outcome.outside_allocator_bytes = total - free - reserved_before
                 torch.use_deterministic_algorithms(index == 0, warn_only=True)
                 started = time.perf_counter()
                 with runtime if runtime is not None else nullcontext():
@@ -204,6 +217,8 @@ class Model:
                 outcome.seconds.append(time.perf_counter() - started)
                 peak = self._peak()
                 outcome.peaks.append(None if peak is None else peak - before + self._step_resident(model, optimizer))
+                if self.device.type == "cuda":
+                    outcome.reserved_growth.append(torch.cuda.max_memory_reserved(self.device) - reserved_before)
                 if index == 0:
                     outcome.grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
                 del loss
@@ -241,6 +256,25 @@ class Model:
 
     def _allocated(self) -> int:
         return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+
+    def _reserved(self) -> int:
+        return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+
+    def reserved_fields(self, plan, simulation, outcome: Outcome) -> dict:
+        """The caching allocator model's reserved bytes for the step against what the first step reserved."""
+        from udnn_lab.allocator import events_from_simulation, replay
+
+        if self.device.type != "cuda":
+            return {}
+        frame = replay(events_from_simulation(self.graph, plan, simulation)).frame
+        before_step = frame.loc[frame["op"] < 0, "reserved_bytes"]
+        predicted = int(frame["reserved_bytes"].max()) - (int(before_step.iloc[-1]) if len(before_step) else 0)
+        measured = outcome.reserved_growth[0] if outcome.reserved_growth else None
+        return {"predicted_reserved_peak_bytes": int(frame["reserved_bytes"].max()),
+                "predicted_reserved_growth_bytes": predicted, "measured_reserved_growth_bytes": measured,
+                "measured_reserved_growths": outcome.reserved_growth,
+                "reserved_growth_error": _ratio(measured, predicted),
+                "outside_allocator_bytes": outcome.outside_allocator_bytes}
 
     def _reset_peak(self) -> None:
         if self.device.type == "cuda":
@@ -363,6 +397,7 @@ def run_model(case: Case, device: torch.device, small: bool, out: Path, emit) ->
         row.update(status="eager error", traceback=eager.traceback)
     else:
         try:
+            row.update(subject.reserved_fields(ul.Plan.keep_all(subject.graph), subject.keep_all_sim, eager))
             if device.type == "cuda":  # a device the predicted peak's size: does the step run there?
                 capped = subject.steps(None, count=2, cap_bytes=predicted)
                 row.update(capped_runs=not capped.error, capped_error=capped.error,
@@ -429,6 +464,11 @@ def _run_plan(subject: Model, policy: str, kind: str, budget: int | None, low: i
                grads_differ_names=subject.parameter_names(sorted(differing - set(nondeterministic))),
                error=outcome.error, traceback=outcome.traceback, runtime=_stats(runtime))
     kinds = _judged(row, outcome, budget)
+    if not outcome.error:
+        try:
+            row.update(subject.reserved_fields(plan, sim, outcome))
+        except Exception as err:
+            row["reserved_error"] = describe(err)
     if budget is not None and subject.device.type == "cuda" and not outcome.error:
         capped = subject.steps(ul.OffloadRuntime(plan), count=2, cap_bytes=budget)
         row.update(capped_runs=not capped.error, capped_error=capped.error,

@@ -120,3 +120,19 @@ def test_gpu_diagnose_names_what_was_alive_at_the_peak(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "410.0 MiB allocated at the peak" in done.stdout and "simulated peak 110.0 MiB" in done.stdout
+
+
+def test_gpu_errors_counts_the_short_predictions_and_the_margin_that_leaves_none(tmp_path):
+    rows = [{"peak_error": e, "reserved_growth_error": r, "outside_allocator_bytes": o}
+            for e, r, o in ((-0.02, -0.10, 500 * 2**20), (0.01, 0.05, 520 * 2**20), (0.0, None, None))]
+    (tmp_path / "gpu_corpus-1.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "errors.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_errors.py"), str(tmp_path), "--out",
+                           str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(out.read_text())
+    assert found["allocated peak"]["runs"] == 3 and found["allocated peak"]["underestimates"] == 1
+    assert found["allocated peak"]["margin_for_none_short"] == pytest.approx(0.02)
+    assert found["reserved growth"]["runs"] == 2 and found["reserved growth"]["min"] == pytest.approx(-0.10)
+    assert found["outside allocator"] == {"runs": 2, "min_bytes": 500 * 2**20, "max_bytes": 520 * 2**20}
+    assert "reserved growth" in done.stdout and "500 to 520 MiB" in done.stdout

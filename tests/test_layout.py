@@ -154,7 +154,8 @@ BASICS = {"errors", "units", "vocabulary", "devices", "workload", "parallel"}
 ABOVE = {  # what each subpackage may import besides BASICS: the table in udnn_lab/README.md
     "graph": set(), "hardware": set(), "zoo": set(), "analysis": {"graph"},
     "cost": {"graph", "hardware", "analysis"}, "simulation": {"graph", "hardware", "cost"},
-    "planning": {"graph", "hardware", "cost", "simulation"}, "runtime": {"graph", "analysis", "hardware"},
+    "planning": {"graph", "hardware", "cost", "simulation", "allocator"},
+    "runtime": {"graph", "analysis", "hardware"},
     "measurement": {"graph", "analysis", "runtime"}, "allocator": {"graph", "simulation"},
     "frames": {"graph", "hardware", "cost", "simulation", "measurement"}, "charts": set(),
     "report": {"hardware", "planning", "zoo"},

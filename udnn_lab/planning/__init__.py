@@ -5,7 +5,7 @@ exact reference, needs the [exact] extra) and register themselves in ``registry.
 ``plan()``, ``min_budget()`` and ``sweep()`` search budgets with the simulator. Under a budget
 the step already fits with every tensor kept, every policy keeps everything (the registry
 applies that rule to each). May import: the Graph and Plan IR, cost, hardware, simulation,
-units and errors.
+the allocator model (a budget counted in reserved bytes), units and errors.
 """
 
 # the policy modules register themselves on import, in this order

@@ -19,6 +19,7 @@ from udnn_lab.planning.auto import auto_within_host
 from udnn_lab.planning.floors import fixed_floor, one_op_floor, unlowered_note
 from udnn_lab.planning.host import LOCAL, host_budget_bytes, plan_host_bytes
 from udnn_lab.planning.registry import POLICIES, quick_policies
+from udnn_lab.planning.reserved import check_counts, plan_in_reserved
 from udnn_lab.simulation.simulator import cost_model, simulate_with
 from udnn_lab.units import Bytes, format_bytes, parse_bytes
 
@@ -28,8 +29,14 @@ _BUDGET_FREE = ("keep-all", "vdnn-all", "vdnn-conv")  # the same plan under any 
 
 def plan(graph: Graph, budget: int | str | None = None, policy: str = "auto", hardware: Hardware | str | None = None,
          profile: Profile | None = None, rates: RateCurve | bool | None = None, *,
-         ranks_per_node: int | None = None, host_budget: int | str | None = LOCAL) -> Plan:
+         ranks_per_node: int | None = None, host_budget: int | str | None = LOCAL, counts: str = "allocated",
+         outside_bytes: int | str = 0) -> Plan:
     """A plan of ``policy`` for ``graph`` whose simulated peak fits ``budget`` ("6 GiB", bytes, or None).
+
+    ``counts``: what the budget counts: 'allocated' bytes (live tensors, as the simulation's peak), or, for a CUDA
+    step, 'reserved' bytes (what the caching allocator is predicted to reserve, as torch.cuda.max_memory_reserved,
+    plus ``outside_bytes``: what the process holds outside the allocator, the CUDA context and libraries'
+    workspaces; NCCL's buffers on a rank), the number an out-of-memory error is about (planning/reserved.py).
 
     ``ranks_per_node``: for a graph of one rank of several, the ranks sharing a node (default: the profile's
     ``gpus_per_node``), as for ``simulate``: a collective whose group spans more crosses the nodes' network
@@ -43,6 +50,11 @@ def plan(graph: Graph, budget: int | str | None = None, policy: str = "auto", ha
     cost = cost_model(graph, hardware, profile, rates, ranks_per_node)
     budget_bytes = None if budget is None else parse_bytes(budget)
     check_within_device(budget_bytes, cost.hardware)
+    check_counts(counts, graph)
+    if counts == "reserved" and budget_bytes is not None:
+        return plan_in_reserved(graph, budget_bytes, parse_bytes(outside_bytes), cost,
+                                lambda allocated: plan(graph, allocated, policy, hardware, profile, rates,
+                                                       ranks_per_node=ranks_per_node, host_budget=host_budget))
     host_bytes = host_budget_bytes(host_budget, graph.device, budget_bytes)
     result = _planned(graph, cost, policy, budget_bytes, host_bytes)
     simulation = simulate_with(graph, result, cost)

@@ -1,0 +1,79 @@
+"""How far the GPU corpus's predictions were from what its runs measured: the distribution of the errors of the
+allocated peak (the simulation against torch.cuda.max_memory_allocated) and of the caching allocator's reserved
+bytes (its model against max_memory_reserved, as the first step from an emptied cache added them), with the
+underestimates counted and the margin that would have left none; and what the process held outside the
+allocator (the CUDA context, libraries' workspaces), which a budget counted in reserved bytes adds.
+
+An error is predicted / measured - 1: below zero the prediction was short, the case that runs out of memory.
+Reads ``gpu_corpus*.jsonl`` (``benchmarks/gpu_corpus.py``'s records) from files or folders; runs anywhere.
+
+    python benchmarks/gpu_errors.py data/benchmarks/gpu/<run> [--out errors.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+MIB = 2**20
+MEASURES = {"allocated peak": "peak_error", "reserved growth": "reserved_growth_error"}
+
+
+def records(sources: list[Path]) -> list[dict]:
+    files = [f for source in sources for f in (sorted(source.glob("gpu_corpus*.jsonl")) if source.is_dir()
+                                                 else [source])]
+    if not files:
+        raise SystemExit(f"no gpu_corpus*.jsonl in {', '.join(map(str, sources))}: give the folder a GPU run wrote")
+    return [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
+
+
+def distribution(values: list[float]) -> dict:
+    """Quantiles of the errors, how many were short (below zero), and the margin that would leave none."""
+    if not values:
+        return {"runs": 0}
+    ordered = sorted(values)
+    at = lambda share: ordered[min(len(ordered) - 1, int(share * (len(ordered) - 1) + 0.5))]  # noqa: E731
+    short = [v for v in ordered if v < 0]
+    return {"runs": len(ordered), "min": ordered[0], "p10": at(0.1), "median": statistics.median(ordered),
+            "p90": at(0.9), "max": ordered[-1], "underestimates": len(short),
+            "margin_for_none_short": -ordered[0] if short else 0.0}
+
+
+def summary(rows: list[dict]) -> dict:
+    found = {name: distribution([r[key] for r in rows if isinstance(r.get(key), (int, float))])
+             for name, key in MEASURES.items()}
+    outside = sorted(r["outside_allocator_bytes"] for r in rows if isinstance(r.get("outside_allocator_bytes"), int))
+    found["outside allocator"] = {"runs": len(outside), "min_bytes": outside[0], "max_bytes": outside[-1]} \
+        if outside else {"runs": 0}
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sources", type=Path, nargs="+", help="gpu_corpus*.jsonl files, or folders holding them")
+    parser.add_argument("--out", type=Path, help="also write the summary as JSON here")
+    args = parser.parse_args()
+    rows = records(args.sources)
+    found = summary(rows)
+    print(f"{'measure':18s} {'runs':>5s} {'min':>8s} {'p10':>8s} {'median':>8s} {'p90':>8s} {'max':>8s} "
+          f"{'short':>6s} {'margin':>8s}")
+    for name in MEASURES:
+        d = found[name]
+        if not d["runs"]:
+            print(f"{name:18s} {0:5d}  not recorded by this run")
+            continue
+        print(f"{name:18s} {d['runs']:5d} " + " ".join(f"{d[k]:+8.2%}" for k in ("min", "p10", "median", "p90", "max"))
+              + f" {d['underestimates']:6d} {d['margin_for_none_short']:8.2%}")
+    outside = found["outside allocator"]
+    if outside["runs"]:
+        print(f"outside the allocator: {outside['min_bytes'] / MIB:,.0f} to {outside['max_bytes'] / MIB:,.0f} MiB "
+              f"over {outside['runs']} runs")
+    if args.out:
+        args.out.write_text(json.dumps({"rows": len(rows), **found}, indent=1))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

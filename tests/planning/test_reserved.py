@@ -1,0 +1,44 @@
+"""A budget counted in reserved bytes (planning/reserved.py): the caching allocator model's reserved peak of the
+plan's step, plus what the process holds outside the allocator, within the budget."""
+
+import pytest
+
+import udnn_lab as ul
+from udnn_lab.planning.reserved import reserved_peak_bytes
+
+H100 = "h100-sxm"
+
+
+@pytest.fixture(scope="module")
+def graph() -> ul.Graph:
+    return ul.trace(ul.zoo.get("resnet50", batch=64, device="meta"), device="cuda")
+
+
+@pytest.mark.parametrize("policy", ["auto", "vdnn++", "recompute"])
+def test_the_reserved_peak_and_what_is_outside_the_allocator_fit_the_budget(graph, policy):
+    budget, outside = int(graph.cuda_peak_bytes * 0.8), 300 * 2**20
+    chosen = ul.plan(graph, budget, policy, hardware=H100, counts="reserved", outside_bytes=outside)
+    reserved = reserved_peak_bytes(graph, chosen, ul.simulate(graph, chosen, hardware=H100))
+    assert reserved + outside <= budget
+    plain = ul.plan(graph, budget - outside, policy, hardware=H100)  # the same room, counted as allocated
+    over = reserved_peak_bytes(graph, plain, ul.simulate(graph, plain, hardware=H100))
+    assert over + outside > budget  # what counting allocated bytes alone would have run into
+    assert chosen.budget_bytes < plain.budget_bytes and "predicted to reserve" in chosen.notes[-1]
+
+
+def test_a_budget_no_plan_meets_in_reserved_bytes_says_so_in_one_line(graph):
+    with pytest.raises(ul.PlanInfeasible) as raised:
+        ul.plan(graph, int(graph.cuda_peak_bytes * 0.25), "vdnn++", hardware=H100, counts="reserved",
+                outside_bytes="300 MiB")
+    said = str(raised.value)
+    assert "counted as reserved bytes" in said and "300.00 MiB outside the allocator" in said and "\n" not in said
+    with pytest.raises(ul.PlanInfeasible, match="leaves nothing"):
+        ul.plan(graph, "100 MiB", "auto", hardware=H100, counts="reserved", outside_bytes="200 MiB")
+
+
+def test_reserved_bytes_need_a_cuda_step_and_a_known_count():
+    cpu = ul.trace(ul.zoo.get("mlp5", batch=4))
+    with pytest.raises(ValueError, match="needs a CUDA step"):
+        ul.plan(cpu, "1 GiB", counts="reserved")
+    with pytest.raises(ValueError, match="counts 'allocated' bytes"):
+        ul.plan(cpu, "1 GiB", counts="live")
