@@ -228,3 +228,24 @@ def test_without_hardware_a_search_predicts_gpu_memory_as_the_cli_and_memorylab_
     monkeypatch.setattr(maximum, "resolve_hardware", resolve)
     found = ul.max_batch("mlp3", "64MiB", limit=4)
     assert asked == [(None, "cuda")] and found.size >= 1
+
+
+def _reserved(work: ul.Workload, chosen: ul.Plan | None = None) -> int:
+    """The caching allocator model's reserved peak of the step (or its plan's), on its own."""
+    from udnn_lab.planning.reserved import reserved_peak_bytes
+
+    graph = ul.trace(work, device="cuda")
+    chosen = chosen or ul.Plan.keep_all(graph)
+    return reserved_peak_bytes(graph, chosen, ul.simulate(graph, chosen, hardware=H100))
+
+
+def test_in_reserved_bytes_the_largest_batch_and_the_next_are_held_to_what_the_allocator_reserves():
+    budget, outside = _peak(_mlp(6000)), 8 * 2**20
+    found = ul.max_batch("mlp3", budget, progress=False, hardware=H100, counts="reserved", outside_bytes=outside)
+    allocated = ul.max_batch("mlp3", budget, progress=False, hardware=H100)
+    assert 0 < found.size < allocated.size  # the allocator reserves more than it hands out, and the context too
+    assert found.peak_bytes == _reserved(_mlp(found.size)) + outside <= budget
+    assert _reserved(_mlp(found.failed_size)) + outside > budget
+    assert "counted as reserved bytes" in found.notes[-1]
+    with pytest.raises(ValueError, match="needs a CUDA profile"):
+        ul.max_batch("mlp3", "1 GiB", progress=False, hardware="cpu-amd-epyc-2cpu", counts="reserved")

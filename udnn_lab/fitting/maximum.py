@@ -18,6 +18,7 @@ from udnn_lab.fitting.result import FitSearch, Probe, disagreements
 from udnn_lab.fitting.search import Bracket, largest_fitting
 from udnn_lab.hardware import PREDICTED_DEVICE, Hardware
 from udnn_lab.planning import POLICIES, check_within_device, host
+from udnn_lab.planning.reserved import COUNTS
 from udnn_lab.simulation.simulator import resolve_hardware
 from udnn_lab.units import format_bytes, parse_bytes
 from udnn_lab.vocabulary import Dimension
@@ -28,7 +29,8 @@ PROGRESS_SECONDS = 3.0  # by default a search shows its progress bar once it has
 
 def max_batch(model: str | Callable[[int], Workload], budget: int | str | None = None, *, policy: str = "keep-all",
               hardware: Hardware | str | None = None, start: int = 1, limit: int | None = None, multiple_of: int = 1,
-              host_budget: int | str | None = "local", progress: bool | None = None, **options: Any) -> FitSearch:
+              host_budget: int | str | None = "local", progress: bool | None = None, counts: str = "allocated",
+              outside_bytes: int | str = 0, **options: Any) -> FitSearch:
     """The largest batch size whose training step fits ``budget`` (default: all of ``hardware``'s memory).
 
     ``model``: a zoo name, with ``options`` passed to ``ul.zoo.get`` (``seq_len=4096``,
@@ -42,7 +44,10 @@ def max_batch(model: str | Callable[[int], Workload], budget: int | str | None =
     the host memory a plan's offloads may take (the runtime's pinned pool); by default ("local")
     the share the runtime would take on this machine, half of what is available now (NOTE [host
     budget] in planning/host.py); give the training machine's figure when it is another, or None
-    not to check. Before each size is built, the host memory building it takes (what the sizes
+    not to check. ``counts='reserved'`` (a CUDA profile): a size fits when the caching allocator model's
+    reserved peak for its step (or its plan's), plus ``outside_bytes`` (the CUDA context, libraries' workspaces),
+    is within the budget: the number an out-of-memory error is about (planning/reserved.py). Before each size
+    is built, the host memory building it takes (what the sizes
     before it took, extrapolated) is held against what this machine has: HostMemoryTooSmall says
     so rather than the machine running out. ``progress``: show a progress bar (default: once the
     search has run a few seconds).
@@ -50,14 +55,16 @@ def max_batch(model: str | Callable[[int], Workload], budget: int | str | None =
     if "batch" in options:
         raise TypeError("max_batch searches the batch size: leave batch out of its options")
     build = _factory(model, options, lambda name, size: zoo.get(name, batch=size, **_on_meta(options)))
-    return _search(build, _label(model), "batch", _Setting(budget, policy, hardware, host_budget),
+    return _search(build, _label(model), "batch", _Setting(budget, policy, hardware, host_budget, counts,
+                                                           parse_bytes(outside_bytes)),
                    _Sizes(start, limit, multiple_of, "the limit given"), progress)
 
 
 def max_seq_len(model: str | Callable[[int], Workload], budget: int | str | None = None, *, batch: int = 1,
                 policy: str = "keep-all", hardware: Hardware | str | None = None, start: int = 1,
                 limit: int | None = None, multiple_of: int = 1, host_budget: int | str | None = "local",
-                progress: bool | None = None, **options: Any) -> FitSearch:
+                progress: bool | None = None, counts: str = "allocated", outside_bytes: int | str = 0,
+                **options: Any) -> FitSearch:
     """The longest sequence whose training step at ``batch`` fits ``budget``; as ``max_batch``, for 'hf:' text models.
 
     The search stops at the model's positions (its ``max_position_embeddings``) when every
@@ -74,7 +81,8 @@ def max_seq_len(model: str | Callable[[int], Workload], budget: int | str | None
         if positions is not None and (limit is None or positions < limit):
             limit, why = positions, f"the {positions} positions {model} has"
     build = _factory(model, options, lambda name, size: zoo.get(name, batch=batch, seq_len=size, **_on_meta(options)))
-    return _search(build, _label(model), "seq_len", _Setting(budget, policy, hardware, host_budget),
+    return _search(build, _label(model), "seq_len", _Setting(budget, policy, hardware, host_budget, counts,
+                                                             parse_bytes(outside_bytes)),
                    _Sizes(start, limit, multiple_of, why), progress)
 
 
@@ -86,6 +94,8 @@ class _Setting:
     policy: str
     hardware: Hardware | str | None
     host_budget: int | str | None
+    counts: str = "allocated"  # or 'reserved', with outside_bytes (planning/reserved.py)
+    outside_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -109,7 +119,9 @@ def _search(build: StepFactory, label: str, dimension: Dimension, setting: _Sett
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; the policies are: {', '.join(POLICIES)}")
     _check_sizes(start, limit, multiple_of)
-    prober = StepProber(build, budget_bytes, policy, profile, dimension, host_budget_bytes)
+    counted = _counted(setting, profile)
+    prober = StepProber(build, budget_bytes, policy, profile, dimension, host_budget_bytes, setting.counts,
+                        setting.outside_bytes)
     name = "sequence length" if dimension == "seq_len" else "batch"
     bar = tqdm(desc=f"largest {name} of {label} in {format_bytes(budget_bytes)}", unit="probe", leave=False,
                disable=progress is False, delay=0 if progress else PROGRESS_SECONDS)
@@ -122,7 +134,7 @@ def _search(build: StepFactory, label: str, dimension: Dimension, setting: _Sett
 
     with bar:
         bracket = largest_fitting(probe, start, limit, multiple_of)
-    notes = prober.notes + disagreements(bracket.probes) + host_note
+    notes = prober.notes + disagreements(bracket.probes) + host_note + counted
     return FitSearch(
         model_name=prober.model_name or label, dimension=dimension, size=bracket.fitting.size if bracket.fitting else 0,
         peak_bytes=bracket.fitting.peak_bytes if bracket.fitting else None,
@@ -132,6 +144,20 @@ def _search(build: StepFactory, label: str, dimension: Dimension, setting: _Sett
         budget_bytes=budget_bytes, policy=policy, hardware=profile.name, device=profile.device_type,
         weights_bytes=prober.weights_bytes, host_budget_bytes=host_budget_bytes, multiple_of=multiple_of, limit=limit,
         notes=notes)
+
+
+def _counted(setting: _Setting, profile: Hardware) -> tuple[str, ...]:
+    """Check what the budget counts; the note that says so where it is not allocated bytes."""
+    if setting.counts not in COUNTS:
+        raise ValueError(f"counts={setting.counts!r}: a budget counts 'allocated' bytes (live tensors) or 'reserved' "
+                         "bytes (what the caching allocator holds, plus outside_bytes)")
+    if setting.counts == "allocated":
+        return ()
+    if profile.device_type != "cuda":
+        raise ValueError(f"counts='reserved' needs a CUDA profile ({profile.name} is {profile.device_type}'s, where no "
+                         "caching allocator reserves memory): pass hardware= a GPU's profile, or count allocated bytes")
+    return (f"peaks counted as reserved bytes: the caching allocator model's reserved peak plus "
+            f"{format_bytes(setting.outside_bytes)} outside the allocator",)
 
 
 def _why_stopped(bracket: Bracket, name: str, limit_reason: str, weights: int, budget_bytes: int) -> str:

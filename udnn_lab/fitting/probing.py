@@ -13,7 +13,8 @@ from udnn_lab.errors import BudgetTooSmall, HostBudgetExceeded, PlanInfeasible
 from udnn_lab.fitting.result import Probe
 from udnn_lab.graph import Graph
 from udnn_lab.hardware import Hardware
-from udnn_lab.planning import host, plan
+from udnn_lab.planning import Plan, host, plan
+from udnn_lab.planning.reserved import reserved_peak_bytes
 from udnn_lab.simulation import simulate
 from udnn_lab.units import format_bytes
 from udnn_lab.vocabulary import Dimension
@@ -27,8 +28,10 @@ class StepProber:
     """Probes of one search: the same model, budget, policy and hardware at each size asked for."""
 
     def __init__(self, build: StepFactory, budget_bytes: int, policy: str, hardware: Hardware,
-                 dimension: Dimension, host_budget_bytes: int | None = None) -> None:
+                 dimension: Dimension, host_budget_bytes: int | None = None, counts: str = "allocated",
+                 outside_bytes: int = 0) -> None:
         self.build, self.budget_bytes, self.policy = build, budget_bytes, policy
+        self.counts, self.outside_bytes = counts, outside_bytes  # 'reserved': planning/reserved.py
         self.host_budget_bytes = host_budget_bytes
         self.hardware, self.dimension = hardware, dimension
         self.model_name = ""
@@ -48,6 +51,8 @@ class StepProber:
                 f"{format_bytes(self.budget_bytes)} budget, so no {self._name} fits: raise the budget, or hold the "
                 "weights in a 16-bit dtype (dtype=torch.bfloat16; --dtype bfloat16)", self.weights_bytes)
         traced = counted_peak(graph)
+        if self.counts == "reserved":
+            return self._in_reserved_bytes(size, graph, traced)
         # Under a budget the keep-all step fits, every policy keeps everything (planning.registry): nothing to plan
         if self.policy == "keep-all" or traced <= self.budget_bytes:
             return Probe(size, traced, traced <= self.budget_bytes, traced)
@@ -60,6 +65,22 @@ class StepProber:
             return Probe(size, infeasible.minimum_bytes, False, traced)
         held = chosen.host_pool_bytes
         return Probe(size, simulate(graph, chosen, hardware=self.hardware).peak_bytes, True, traced, held)
+
+    def _in_reserved_bytes(self, size: int, graph: Graph, traced: int) -> Probe:
+        """The probe with its peak counted as the caching allocator model reserves, plus what is outside it."""
+        kept = Plan.keep_all(graph)
+        held = reserved_peak_bytes(graph, kept, simulate(graph, kept, hardware=self.hardware)) + self.outside_bytes
+        if self.policy == "keep-all" or held <= self.budget_bytes:
+            return Probe(size, held, held <= self.budget_bytes, traced)
+        try:
+            chosen = plan(graph, self.budget_bytes, self.policy, hardware=self.hardware,
+                          host_budget=self.host_budget_bytes, counts="reserved", outside_bytes=self.outside_bytes)
+        except HostBudgetExceeded as over:
+            return Probe(size, over.peak_bytes, False, traced, over.host_bytes)
+        except PlanInfeasible:  # no plan of the policy: what keeping everything reserves
+            return Probe(size, held, False, traced)
+        reserved = reserved_peak_bytes(graph, chosen, simulate(graph, chosen, hardware=self.hardware))
+        return Probe(size, reserved + self.outside_bytes, True, traced, chosen.host_pool_bytes)
 
     @property
     def _name(self) -> str:
