@@ -80,3 +80,13 @@ def test_fit_commands_say_what_was_wrong(capsys):
     with pytest.raises(SystemExit):
         main(["max-batch", "mlp3", "--policy", "fastest"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_max_batch_answers_in_reserved_bytes_when_asked(capsys):
+    common = ["max-batch", "mlp3", "--budget", "120MiB", "--hardware", "h100-sxm"]
+    assert main(common) == 0
+    allocated = int(re.search(r"largest batch size: (\d+)", capsys.readouterr().out).group(1))
+    assert main([*common, "--counts", "reserved", "--outside", "8MiB"]) == 0
+    out = capsys.readouterr().out
+    reserved = int(re.search(r"largest batch size: (\d+)", out).group(1))
+    assert 0 < reserved < allocated and "note: peaks counted as reserved bytes" in out and "8.00 MiB outside" in out

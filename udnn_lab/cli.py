@@ -36,7 +36,8 @@ COMMANDS = {
 }
 MODEL_HELP = "a zoo name (see 'udnn-lab zoo') or package.module:factory, a callable returning your nn.Module"
 THIS_GPU = "this machine's GPU's profile, else the closest shipped one, named in a warning"
-SIZE_OPTIONS = ("--budget", "--host-budget")  # their values may start with '-' ('-1GB'): the size says what is wrong
+# their values may start with '-' ('-1GB'): the size says what is wrong
+SIZE_OPTIONS = ("--budget", "--host-budget", "--outside")
 # errors that end a command with one line (the traceback with --debug): udnn_lab's, bad input, out of memory
 ONE_LINE_ERRORS = (UdnnLabError, ValueError, TypeError, ImportError, MemoryError, RuntimeError)
 
@@ -256,6 +257,12 @@ def _add_fit_commands(commands, common: argparse.ArgumentParser, names: Names | 
     fit.add_argument("--host-budget", default="local",
                      help="host memory a plan's offloads may take, e.g. 512GiB; 'local': half of what this machine "
                           "has available (the default), 'none': not checked")
+    fit.add_argument("--counts", default="allocated", choices=("allocated", "reserved"),
+                     help="what the budget counts: live tensors' bytes (allocated, the default), or what the caching "
+                          "allocator reserves plus --outside (reserved: the number an out-of-memory error is about)")
+    fit.add_argument("--outside", default="0",
+                     help="with --counts reserved: what the process holds outside the allocator (the CUDA context, "
+                          "libraries' workspaces), e.g. 600MiB: the device's used memory less memory_reserved()")
 
     batch = commands.add_parser("max-batch", parents=[fit, common], help=COMMANDS["max-batch"])
     batch.add_argument("--seq-len", type=int, help="sequence length of an hf: model (default 512)")
@@ -416,7 +423,8 @@ def _max_size(args: argparse.Namespace) -> int:
     search = dict(budget=args.budget, policy=args.policy, hardware=_hardware(args.hardware), start=args.start,
                   limit=args.limit,
                   multiple_of=args.multiple_of, progress=None,
-                  host_budget=None if args.host_budget.lower() == "none" else args.host_budget)
+                  host_budget=None if args.host_budget.lower() == "none" else args.host_budget,
+                  counts=args.counts, outside_bytes=args.outside)
     found = max_batch(args.model, **search, **options) if args.dimension == "batch" else \
         max_seq_len(args.model, batch=args.batch, **search, **options)
     _print_probes(found, args.dimension)
