@@ -50,25 +50,30 @@ def plan_in_reserved(graph: Graph, budget: int, outside: int, cost: CostModel,
         raise PlanInfeasible(f"{format_bytes(outside)} outside the allocator leaves nothing of {format_bytes(budget)} "
                              "for the step: give a larger budget, or measure what the process holds outside the "
                              "allocator (the device's used memory less torch.cuda.memory_reserved())", budget, None)
-    allocated, reserved = room, 0
+    allocated, tried = room, None  # tried: (allocated, reserved) of the last plan made
     for _ in range(TRIES):
         try:
             chosen = planned(allocated)
         except PlanInfeasible as err:
-            raise PlanInfeasible(_infeasible(graph, budget, outside, allocated, reserved, str(err)),
-                                 err.minimum_bytes, err.fitting_policy) from None
+            if tried is None or not err.minimum_bytes or err.minimum_bytes >= tried[0]:
+                raise PlanInfeasible(_infeasible(graph, budget, outside, tried, str(err)), err.minimum_bytes,
+                                     err.fitting_policy) from None
+            allocated = err.minimum_bytes  # lowered past what the policy meets: its least, once
+            continue
         reserved = reserved_peak_bytes(graph, chosen, simulate_with(graph, chosen, cost))
         if reserved <= room:
             said = (f"planned for {format_bytes(allocated)} allocated: the caching allocator is predicted to reserve "
                     f"{format_bytes(reserved)}, which with {format_bytes(outside)} outside it fits "
                     f"{format_bytes(budget)}")
             return replace(chosen, notes=(*chosen.notes, said))
+        tried = (allocated, reserved)
         allocated -= max(reserved - room, int(budget * _STEP))
-    raise PlanInfeasible(_infeasible(graph, budget, outside, allocated, reserved,
-                                     f"after {TRIES} plans the reserved peak is still over it"), allocated, None)
+    raise PlanInfeasible(_infeasible(graph, budget, outside, tried, f"after {TRIES} plans the reserved peak is still "
+                                     "over it"), allocated, None)
 
 
-def _infeasible(graph: Graph, budget: int, outside: int, allocated: int, reserved: int, why: str) -> str:
-    tried = f" (at {format_bytes(allocated)} allocated it reserves {format_bytes(reserved)})" if reserved else ""
+def _infeasible(graph: Graph, budget: int, outside: int, tried: tuple[int, int] | None, why: str) -> str:
+    """One line: the budget in reserved bytes, the last plan made (its allocated budget and reserved peak), why."""
+    said = f" (planned for {format_bytes(tried[0])} allocated, it reserves {format_bytes(tried[1])})" if tried else ""
     return (f"no plan fits {graph.model_name} into {format_bytes(budget)} counted as reserved bytes with "
-            f"{format_bytes(outside)} outside the allocator{tried}: {why.rstrip('.')}")
+            f"{format_bytes(outside)} outside the allocator{said}: {why.rstrip('.')}")
