@@ -1,6 +1,8 @@
 """A budget counted in reserved bytes (planning/reserved.py): the caching allocator model's reserved peak of the
 plan's step, plus what the process holds outside the allocator, within the budget."""
 
+import re
+
 import pytest
 
 import udnn_lab as ul
@@ -42,3 +44,15 @@ def test_reserved_bytes_need_a_cuda_step_and_a_known_count():
         ul.plan(cpu, "1 GiB", counts="reserved")
     with pytest.raises(ValueError, match="counts 'allocated' bytes"):
         ul.plan(cpu, "1 GiB", counts="live")
+
+
+def test_the_error_names_the_last_plan_made_with_its_own_reserved_peak(graph):
+    budget, outside = int(graph.cuda_peak_bytes * 0.33), 300 * 2**20  # planned at least once, never fitting
+    with pytest.raises(ul.PlanInfeasible) as raised:
+        ul.plan(graph, budget, "vdnn++", hardware=H100, counts="reserved", outside_bytes=outside)
+    said = re.search(r"planned for ([\d.]+ \w+) allocated, it reserves ([\d.]+ \w+)", str(raised.value))
+    assert said, str(raised.value)
+    allocated = ul.parse_bytes(said.group(1).replace(" ", ""))
+    chosen = ul.plan(graph, allocated + 2**20, "vdnn++", hardware=H100)  # that plan again (the figure is rounded)
+    reserved = reserved_peak_bytes(graph, chosen, ul.simulate(graph, chosen, hardware=H100))
+    assert reserved + outside > budget and abs(reserved - ul.parse_bytes(said.group(2).replace(" ", ""))) < 2**24
