@@ -50,7 +50,7 @@ class StepProber:
                 f"the weights of {graph.model_name} alone take {format_bytes(self.weights_bytes)}, more than the "
                 f"{format_bytes(self.budget_bytes)} budget, so no {self._name} fits: raise the budget, or hold the "
                 "weights in a 16-bit dtype (dtype=torch.bfloat16; --dtype bfloat16)", self.weights_bytes)
-        traced = counted_peak(graph)
+        traced = int(graph.counted_peak_bytes)
         if self.counts == "reserved":
             return self._in_reserved_bytes(size, graph, traced)
         # Under a budget the keep-all step fits, every policy keeps everything (planning.registry): nothing to plan
@@ -117,11 +117,6 @@ class StepProber:
         (low, low_bytes), (high, high_bytes) = known
         slope = max(0.0, (high_bytes - low_bytes) / (high - low))
         return TRANSIENT * int(max(high_bytes, high_bytes + slope * (size - high)))
-
-
-def counted_peak(graph: Graph) -> int:
-    """The traced peak as a budget counts it: the caching allocator's 512-byte blocks on CUDA, exact bytes on a CPU."""
-    return int(graph.cuda_peak_bytes if graph.device == "cuda" else graph.peak_bytes)
 
 
 def weights_bytes(graph: Graph) -> int:

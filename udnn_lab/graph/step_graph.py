@@ -92,6 +92,12 @@ class Graph:
         return Bytes(self._live.cuda_peak_bytes)
 
     @property
+    def counted_peak_bytes(self) -> Bytes:
+        """The peak as a budget on the step's device counts it: the caching allocator's 512-byte blocks on CUDA,
+        exact bytes elsewhere."""
+        return self.cuda_peak_bytes if self.device == "cuda" else self.peak_bytes
+
+    @property
     def peak_step(self) -> int:
         """Op index at which the peak is first reached (-1: before the first op)."""
         return self._live.peak_step

@@ -69,7 +69,7 @@ def plan(graph: Graph, budget: int | str | None = None, policy: str = "auto", ha
     if host_bytes is not None and plan_host_bytes(graph, result) > host_bytes:
         _host_exceeded(graph, cost, policy, result, simulation.peak_bytes, host_bytes)
     # below the graph's own peak it is lower (keep-all's simulated peak is no lower than that), at no extra simulation
-    if (result.offloads or result.recomputes) and simulation.peak_bytes >= _graph_peak(graph):
+    if (result.offloads or result.recomputes) and simulation.peak_bytes >= graph.counted_peak_bytes:
         kept = simulate_with(graph, Plan.keep_all(graph, budget_bytes), cost)
         if simulation.peak_bytes >= kept.peak_bytes:  # slower, and no lower: say why, and what would help
             result = replace(result, notes=(*result.notes, unlowered_note(graph, simulation, kept)))
@@ -80,10 +80,6 @@ def plan(graph: Graph, budget: int | str | None = None, policy: str = "auto", ha
         if not (moved.fits if budget_bytes is not None else moved.peak_bytes <= simulation.peak_bytes):
             return released.located(graph, on_hooks=False)
     return located
-
-
-def _graph_peak(graph: Graph) -> int:
-    return graph.cuda_peak_bytes if graph.device == "cuda" else graph.peak_bytes
 
 
 def check_within_device(budget_bytes: int | None, hardware: Hardware) -> None:

@@ -116,6 +116,7 @@ class OpByOpStep(Step):
 
     def _storage_gone(self, key: int, _ref) -> None:
         self.by_key.pop(key, None)
+
     def _pack(self, tensor: torch.Tensor) -> Handle | Kept:
         """NOTE [offload runtime] 2: the storage met at its producer (1) names the slot."""
         slot = self.by_key.get(id(tensor.untyped_storage()))

@@ -236,7 +236,7 @@ class MemoryLab(widgets.AppLayout):
     def _load_graph(self) -> None:
         setting = self.setting
         graph = self.session.graph(setting)
-        peak = graph.cuda_peak_bytes if graph.device == "cuda" else graph.peak_bytes
+        peak = graph.counted_peak_bytes
         hardware = self.session.hardware(self.hardware.value)
         another = setting.network != self._network
         self.budget_control.rescale(peak, hardware.memory_bytes, reset=another)  # keeps the user's budget
