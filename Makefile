@@ -25,7 +25,7 @@ TEST_WORKERS ?= 2
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet $(TORCH)
-	$(BIN)/python -m pip install --quiet -e '.[dev,timm,hf,exact]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,timm,hf,exact,lightning]'
 	touch $(STAMP)
 
 # the oldest releases stay pinned while the project is installed (a constraints file: pip may not upgrade them);

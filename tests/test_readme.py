@@ -35,7 +35,8 @@ def test_the_readmes_python_runs_as_written():
 
 
 @pytest.mark.parametrize("page", DOCS, ids=lambda path: path.name)
-def test_the_docs_pages_python_runs_as_written(page):
+def test_the_docs_pages_python_runs_as_written(page, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # what a page writes (a saved plan, a trainer's output) goes there
     namespace: dict = {}
     for number, block in enumerate(python_blocks(page.read_text()), start=1):
         exec(compile(block, f"{page.name} python block {number}", "exec"), namespace)

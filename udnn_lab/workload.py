@@ -67,6 +67,30 @@ class StepOptions:
 DEFAULT_STEP = StepOptions()  # 32-true, one micro-batch, no clipping
 
 
+@dataclass(frozen=True)
+class StepLoss:
+    """A ``loss_fn`` that runs the model itself: ``step(model, *args, **kwargs)`` returns the micro-batch's loss,
+    with the example input split as for the model (a tensor or a tuple's items as arguments, a dict's as keywords).
+
+    For steps whose loss does not come from ``loss_fn(model(input))``: a LightningModule's ``training_step``, a
+    Hugging Face Trainer's ``compute_loss``. The step then runs ``step`` where it would call the model, under
+    the same autocast; everything the step does inside it (module calls, the loss) is the step's forward.
+    ``scales_for_accumulation``: the step already divides its loss by the number of micro-batches (or
+    normalizes it otherwise), so the step does not divide it again.
+    """
+
+    step: Callable[..., torch.Tensor]
+    name: str = "training step"
+    scales_for_accumulation: bool = False
+
+    @property
+    def __name__(self) -> str:  # Workload's summary names the loss by its __name__
+        return self.name
+
+    def __call__(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.step(model, *args, **kwargs)
+
+
 def weights_dtype(model: torch.nn.Module) -> torch.dtype | None:
     """The floating dtype holding most of the model's parameter elements (None: no floating parameter)."""
     counts: Counter[torch.dtype] = Counter()
@@ -114,7 +138,7 @@ class Workload:
     model: torch.nn.Module
     example_input: Any  # a tensor, a tuple of positional tensors, or a dict of keyword tensors (one micro-batch)
     target: Any = None  # passed to loss_fn(output, target) when not None
-    loss_fn: Callable | None = None  # None: the sum of the outputs
+    loss_fn: Callable | None = None  # None: the sum of the outputs; a StepLoss runs the model itself
     optimizer: torch.optim.Optimizer | None = None
     name: str = ""
     batch_size: int | None = None
@@ -124,6 +148,8 @@ class Workload:
     parallel: Parallel | None = None  # a DDP or FSDP spec: the step is one rank of parallel.world_size; None: one
 
     def __post_init__(self) -> None:
+        if not self.name:
+            object.__setattr__(self, "name", type(self.model).__name__)
         if self.precision is None:
             object.__setattr__(self, "precision", precision_of(self.model))
         check_weights(self.model, self.step_options)

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
 from udnn_lab.vocabulary import CLIP_SCOPE, GRAD_SCALER_SCOPE, LOSS_SCOPE, OPTIMIZER_SCOPE
-from udnn_lab.workload import DEFAULT_STEP, StepOptions
+from udnn_lab.workload import DEFAULT_STEP, StepLoss, StepOptions
 
 Mark = Callable[[str, "str | None"], None]
 MicroBatch = tuple[tuple, dict, Any]  # positional inputs, keyword inputs, target
@@ -68,6 +68,10 @@ def compute_loss(output: Any, loss_fn: Callable | None, target: Any) -> torch.Te
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
+    return loss
+
+
+def _itself(loss: Any) -> Any:
     return loss
 
 
@@ -133,10 +137,15 @@ def forward_loss(model: torch.nn.Module, args: tuple, kwargs: dict, *, loss_fn: 
     """
     with autocast(options, step_device_type(model, args, kwargs)):
         mark("forward", None)
-        output = model(*args, **kwargs)
-        mark("forward", LOSS_SCOPE)
-        loss = compute_loss(output, loss_fn, target)
-    start = loss / options.grad_accumulation if options.grad_accumulation > 1 else loss
+        if isinstance(loss_fn, StepLoss):
+            output = loss_fn.step(model, *args, **kwargs)
+            loss = compute_loss(output, _itself, None)
+        else:
+            output = model(*args, **kwargs)
+            mark("forward", LOSS_SCOPE)
+            loss = compute_loss(output, loss_fn, target)
+    divides = options.grad_accumulation > 1 and not getattr(loss_fn, "scales_for_accumulation", False)
+    start = loss / options.grad_accumulation if divides else loss
     if scaler is not None:
         start = scaler.scale(start)
     return output, loss, start

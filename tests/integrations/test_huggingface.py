@@ -1,0 +1,108 @@
+"""HFPlanCallback: a Hugging Face Trainer's model trained under a plan gives eager's parameters, bit for bit."""
+
+import tempfile
+
+import pytest
+import torch
+
+import udnn_lab as ul
+
+transformers = pytest.importorskip("transformers")
+from udnn_lab.integrations import HFPlanCallback  # noqa: E402
+
+CONFIG = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
+torch.manual_seed(0)
+WEIGHTS = transformers.GPT2LMHeadModel(CONFIG).state_dict()
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Fixed-length sequences (a plan is for one step's shapes); the ``short_batch``-th batch read is shorter."""
+
+    def __init__(self, count: int = 20, short_batch: int | None = None):
+        self.count, self.short_batch, self.reads = count, short_batch, 0
+
+    def __len__(self):
+        return self.count
+
+    def __getitem__(self, index):
+        short = self.reads // 4 == self.short_batch  # the Trainer reads 4 items a batch, in order
+        self.reads += 1
+        ids = torch.randint(0, 128, (16 if short else 32,), generator=torch.Generator().manual_seed(index))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _train(callbacks, dataset=None, model=None, steps=4, **options):
+    model = model or transformers.GPT2LMHeadModel(CONFIG)
+    model.load_state_dict(WEIGHTS)
+    args = transformers.TrainingArguments(output_dir=tempfile.gettempdir(), use_cpu=True, per_device_train_batch_size=4,
+                                          max_steps=steps, report_to=[], logging_steps=2, save_strategy="no",
+                                          disable_tqdm=True, **options)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset or Tokens(), callbacks=callbacks)
+    trainer.train()
+    return model, trainer
+
+
+def _no_runtime_left():
+    modules = torch.nn.modules.module
+    return (not modules._global_forward_pre_hooks and not modules._global_forward_hooks
+            and torch._C._autograd._top_saved_tensors_default_hooks(False) is None)
+
+
+@pytest.mark.parametrize("options", [{}, {"gradient_accumulation_steps": 2}, {"bf16": True}],
+                         ids=["32-true", "accumulation", "bf16-mixed"])
+def test_parameters_equal_training_without_the_callback(options):
+    callback = HFPlanCallback("3 MiB", policy="recompute")
+    planned, trainer = _train([callback], **options)
+    eager, _ = _train([], **options)
+    assert callback.plan is not None and callback.plan.recomputes
+    for ours, theirs in zip(planned.parameters(), eager.parameters()):
+        assert torch.equal(ours, theirs)
+    assert "training_step" not in vars(trainer) and _no_runtime_left()  # the Trainer as it was
+    logged = [entry for entry in trainer.state.log_history if "udnn/predicted_peak_bytes" in entry]
+    assert logged and logged[0]["step"] == 1  # the first planned step, then as the Trainer logs
+    measured = [r for r in callback.reports if r.measured_peak_bytes is not None]
+    assert len(measured) == 1 and measured[0].step > 0
+    assert measured[0].measured_peak_bytes == pytest.approx(measured[0].predicted_peak_bytes, rel=0.01)
+
+
+def test_a_step_of_other_shapes_runs_without_the_plan():
+    callback = HFPlanCallback("3 MiB", policy="recompute")
+    _train([callback], dataset=Tokens(short_batch=2), steps=5)
+    rows = callback.frame()
+    assert list(rows.planned) == [True, True, False, True, True]
+    assert "pad batches" in rows.why_unplanned[2]
+
+
+def test_an_error_in_a_step_lets_the_runtime_go():
+    class Failing(transformers.GPT2LMHeadModel):
+        calls = 0
+
+        def forward(self, *args, **kwargs):
+            Failing.calls += 1
+            if Failing.calls == 3:
+                raise RuntimeError("a failing batch")
+            return super().forward(*args, **kwargs)
+
+    callback = HFPlanCallback("3 MiB", policy="recompute")
+    with pytest.raises(RuntimeError, match="a failing batch"):
+        _train([callback], model=Failing(CONFIG), remove_unused_columns=False)
+    assert _no_runtime_left() and "training_step" not in vars(callback.trainer)
+
+
+def test_a_saved_plan_is_used(tmp_path):
+    first = HFPlanCallback("3 MiB", policy="recompute")
+    _train([first], steps=1)
+    again = HFPlanCallback(plan=first.plan.save(tmp_path / "step.plan.json"))
+    _train([again], steps=2)
+    assert again.plan.recomputes == first.plan.recomputes and all(r.planned for r in again.reports)
+
+
+def test_no_budget_and_no_plan_is_refused():
+    with pytest.raises(ValueError, match="budget"):
+        HFPlanCallback()
+
+
+def test_the_summary_names_the_trainers_loss():
+    callback = HFPlanCallback("3 MiB", policy="recompute")
+    _, trainer = _train([callback], steps=1)
+    assert isinstance(callback.steps.graph, ul.Graph) and callback.steps.graph.model_name == "GPT2LMHeadModel"

@@ -1,0 +1,175 @@
+"""A Hugging Face TrainerCallback that trains the Trainer's model under a plan (NOTE [trainer steps])."""
+
+from __future__ import annotations
+
+import inspect
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from udnn_lab.graph import Plan
+from udnn_lab.hardware import Hardware
+from udnn_lab.integrations._planned import PlannedSteps, StepReport
+from udnn_lab.workload import StepLoss, Workload, precision_of, weights_dtype
+
+
+class HFPlanCallback(TrainerCallback):
+    """``Trainer(..., callbacks=[HFPlanCallback("6 GiB")])``: every step of ``train()`` within the budget.
+
+    At the first micro-batch it traces the step as the Trainer runs it (its ``compute_loss``, with the
+    ``num_items_in_batch`` it passes, its optimizer, ``bf16``/``fp16``, ``gradient_accumulation_steps`` and
+    ``max_grad_norm``), plans it for ``budget`` with ``policy`` (or checks ``plan``, a Plan or a file saved by
+    ``plan.save``, against it), then runs every step under the offload runtime. Each step's predicted and
+    measured peak and time go through ``Trainer.log`` (so to every ``report_to`` logger) under ``udnn/`` when the
+    Trainer logs, and on the first planned step (``log=False``: kept in ``reports`` only). The callback finds its
+    Trainer when training begins (``trainer=``: name it); the model and the Trainer stay as written.
+    """
+
+    def __init__(self, budget: int | str | None = None, *, policy: str = "auto", plan: Plan | str | Path | None = None,
+                 hardware: Hardware | str | None = None, log: bool = True, trainer: Trainer | None = None) -> None:
+        self.steps = PlannedSteps(budget, policy=policy, plan=plan, hardware=hardware)
+        self.log = log
+        self.trainer = trainer
+        self._micro_batch = 0
+        self._planned_micro_batches = 1
+
+    @property
+    def plan(self) -> Plan | None:
+        return self.steps.plan
+
+    @property
+    def reports(self) -> list[StepReport]:
+        return self.steps.reports
+
+    def frame(self):
+        """Every step's predicted and measured figures, a row each."""
+        return self.steps.frame()
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        trainer = self.trainer or _calling_trainer()
+        if args.world_size > 1:
+            raise ValueError(f"HFPlanCallback plans one process's step; this Trainer runs {args.world_size} "
+                             "processes: plan one rank with ul.trace(..., parallel=ul.DDP(n) or ul.FSDP(n)) and "
+                             "ul.plan, and train with ul.train(..., parallel=...)")
+        self.trainer = trainer
+        if "training_step" in vars(trainer):  # still ours from a train() that an interrupt ended
+            del trainer.training_step
+        trainer.training_step = partial(_followed_step, self, trainer.training_step)  # type: ignore[method-assign]
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      **kwargs: Any) -> None:
+        self._micro_batch = 0
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        report = self.steps.end()
+        first = report is not None and report.planned and sum(r.planned for r in self.reports) == 1
+        if report is not None and self.log and (control.should_log or first):
+            assert self.trainer is not None
+            self.trainer.log(report.logs())
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """The Trainer as it was: its own training_step, the host pool given back."""
+        if self.trainer is not None and "training_step" in vars(self.trainer):
+            del self.trainer.training_step
+        self.steps.close()
+
+    def micro_batch(self, model: torch.nn.Module, inputs: dict, num_items_in_batch: Any) -> None:
+        """Before the Trainer's training_step: plan at the first, start or check the step (NOTE [trainer steps])."""
+        trainer = self.trainer
+        assert trainer is not None
+        example = _example(trainer, inputs, num_items_in_batch)
+        if not self.steps.ready:
+            work = _workload(trainer, model, example)
+            self._planned_micro_batches = work.grad_accumulation
+            self.steps.prepare(work, example)
+        self._micro_batch += 1
+        if self._micro_batch == 1:
+            micro_batches = getattr(trainer, "current_gradient_accumulation_steps",
+                                    trainer.args.gradient_accumulation_steps)
+            self.steps.begin(trainer.state.global_step, example, micro_batches, self._planned_micro_batches)
+        else:
+            self.steps.check_micro_batch(example)
+
+
+def _followed_step(callback: HFPlanCallback, training_step, model: torch.nn.Module, inputs: dict,
+                   num_items_in_batch: Any = None) -> torch.Tensor:
+    """The Trainer's training_step, with the plan started before the step's first micro-batch (NOTE [trainer
+    steps] 2) and let go when anything in it fails (NOTE [trainer steps] 5)."""
+    try:
+        callback.micro_batch(model, inputs, num_items_in_batch)
+        return training_step(model, inputs, num_items_in_batch)
+    except BaseException:
+        callback.steps.abort()
+        callback._let_go()  # train() ends with the error: on_train_end will not come
+        raise
+
+
+def _calling_trainer() -> Trainer:
+    """The Trainer whose ``train()`` is calling its callbacks: a few frames up, as its ``self``."""
+    frame = inspect.currentframe()
+    for _ in range(12):
+        frame = frame.f_back if frame is not None else None
+        if frame is None:
+            break
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+    raise RuntimeError("HFPlanCallback could not find the Trainer calling it: pass it, "
+                       "HFPlanCallback(..., trainer=trainer), or add the callback with trainer.add_callback")
+
+
+def _example(trainer: Trainer, inputs: dict, num_items_in_batch: Any) -> tuple:
+    """The micro-batch as training_step computes its loss from it: the inputs on the device, and the count of
+    items the loss is normalized by when the Trainer passes one."""
+    prepared = dict(trainer._prepare_inputs(inputs))
+    return (prepared,) if num_items_in_batch is None else (prepared, num_items_in_batch)
+
+
+def _workload(trainer: Trainer, model: torch.nn.Module, example: tuple) -> Workload:
+    """The step as this Trainer runs it (NOTE [trainer steps] 1)."""
+    args = trainer.args
+    optimizer = trainer.optimizer
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the optimizer
+    name = type(model).__name__
+    return Workload(model=model, example_input=example, optimizer=optimizer, name=name,
+                    loss_fn=StepLoss(partial(_trainer_loss, trainer), name=f"{type(trainer).__name__}.compute_loss",
+                                     scales_for_accumulation=True),
+                    precision=_precision(args, model), grad_accumulation=args.gradient_accumulation_steps,
+                    clip_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None)
+
+
+def _precision(args: TrainingArguments, model: torch.nn.Module):
+    """Lightning's name for the Trainer's precision: autocast over float32 weights, or the weights' own dtype."""
+    full = weights_dtype(model) in (None, torch.float32)
+    if args.bf16:
+        return "bf16-mixed" if full else "bf16-true"
+    if args.fp16:
+        return "16-mixed" if full else "16-true"
+    return precision_of(model)
+
+
+def _trainer_loss(trainer: Trainer, model: torch.nn.Module, inputs: dict,
+                  num_items_in_batch: Any = None) -> torch.Tensor:
+    """What training_step computes before backward: compute_loss, and the division for accumulation where the
+    Trainer makes it."""
+    with trainer.compute_loss_context_manager():
+        loss = trainer.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
+    assert isinstance(loss, torch.Tensor)  # return_outputs is off: the loss alone
+    if trainer.args.n_gpu > 1:
+        loss = loss.mean()
+    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if scaled is None:
+        scaled = (trainer.model_accepts_loss_kwargs and num_items_in_batch is not None) \
+            or trainer.compute_loss_func is not None
+    if not scaled:
+        loss = loss / trainer.current_gradient_accumulation_steps
+    return loss

@@ -1,0 +1,132 @@
+"""A PyTorch Lightning callback that trains the LightningModule under a plan (NOTE [trainer steps])."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any, cast
+
+import lightning.pytorch as pl
+import torch
+
+from udnn_lab.graph import Plan
+from udnn_lab.hardware import Hardware
+from udnn_lab.integrations._planned import PlannedSteps, StepReport
+from udnn_lab.vocabulary import PRECISIONS, Precision
+from udnn_lab.workload import StepLoss, Workload
+
+
+class LightningPlanCallback(pl.Callback):
+    """``Trainer(callbacks=[LightningPlanCallback("6 GiB")])``: every step of ``fit`` within the budget.
+
+    At the first batch it traces the step as the trainer runs it (``training_step``, the trainer's optimizer,
+    precision, ``accumulate_grad_batches`` and ``gradient_clip_val``), plans it for ``budget`` with ``policy``
+    (or checks ``plan``, a Plan or a file saved by ``plan.save``, against it), then runs every step under the
+    offload runtime. Each step's predicted and measured peak and time go to the trainer's loggers under
+    ``udnn/`` (``log=False``: kept in ``reports`` only). The module and trainer stay as written.
+    """
+
+    def __init__(self, budget: int | str | None = None, *, policy: str = "auto", plan: Plan | str | Path | None = None,
+                 hardware: Hardware | str | None = None, log: bool = True) -> None:
+        self.steps = PlannedSteps(budget, policy=policy, plan=plan, hardware=hardware)
+        self.log = log
+        self._micro_batches = 0
+        self._stepped = False
+
+    @property
+    def plan(self) -> Plan | None:
+        return self.steps.plan
+
+    @property
+    def reports(self) -> list[StepReport]:
+        return self.steps.reports
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if not self.steps.ready:
+            self.steps.prepare(_workload(trainer, pl_module, batch, batch_idx), (batch,))
+        if self.steps.in_step:
+            self.steps.check_micro_batch((batch,))
+            return
+        planned = trainer.accumulate_grad_batches
+        left = trainer.num_training_batches - batch_idx
+        micro_batches = planned if math.isinf(left) or left >= planned else int(left)
+        self._stepped = False
+        self.steps.begin(trainer.global_step, (batch,), micro_batches, planned)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        self._stepped = True
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not self._stepped:
+            return  # a micro-batch before the step's last
+        self._stepped = False
+        report = self.steps.end()
+        if report is not None and self.log:
+            pl_module.log_dict(report.logs(), on_step=True, on_epoch=False, batch_size=1)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.steps.abort()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.steps.close()
+
+    def frame(self):
+        """Every step's predicted and measured figures, a row each."""
+        return self.steps.frame()
+
+
+def _workload(trainer: pl.Trainer, module: pl.LightningModule, batch: Any, batch_idx: int) -> Workload:
+    """The step as this trainer runs it (NOTE [trainer steps] 1); a clear error for what the runtime cannot follow."""
+    if not module.automatic_optimization:
+        raise ValueError("LightningPlanCallback follows Lightning's automatic optimization (one optimizer step a "
+                         "batch group); this module sets automatic_optimization = False: plan its step with "
+                         "ul.trace and ul.plan, and run it under ul.OffloadRuntime yourself")
+    if trainer.world_size > 1:
+        raise ValueError(f"LightningPlanCallback plans one process's step; this trainer runs {trainer.world_size} "
+                         "processes: plan one rank with ul.trace(..., parallel=ul.DDP(n) or ul.FSDP(n)) and "
+                         "ul.plan, and train with ul.train(..., parallel=...)")
+    if len(trainer.optimizers) != 1:
+        raise ValueError(f"LightningPlanCallback plans a step with one optimizer; configure_optimizers gave "
+                         f"{len(trainer.optimizers)}")
+    precision = cast(Precision, str(trainer.precision))
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not one udnn_lab traces: use one of {', '.join(PRECISIONS)}")
+    clip = trainer.gradient_clip_val
+    if clip and trainer.gradient_clip_algorithm not in (None, "norm"):
+        raise ValueError(f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}: udnn_lab traces clipping by "
+                         "norm (the default, 'norm')")
+    name = type(module).__name__
+    step = StepLoss(partial(_training_step_loss, batch_idx=batch_idx), name=f"{name}.training_step")
+    return Workload(model=module, example_input=(batch,), loss_fn=step, optimizer=trainer.optimizers[0], name=name,
+                    precision=precision, grad_accumulation=trainer.accumulate_grad_batches,
+                    clip_grad_norm=float(clip) if clip else None)
+
+
+def _training_step_loss(module: pl.LightningModule, batch: Any, *, batch_idx: int) -> torch.Tensor:
+    with _not_logging(module):
+        output = module.training_step(batch, batch_idx)
+    if isinstance(output, Mapping):
+        output = output.get("loss")
+    if not isinstance(output, torch.Tensor):
+        raise ValueError(f"{type(module).__name__}.training_step returned {type(output).__name__}: the callback plans "
+                         "a step whose training_step returns the loss (a tensor, or a dict with 'loss')")
+    return output
+
+
+@contextmanager
+def _not_logging(module: pl.LightningModule) -> Iterator[None]:
+    """While the step is traced, ``self.log`` records nothing: its values are fake tensors."""
+    def ignored(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    module.log, module.log_dict = ignored, ignored  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.log, module.log_dict

@@ -1,0 +1,263 @@
+"""What both trainer callbacks share: plan the step once, follow every later step with the runtime, measure each.
+
+NOTE [trainer steps]
+  1. A trainer's step is traced from what the trainer is about to run: its first micro-batch, its model as the
+     trainer prepared it, its optimizer, precision, accumulation and clipping, with the loss computed by the
+     trainer's own code (a StepLoss). The trace runs under fake tensors, so the model, its optimizer and the
+     RNG are left as they were, and a step that would not fit is planned before it runs.
+  2. The runtime is on from the first micro-batch of a step to the end of its optimizer step. It follows a
+     plan by module and saved-tensor hooks only (NOTE [hook points]): what the trainer does outside the model
+     between micro-batches (adding up the loss, logging) saves nothing for backward, so it is not the step's
+     business. A plan that only a per-op dispatch mode can follow would count the trainer's own ops as the
+     step's: it is refused when it is made.
+  3. A plan is for one step's shapes and micro-batch count. A step whose batch has other shapes (the last,
+     short batch of an epoch; padding to the longest sequence) or fewer micro-batches runs without the plan,
+     as the trainer would run it, and is reported as unplanned. The check is made before each micro-batch;
+     between micro-batches the runtime holds nothing (every saved tensor went with its backward), so it can
+     be let go there.
+  4. What the step does outside every module call in forward (the loss, and with it the trainer's own
+     logging) is the trainer's code, which the trace sees only in part (a logger's copies of the loss are not
+     traced). Recomputing there would need a dispatch mode counting those ops, so the tensors made there are
+     planned as temporaries: kept, never moved or rebuilt (``module_bound``). Offloads act at hook calls, which
+     the trainer's code does not make.
+  5. An error inside a step lets the runtime go (hooks removed, host slices returned) before it reaches the
+     trainer, which then handles it as it would without the callback.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from torch.utils._pytree import tree_flatten
+
+from udnn_lab.analysis import trace
+from udnn_lab.errors import PlanError
+from udnn_lab.graph import Graph, Plan
+from udnn_lab.hardware import Hardware
+from udnn_lab.planning import plan as make_plan
+from udnn_lab.runtime import OffloadRuntime
+from udnn_lab.runtime.live_bytes import LiveBytes
+from udnn_lab.simulation import simulate
+from udnn_lab.vocabulary import PLANNED_CATEGORIES
+from udnn_lab.workload import Workload
+
+LOG_PREFIX = "udnn/"
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One trainer step under a callback: what was predicted for it and what it measured."""
+
+    step: int  # the trainer's count of optimizer steps before this one
+    planned: bool  # False: the step ran as the trainer runs it (NOTE [trainer steps] 3)
+    predicted_peak_bytes: int
+    measured_peak_bytes: int | None  # None: not measured (on the CPU one steady planned step is counted, op by op)
+    predicted_step_s: float
+    measured_step_s: float
+    why_unplanned: str = ""
+
+    def logs(self) -> dict[str, float]:
+        """The figures a trainer's loggers take: numbers only, under ``udnn/``."""
+        values: dict[str, float] = {"planned": float(self.planned), "predicted_peak_bytes": self.predicted_peak_bytes,
+                                    "predicted_step_s": self.predicted_step_s,
+                                    "measured_step_s": self.measured_step_s}
+        if self.measured_peak_bytes is not None:
+            values["measured_peak_bytes"] = self.measured_peak_bytes
+        return {LOG_PREFIX + key: float(value) for key, value in values.items()}
+
+
+def shapes_of(value: Any) -> tuple:
+    """The shape and dtype of every tensor in a batch, in order: what a plan is for (NOTE [trainer steps] 3)."""
+    leaves, _ = tree_flatten(value)
+    return tuple((tuple(leaf.shape), leaf.dtype) for leaf in leaves if isinstance(leaf, torch.Tensor))
+
+
+class PlannedSteps:
+    """A budget (or a saved plan) made into a plan for a trainer's step, and the runtime carrying it out."""
+
+    def __init__(self, budget: int | str | None, *, policy: str = "auto", plan: Plan | str | Path | None = None,
+                 hardware: Hardware | str | None = None) -> None:
+        if budget is None and plan is None:
+            raise ValueError("give a budget (bytes or '6 GiB': what the step may use on the device) or a plan "
+                             "saved with plan.save(path)")
+        self.budget = budget
+        self.policy = policy
+        self.given_plan = plan
+        self.hardware = hardware
+        self.graph: Graph | None = None
+        self.plan: Plan | None = None
+        self.runtime: OffloadRuntime | None = None
+        self.predicted_peak_bytes = 0
+        self.predicted_step_s = 0.0
+        self.reports: list[StepReport] = []
+        self._batch_shapes: tuple = ()
+        self._in_step = False
+        self._why_unplanned = ""
+        self._counter: LiveBytes | None = None
+        self._started = 0.0
+        self._device = torch.device("cpu")
+        self._work: Workload | None = None
+        self._step_number = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.runtime is not None
+
+    def prepare(self, work: Workload, batch: Any) -> None:
+        """Trace ``work`` (the trainer's step), plan it or check the saved plan against it, simulate the plan."""
+        self.graph = module_bound(trace(work))
+        self._device = torch.device(self.graph.device)
+        self.plan = self._plan(self.graph)
+        runtime = OffloadRuntime(self.plan)
+        if runtime.enabled and runtime.hook_schedule() is None:
+            raise PlanError(f"the {self.plan.policy!r} plan for this step can only be followed op by op, which would "
+                            "count the trainer's own ops as the step's (NOTE [trainer steps] 2): ask for another "
+                            "policy ('vdnn++', 'recompute') or a larger budget")
+        simulation = simulate(self.graph, self.plan, self.hardware)
+        self.predicted_peak_bytes = int(simulation.peak_bytes)
+        self.predicted_step_s = float(simulation.step_time_s)
+        self._batch_shapes = shapes_of(batch)
+        self._work = work
+        self.runtime = runtime
+
+    def _plan(self, graph: Graph) -> Plan:
+        given = self.given_plan
+        if isinstance(given, Plan):
+            given.check_belongs(graph)
+            return given
+        if given is not None:
+            return Plan.load(given, graph)
+        return make_plan(graph, self.budget, self.policy, self.hardware)
+
+    def why_not(self, batch: Any, micro_batches: int, planned_micro_batches: int) -> str:
+        """Why a step (or its next micro-batch) cannot run under the plan; '' when it can."""
+        if micro_batches != planned_micro_batches:
+            return (f"this step has {micro_batches} micro-batches where the plan's has {planned_micro_batches} "
+                    "(the last, short step of an epoch)")
+        shapes = shapes_of(batch)
+        if shapes != self._batch_shapes:
+            return (f"its batch is {_shapes_text(shapes)}, the planned step's {_shapes_text(self._batch_shapes)}: pad "
+                    "batches to one length, or drop the last short batch (drop_last), to run every step planned")
+        return ""
+
+    @property
+    def in_step(self) -> bool:
+        return self._in_step
+
+    def begin(self, step: int, batch: Any, micro_batches: int, planned_micro_batches: int) -> None:
+        """Before a step's first micro-batch: start the clock, and the runtime when the step is the planned one."""
+        assert self.runtime is not None
+        self._step_number = step
+        self._why_unplanned = self.why_not(batch, micro_batches, planned_micro_batches)
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+            torch.cuda.reset_peak_memory_stats(self._device)
+        self._counter = None
+        if not self._why_unplanned and self._device.type == "cpu" and self._steady() \
+                and not any(r.measured_peak_bytes is not None for r in self.reports):
+            self._counter = LiveBytes(existing=self._resident(batch))  # one steady planned step is counted
+            self._counter.__enter__()
+            self.runtime.observer = self._counter
+        self._started = time.perf_counter()
+        if not self._why_unplanned:
+            self.runtime.__enter__()
+        self._in_step = True
+
+    def check_micro_batch(self, batch: Any) -> None:
+        """Before a later micro-batch: let the plan go for the rest of the step when the batch is not the planned
+        one (NOTE [trainer steps] 3)."""
+        if self._in_step and not self._why_unplanned and shapes_of(batch) != self._batch_shapes:
+            self._why_unplanned = self.why_not(batch, 1, 1)
+            self._leave_runtime(completed=False)
+
+    def end(self) -> StepReport | None:
+        """After the step's optimizer step: the runtime off, the step's report."""
+        if not self._in_step:
+            return None
+        if not self._why_unplanned:
+            self._leave_runtime(completed=True)
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        elapsed = time.perf_counter() - self._started
+        measured = self._measured_peak()
+        self._in_step = False
+        report = StepReport(self._step_number, not self._why_unplanned, self.predicted_peak_bytes, measured,
+                            self.predicted_step_s, elapsed, self._why_unplanned)
+        self.reports.append(report)
+        return report
+
+    def abort(self) -> None:
+        """An error inside the step: let the runtime go and keep nothing (NOTE [trainer steps] 5)."""
+        if self._in_step:
+            self._in_step = False
+            if not self._why_unplanned:
+                self._leave_runtime(completed=False)
+            self._close_counter()
+
+    def close(self) -> None:
+        """Training is over: give the host pool back."""
+        self.abort()
+        if self.runtime is not None:
+            self.runtime.release()
+
+    def _leave_runtime(self, completed: bool) -> None:
+        assert self.runtime is not None
+        error = None if completed else RuntimeError
+        self.runtime.__exit__(error, None, None)
+        self.runtime.observer = None
+
+    def _steady(self) -> bool:
+        """The optimizer holds its state, as in the traced step (NOTE [optimizer state of a traced step]): the
+        first step makes it only in its optimizer step, so its peak is not the step's."""
+        optimizer = self._work.optimizer if self._work is not None else None
+        return optimizer is None or bool(optimizer.state)
+
+    def _resident(self, batch: Any):
+        """What a step starts with: parameters, buffers, optimizer state, the batch (as ``measure`` counts them)."""
+        assert self._work is not None
+        yield from self._work.model.parameters()
+        yield from self._work.model.buffers()
+        if self._work.optimizer is not None:
+            for state in self._work.optimizer.state.values():
+                yield from (value for value in state.values() if isinstance(value, torch.Tensor))
+        leaves, _ = tree_flatten(batch)
+        yield from (leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+
+    def _measured_peak(self) -> int | None:
+        if self._device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self._device))
+        counter = self._counter
+        self._close_counter()
+        return counter.peak if counter is not None else None
+
+    def _close_counter(self) -> None:
+        if self._counter is not None:
+            counter, self._counter = self._counter, None
+            counter.__exit__(None, None, None)
+
+    def frame(self) -> pd.DataFrame:
+        """Every step's report as a DataFrame, a row each."""
+        return pd.DataFrame([asdict(report) for report in self.reports])
+
+
+def module_bound(graph: Graph) -> Graph:
+    """``graph`` with the saved tensors made outside every forward module call planned as temporaries, which no
+    plan moves or rebuilds (NOTE [trainer steps] 4); the same ops and sizes, so the same fingerprint."""
+    inside: set[int] = set()
+    for call in graph.module_calls:
+        inside.update(range(call.first_op, call.last_op + 1))
+    outside = {t.id for t in graph.tensors if t.category in PLANNED_CATEGORIES and t.producer is not None
+               and graph.ops[t.producer].phase == "forward" and t.producer not in inside}
+    if not outside:
+        return graph
+    return replace(graph, tensors=tuple(replace(t, category="temporary") if t.id in outside else t
+                                        for t in graph.tensors))
+
+
+def _shapes_text(shapes: tuple) -> str:
+    return ", ".join(f"{str(dtype).removeprefix('torch.')}[{', '.join(map(str, shape))}]" for shape, dtype in shapes)
