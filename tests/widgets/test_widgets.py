@@ -65,6 +65,12 @@ def units(spec: dict):
         yield spec
 
 
+@pytest.fixture(scope="module")
+def cnn_lab():
+    return MemoryLab("resnet11", batch=64, image_size=32, optimizer="none", policy="vdnn++", hardware="h100-sxm",
+                     debounce_s=0)
+
+
 @pytest.fixture
 def lab():
     return MemoryLab("mlp5", batch=8, policy="vdnn-all", hardware="h100-sxm", debounce_s=0)
@@ -158,6 +164,24 @@ def test_an_infeasible_budget_is_shown_in_the_app(lab):
     lab.budget.value = lab.budget.max
     assert lab.status.value == "" and lab.budget.style.handle_color == "#2ca02c"
     assert "cannot fit" not in lab.fit_status.value and ">fits<" in lab.fit_status.value
+
+
+def test_the_budget_can_count_what_the_caching_allocator_reserves(cnn_lab):
+    lab = cnn_lab
+    lab.budget_entry.value = "118 MiB"
+    allocated = lab.simulation.peak_bytes
+    assert "reserved" not in lab.fit_status.value and allocated <= 118 << 20
+    lab.counts.value = "reserved"
+    reserved = lab.session.reserved_peak(lab.setting, lab.plan, lab.simulation)
+    assert f"reserved peak <b>{format_bytes(reserved)}</b>" in lab.fit_status.value
+    assert ">fits<" in lab.fit_status.value and reserved <= lab.budget_bytes
+    assert lab.simulation.peak_bytes < allocated  # fewer allocated bytes leave room for what the allocator keeps
+    lab.budget_entry.value = "100 MiB"  # vdnn++'s least reserves more than that
+    assert "counted as reserved bytes" in lab.fit_status.value and "does not fit" in lab.fit_status.value
+    lab.hardware.value = "cpu-amd-epyc-2cpu"
+    assert "needs a CUDA step" in lab.status.value  # said in the app, in one line
+    lab.counts.value = "allocated"
+    assert lab.status.value == ""
 
 
 def test_a_bad_network_name_is_an_error_in_the_app_and_the_chart_stays(lab):

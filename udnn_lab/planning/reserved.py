@@ -4,8 +4,8 @@ NCCL's buffers per rank), rather than the bytes of live tensors alone.
 
 A plan is made for bytes allocated; the caching allocator model (``allocator``, NOTE [modelled allocator
 behaviour]) replays the plan's step as the simulation runs it and says what it reserves. Where that, with the
-bytes outside the allocator, is over the budget, the plan is made again for that many allocated bytes fewer, until
-it fits or no plan of the policy does.
+bytes outside the allocator, is over the budget, the plan is made again for fewer allocated bytes (``_Search``: steps
+that double, then halving the gap), until it fits or no plan of the policy does.
 """
 
 from __future__ import annotations
@@ -50,26 +50,69 @@ def plan_in_reserved(graph: Graph, budget: int, outside: int, cost: CostModel,
         raise PlanInfeasible(f"{format_bytes(outside)} outside the allocator leaves nothing of {format_bytes(budget)} "
                              "for the step: give a larger budget, or measure what the process holds outside the "
                              "allocator (the device's used memory less torch.cuda.memory_reserved())", budget, None)
-    allocated, tried = room, None  # tried: (allocated, reserved) of the last plan made
+    search = _Search(room, max(1, int(budget * _STEP)))
     for _ in range(TRIES):
+        if search.next is None:
+            break
+        allocated = search.next
         try:
             chosen = planned(allocated)
         except PlanInfeasible as err:
-            if tried is None or not err.minimum_bytes or err.minimum_bytes >= tried[0]:
-                raise PlanInfeasible(_infeasible(graph, budget, outside, tried, str(err)), err.minimum_bytes,
+            if not search.below_policy(err.minimum_bytes):
+                raise PlanInfeasible(_infeasible(graph, budget, outside, search.over, str(err)), err.minimum_bytes,
                                      err.fitting_policy) from None
-            allocated = err.minimum_bytes  # lowered past what the policy meets: its least, once
             continue
-        reserved = reserved_peak_bytes(graph, chosen, simulate_with(graph, chosen, cost))
-        if reserved <= room:
-            said = (f"planned for {format_bytes(allocated)} allocated: the caching allocator is predicted to reserve "
-                    f"{format_bytes(reserved)}, which with {format_bytes(outside)} outside it fits "
-                    f"{format_bytes(budget)}")
-            return replace(chosen, notes=(*chosen.notes, said))
-        tried = (allocated, reserved)
-        allocated -= max(reserved - room, int(budget * _STEP))
-    raise PlanInfeasible(_infeasible(graph, budget, outside, tried, f"after {TRIES} plans the reserved peak is still "
-                                     "over it"), allocated, None)
+        search.made(allocated, chosen, reserved_peak_bytes(graph, chosen, simulate_with(graph, chosen, cost)))
+    if search.best is None:
+        assert search.over is not None  # every plan made was over the room
+        raise PlanInfeasible(_infeasible(graph, budget, outside, search.over, f"after {TRIES} plans the reserved "
+                                         "peak is still over it"), search.over[0], None)
+    allocated, chosen, reserved = search.best
+    said = (f"planned for {format_bytes(allocated)} allocated: the caching allocator is predicted to reserve "
+            f"{format_bytes(reserved)}, which with {format_bytes(outside)} outside it fits {format_bytes(budget)}")
+    return replace(chosen, notes=(*chosen.notes, said))
+
+
+class _Search:
+    """The allocated budget to plan for next. The reserved peak climbs in steps of whole segments as allocated
+    bytes grow, so a plan over by a little may need many fewer allocated bytes: from the room, the step down is
+    the overage, and at least twice the last step, until a plan fits; then the gap between that plan and the
+    least allocated one over is halved, to keep the most allocated bytes (the fastest plan) that fits."""
+
+    def __init__(self, room: int, resolution: int) -> None:
+        self.room, self.resolution = room, resolution
+        self.next: int | None = room
+        self.step = 0
+        self.best: tuple[int, Plan, int] | None = None  # (allocated, plan, reserved): fits, the most allocated
+        self.over: tuple[int, int] | None = None  # (allocated, reserved): over the room, the least allocated
+        self._took_minimum = False
+
+    def below_policy(self, minimum: int | None) -> bool:
+        """The policy meets no plan for ``next``: try the policy's least once, when below every plan over the
+        room; False when there is nothing left to try."""
+        ceiling = self.over[0] if self.over is not None else self.room
+        if self.best is not None or self._took_minimum or not minimum or minimum >= ceiling:
+            return False
+        self._took_minimum = True
+        self.next = minimum
+        return True
+
+    def made(self, allocated: int, chosen: Plan, reserved: int) -> None:
+        if reserved <= self.room:
+            if self.best is None or allocated > self.best[0]:
+                self.best = (allocated, chosen, reserved)
+        elif self.over is None or allocated < self.over[0]:
+            self.over = (allocated, reserved)
+        self.next = self._next()
+
+    def _next(self) -> int | None:
+        if self.best is None:
+            assert self.over is not None
+            self.step = max(self.over[1] - self.room, 2 * self.step, self.resolution)
+            return self.over[0] - self.step
+        if self.over is None or self.over[0] - self.best[0] <= self.resolution:
+            return None
+        return (self.over[0] + self.best[0]) // 2
 
 
 def _infeasible(graph: Graph, budget: int, outside: int, tried: tuple[int, int] | None, why: str) -> str:

@@ -23,6 +23,7 @@ from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware.profiles import Hardware
 from udnn_lab.measurement.measuring import Measurement, measure
 from udnn_lab.planning.budget import min_budget, plan
+from udnn_lab.planning.reserved import reserved_peak_bytes
 from udnn_lab.simulation.simulator import Simulation, resolve_hardware, simulate
 from udnn_lab.units import format_bytes
 from udnn_lab.vocabulary import AttentionImplementation, Precision
@@ -124,14 +125,19 @@ class LabSession:
         return self._minimums.get_or_make(
             key, lambda: min_budget(self.graph(setting), policy, hardware=self.hardware(hardware)))
 
-    def planned(self, setting: Setting, policy: str, budget_bytes: int | None,
-                hardware: str) -> tuple[Plan, Simulation]:
-        """The plan of ``policy`` under the budget and its simulation; raises PlanInfeasible when it cannot fit."""
+    def planned(self, setting: Setting, policy: str, budget_bytes: int | None, hardware: str,
+                counts: str = "allocated") -> tuple[Plan, Simulation]:
+        """The plan of ``policy`` under the budget (counted as ``counts`` says: ul.plan's) and its simulation;
+        raises PlanInfeasible when it cannot fit."""
         def make() -> tuple[Plan, Simulation]:
             graph, hw = self.graph(setting), self.hardware(hardware)
-            chosen = plan(graph, budget_bytes, policy, hardware=hw)
+            chosen = plan(graph, budget_bytes, policy, hardware=hw, counts=counts)
             return chosen, simulate(graph, chosen, hardware=hw)
-        return self._simulations.get_or_make((setting, policy, budget_bytes, hardware), make)
+        return self._simulations.get_or_make((setting, policy, budget_bytes, hardware, counts), make)
+
+    def reserved_peak(self, setting: Setting, chosen: Plan, simulation: Simulation) -> int:
+        """What the caching allocator model reserves at most over the step under ``chosen``."""
+        return reserved_peak_bytes(self.graph(setting), chosen, simulation)
 
     def baseline(self, setting: Setting, budget_bytes: int | None, hardware: str) -> tuple[Plan, Simulation]:
         """Every tensor kept, under the budget (it may not fit): what the app shows when no plan fits."""

@@ -33,11 +33,20 @@ def error_text(error: Exception, *more: str) -> str:
             f"{html.escape(sentences(str(error), *more))}</span>")
 
 
-def fit_line(simulation: Simulation, error: Exception | None = None) -> str:
-    """The line under the budget: whether the plan on screen fits it, and when no plan does, why (``error``)."""
+def fit_line(simulation: Simulation, error: Exception | None = None, *, reserved_bytes: int | None = None,
+             budget_bytes: int | None = None) -> str:
+    """The line under the budget: whether the plan on screen fits it, and when no plan does, why (``error``); with
+    ``reserved_bytes``, the budget (``budget_bytes``, the user's: the plan's own is what it was made for in
+    allocated bytes) counts what the caching allocator reserves, and the line says that peak."""
     if error is not None:
         return wrapping(f"<b style='color:{RED}'>does not fit</b> · "
                         + error_text(error, "The chart shows every tensor kept"))
+    if reserved_bytes is not None:
+        fits = budget_bytes is None or reserved_bytes <= budget_bytes
+        verdict = f"<b style='color:{GREEN}'>fits</b>" if fits else f"<b style='color:{RED}'>does not fit</b>"
+        return wrapping(f"{verdict}: reserved peak <b>{format_bytes(reserved_bytes)}</b> (allocator model; "
+                        f"allocated {format_bytes(simulation.peak_bytes)}) "
+                        f"{'within' if fits else 'over'} the budget")
     if simulation.fits:
         return wrapping(f"<b style='color:{GREEN}'>fits</b>: peak <b>{format_bytes(simulation.peak_bytes)}</b> "
                         f"within the budget")

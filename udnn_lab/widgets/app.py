@@ -27,6 +27,7 @@ from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware import PREDICTED_DEVICE, Hardware
 from udnn_lab.planning.budget import PlanInfeasible
 from udnn_lab.planning.registry import quick_policies
+from udnn_lab.planning.reserved import COUNTS
 from udnn_lab.simulation.simulator import Simulation, resolve_hardware
 from udnn_lab.units import format_bytes, format_seconds
 from udnn_lab.vocabulary import PRECISIONS, AttentionImplementation, Precision
@@ -104,7 +105,9 @@ class MemoryLab(widgets.AppLayout):
     optimizer state in host memory (its ``CPUOffloadPolicy``; the summary says how much). ``hardware``: a
     profile name or a Hardware (e.g. from ``ul.Hardware.measure()``); None: the profile for this machine's GPU
     (``resolve_hardware(None, "cuda")``: measured here when it has one, else the closest shipped one, with a
-    warning); the summary names the profile used. The step is traced with fake tensors for the profile's
+    warning); the summary names the profile used. ``counts``: what the budget counts, 'allocated' bytes (live
+    tensors) or, on a CUDA profile, 'reserved' bytes (the caching allocator model's, the number an out-of-memory
+    error is about; ``ul.plan``'s ``counts``). The step is traced with fake tensors for the profile's
     device; "Measure" runs it for real on this machine, under the same policy and budget planned again for the
     device it runs on, and charts it beside that device's prediction (the chart's subtitle says so).
     """
@@ -114,7 +117,7 @@ class MemoryLab(widgets.AppLayout):
                  hardware: str | Hardware | None = None, policy: str = "auto", image_size: int | None = None,
                  seq_len: int = 512, lora_rank: int = 0, attn_implementation: AttentionImplementation = "sdpa",
                  parallel: str | None = None, world_size: int = 8, offload_params: bool = False,
-                 debounce_s: float = 0.3,
+                 counts: str = "allocated", debounce_s: float = 0.3,
                  points: int = frames.DEFAULT_POINTS) -> None:
         if hardware is None:
             hardware = resolve_hardware(None, PREDICTED_DEVICE)
@@ -136,7 +139,7 @@ class MemoryLab(widgets.AppLayout):
         self._drawing: _Drawing | None = None
         self._debounce = _Debounce(debounce_s, self._update)
         self._build_controls(self.session.custom_name or str(model), batch, precision, optimizer,
-                             hardware.name if isinstance(hardware, Hardware) else hardware, policy)
+                             hardware.name if isinstance(hardware, Hardware) else hardware, policy, counts)
         self.memory_and_streams = OfflineChart(None, layout=widgets.Layout(min_height="520px"))
         self.drill = DrillPanel()  # the tensors live at the op clicked on the memory curve
         self.memory_and_streams.observe(self.drill.on_selections, names="_vl_selections")  # what a click sets
@@ -149,7 +152,7 @@ class MemoryLab(widgets.AppLayout):
             header=widgets.HTML("<b>udnn_lab · MemoryLab</b>: predicted memory of one training step"),
             left_sidebar=widgets.VBox([self.network, self.batch, self.precision, self.optimizer, *self.hf.controls,
                                        *self.ranks_controls.controls, self.hardware, self.device_note, self.policy,
-                                       self.budget_entry, self.budget, self.fit_status,
+                                       self.budget_entry, self.budget, self.fit_status, self.counts,
                                        self.minimum_text, self.actions]),
             # min_width 0: the grid's column, not the widest table row, sets how wide the centre is
             center=widgets.VBox([self.memory_and_streams, self.drill.box, self.snapshot.box, self.training.chart],
@@ -161,7 +164,7 @@ class MemoryLab(widgets.AppLayout):
 
     # -- controls ----------------------------------------------------------------------------
     def _build_controls(self, network: str, batch: int, precision: Precision, optimizer: str, hardware: str,
-                        policy: str) -> None:
+                        policy: str, counts: str) -> None:
         wide = widgets.Layout(width="290px")
         self.network = widgets.Combobox(value=network, options=offered(self.session.custom_name),
                                         description="network", ensure_option=False, continuous_update=False,
@@ -181,6 +184,13 @@ class MemoryLab(widgets.AppLayout):
         self.device_note = widgets.HTML(layout=widgets.Layout(width="290px", height="auto"))
         self.budget_control = BudgetControl(lambda: self._request(_BUDGET), self._show_budget_error, "290px")
         self.budget, self.budget_entry = self.budget_control.slider, self.budget_control.entry
+        if counts not in COUNTS:
+            raise ValueError(f"counts={counts!r}: a budget counts 'allocated' bytes (live tensors) or 'reserved' "
+                             "bytes (what the caching allocator holds: the number an out-of-memory error is about)")
+        self.counts = widgets.Dropdown(options=[("allocated bytes", "allocated"), ("reserved bytes", "reserved")],
+                                       value=counts, description="counts", layout=wide,
+                                       tooltip="what the budget counts: live tensors (allocated), or what the CUDA "
+                                               "caching allocator reserves, the number an out-of-memory error is about")
         # whether the plan fits the budget, right under the budget's box and slider
         self.fit_status = widgets.HTML(layout=widgets.Layout(width="290px", height="auto"))
         self.fit_status.add_class("udnn-fit-status")
@@ -198,6 +208,7 @@ class MemoryLab(widgets.AppLayout):
                         *self.ranks_controls.controls, self.hardware):
             control.observe(lambda _: self._request(_GRAPH), names="value")
         self.policy.observe(lambda _: self._request(_POLICY), names="value")
+        self.counts.observe(lambda _: self._request(_BUDGET), names="value")
         self.measure_button.on_click(lambda _: self.measure())
 
     def _request(self, level: int, now: bool = False) -> None:
@@ -257,9 +268,11 @@ class MemoryLab(widgets.AppLayout):
         feasible = self._minimum is None or budget >= self._minimum
         self.budget.style.handle_color = "#2ca02c" if feasible else "#d62728"
         infeasible = False
+        counts = self.counts.value
         try:
-            self.plan, sim = self.session.planned(setting, policy, budget, hardware)
-            self.fit_status.value = fit_line(sim)
+            self.plan, sim = self.session.planned(setting, policy, budget, hardware, counts)
+            reserved = self.session.reserved_peak(setting, self.plan, sim) if counts == "reserved" else None
+            self.fit_status.value = fit_line(sim, reserved_bytes=reserved, budget_bytes=budget)
         except PlanInfeasible as error:
             self.plan, sim = self.session.baseline(setting, budget, hardware)
             self.fit_status.value = fit_line(sim, error)
