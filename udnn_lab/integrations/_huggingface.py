@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import DistributedType
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from udnn_lab.graph import Plan
@@ -159,8 +160,8 @@ def _precision(args: TrainingArguments, model: torch.nn.Module):
 
 def _trainer_loss(trainer: Trainer, model: torch.nn.Module, inputs: dict,
                   num_items_in_batch: Any = None) -> torch.Tensor:
-    """What training_step computes before backward: compute_loss, and the division for accumulation where the
-    Trainer makes it."""
+    """What training_step computes before backward: compute_loss, the division for accumulation where the Trainer
+    makes it, and the one Accelerator.backward makes before it calls backward."""
     with trainer.compute_loss_context_manager():
         loss = trainer.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
     assert isinstance(loss, torch.Tensor)  # return_outputs is off: the loss alone
@@ -172,4 +173,7 @@ def _trainer_loss(trainer: Trainer, model: torch.nn.Module, inputs: dict,
             or trainer.compute_loss_func is not None
     if not scaled:
         loss = loss / trainer.current_gradient_accumulation_steps
+    accelerator = trainer.accelerator
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:  # Accelerator.backward divides again, by 1 too
+        loss = loss / accelerator.gradient_accumulation_steps
     return loss
