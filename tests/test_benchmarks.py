@@ -136,3 +136,14 @@ def test_gpu_errors_counts_the_short_predictions_and_the_margin_that_leaves_none
     assert found["reserved growth"]["runs"] == 2 and found["reserved growth"]["min"] == pytest.approx(-0.10)
     assert found["outside allocator"] == {"runs": 2, "min_bytes": 500 * 2**20, "max_bytes": 520 * 2**20}
     assert "reserved growth" in done.stdout and "500 to 520 MiB" in done.stdout
+
+
+def test_trainer_callbacks_runs_one_setup_of_each_trainer(tmp_path):
+    out = tmp_path / "trainer_callbacks.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "trainer_callbacks.py"), "--quick",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600, env=_threads())
+    assert done.returncode == 0, done.stderr[-2000:]
+    document = json.loads(out.read_text())
+    assert {row["trainer"] for row in document["rows"]} == {"transformers.Trainer", "lightning.Trainer"}
+    assert document["summary"]["runs"] == 2 and "targets" in done.stdout
+    assert len(out.with_suffix(".jsonl").read_text().splitlines()) == 2  # written as they came
