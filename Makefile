@@ -58,6 +58,8 @@ lint: $(STAMP)
 GPU_PYTHON ?= $(shell test -x $(BIN)/python && echo $(BIN)/python || command -v python3)
 GPU_IMAGE_PYTHON ?= 3.12
 GPU_WHEELS := altair vl-convert-python nbformat nbclient ipywidgets anywidget highspy
+# Lightning and its own small packages, without their dependencies (pip would fetch torch again)
+GPU_LIGHTNING := lightning lightning-utilities torchmetrics
 
 gpu-check:
 	$(GPU_PYTHON) benchmarks/gpu_check.py
@@ -68,6 +70,8 @@ gpu-wheels:
 	$(PYTHON) -m pip download --quiet --only-binary=:all: --python-version $(GPU_IMAGE_PYTHON) --platform any \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		-d .whl $(GPU_WHEELS)
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_IMAGE_PYTHON) \
+		--platform any -d .whl $(GPU_LIGHTNING)
 	rm -f .whl/numpy-*.whl
 	du -sh .whl
 

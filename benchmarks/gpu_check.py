@@ -13,6 +13,8 @@ Steps (each a child process with its own time limit, so one hang or crash does n
     peers      benchmarks/offload_vs_peers.py --device cuda --models resnet50 transformer
                (step time and peak under budgets, largest batch under a cap; about 5 minutes)
     sharing    benchmarks/sharing_study.py --device cuda --size small (co-training study)
+    trainers   benchmarks/trainer_callbacks.py --device cuda: the Hugging Face and Lightning callbacks on GPT-2,
+               ResNet-50 and Swin-T at the sizes people train (parameters against eager's, peaks from CUDA)
 
 Writes <out>/gpu_check-<device>-<date>.json (machine, versions, date, every step's output,
 exit status and seconds), again after every step, so a run cut short keeps what it finished, and each
@@ -41,13 +43,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout, installed or not
-STEPS = ("corpus", "tests", "hardware", "peaks", "peers", "sharing")
+STEPS = ("corpus", "tests", "hardware", "peaks", "peers", "sharing", "trainers")
 # within 10 minutes on one H100 or H200 (one call); the corpus takes two such runs into one folder to finish
 DEFAULT_STEPS = ("corpus", "tests")
 WHEELS = ROOT / ".whl"  # made by `make gpu-wheels`, carried to a GPU image that lacks them
 EXTRAS = {"altair": "altair", "vl_convert": "vl-convert-python", "nbformat": "nbformat", "nbclient": "nbclient",
-          "ipywidgets": "ipywidgets", "anywidget": "anywidget", "highspy": "highspy"}  # module -> package
-LIMIT_S = {"corpus": 420, "tests": 120, "hardware": 120, "peaks": 150, "peers": 420, "sharing": 240}
+          "ipywidgets": "ipywidgets", "anywidget": "anywidget", "highspy": "highspy", "lightning": "lightning",
+          "lightning_utilities": "lightning-utilities", "torchmetrics": "torchmetrics"}  # module -> package
+LIMIT_S = {"corpus": 420, "tests": 120, "hardware": 120, "peaks": 150, "peers": 420, "sharing": 240, "trainers": 300}
 
 
 def _machine() -> dict:
@@ -155,6 +158,11 @@ def _sharing(out: Path) -> dict:
                  "--out", str(out / "sharing")], LIMIT_S["sharing"])
 
 
+def _trainers(out: Path) -> dict:
+    return _run([sys.executable, "benchmarks/trainer_callbacks.py", "--device", "cuda", "--models", "hf:gpt2",
+                 "resnet50", "swin_t", "--out", str(out / "trainer_callbacks-cuda.json")], LIMIT_S["trainers"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", nargs="+", default=list(DEFAULT_STEPS), choices=STEPS)
@@ -173,7 +181,7 @@ def main() -> None:
     steps: dict[str, dict] = {}
     for step in args.steps:
         steps[step] = {"corpus": _corpus, "tests": _tests, "hardware": _hardware, "peaks": _peaks, "peers": _peers,
-                       "sharing": _sharing}[step](args.out)
+                       "sharing": _sharing, "trainers": _trainers}[step](args.out)
         document = {"check": "gpu_check", "date": date.isoformat(timespec="seconds"), "machine": machine,
                     "steps": steps, "steps_left": args.steps[len(steps):]}
         path.write_text(json.dumps(document, indent=1, default=str))  # as it goes: a run cut short keeps these

@@ -1,5 +1,6 @@
 """The trainer callbacks on models they were not written for: every hf: zoo config in Hugging Face's Trainer, and
-torchvision and timm classifiers in Lightning, each in 32-true and bf16-mixed, under every quick policy that moves
+torchvision and timm classifiers in Lightning, each in 32-true and bf16-mixed (on the CPU at small sizes, one
+thread; with --device cuda at the sizes people train), under every quick policy that moves
 something at a budget midway between its least and the keep-all peak.
 
 For each run: the parameters after three steps against the same run without the callback (torch.equal), the
@@ -10,7 +11,8 @@ made from. Rows are written as they come (JSON lines beside the summary).
 Target: every run's parameters equal; every measured peak within the budget plus the trainer's own tensors (a
 running loss: a few bytes) and within 1% of the predicted peak.
 
-    python benchmarks/trainer_callbacks.py [--quick] [--out data/benchmarks/trainer_callbacks.json]
+    python benchmarks/trainer_callbacks.py [--quick] [--device cuda] [--models hf:gpt2 resnet50]
+                                           [--out data/benchmarks/trainer_callbacks.json]
 """
 
 from __future__ import annotations
@@ -37,21 +39,24 @@ VISION_MODELS = ["resnet18", "mobilenet_v3_small", "efficientnet_b0", "convnext_
                  "timm:convnextv2_atto"]
 PRECISIONS = ["32-true", "bf16-mixed"]
 POLICIES = ["auto", "recompute", "vdnn++"]
-STEPS, IMAGE_SIDE, SEQ_LEN = 3, 64, 32
+STEPS = 3
+SIZES = {"cpu": {"batch": 2, "seq_len": 32, "images": 4, "side": 64, "small": True},  # one CPU thread
+         "cuda": {"batch": 8, "seq_len": 1024, "images": 64, "side": 224, "small": False}}  # the sizes people train
 
 
-def _hf_run(name: str, precision: str):
+def _hf_run(name: str, precision: str, device: str):
     """A function (callback or None) -> the trained model, for an hf: zoo config in a Hugging Face Trainer."""
     import transformers  # the benchmark's own framework imports, loaded when a run needs them
 
-    work = ul.zoo.get(name, small=True, batch=2, seq_len=SEQ_LEN) if name != "hf:vit-b-16" else \
-        ul.zoo.get(name, small=True, batch=2)
+    size = SIZES[device]
+    text = {} if name == "hf:vit-b-16" else {"seq_len": size["seq_len"]}
+    work = ul.zoo.get(name, small=size["small"], batch=size["batch"], **text)
     state = copy.deepcopy(work.model.state_dict())
     example = work.example_input
 
     class Items(torch.utils.data.Dataset):
         def __len__(self):
-            return 2 * STEPS
+            return size["batch"] * STEPS
 
         def __getitem__(self, index):
             generator = torch.Generator().manual_seed(index)
@@ -66,8 +71,8 @@ def _hf_run(name: str, precision: str):
         torch.manual_seed(0)
         model = type(work.model)(work.model.config)
         model.load_state_dict(state)
-        args = transformers.TrainingArguments(output_dir=tempfile.gettempdir(), use_cpu=True,
-                                              bf16=precision != "32-true", per_device_train_batch_size=2,
+        args = transformers.TrainingArguments(output_dir=tempfile.gettempdir(), use_cpu=device == "cpu",
+                                              bf16=precision != "32-true", per_device_train_batch_size=size["batch"],
                                               max_steps=STEPS, report_to=[], save_strategy="no", disable_tqdm=True,
                                               logging_steps=100)
         transformers.Trainer(model=model, args=args, train_dataset=Items(),
@@ -76,7 +81,7 @@ def _hf_run(name: str, precision: str):
     return run, ul.integrations.HFPlanCallback
 
 
-def _vision_run(name: str, precision: str):
+def _vision_run(name: str, precision: str, device: str):
     """The same for a torchvision or timm classifier in a Lightning Trainer."""
     import lightning as L  # the benchmark's own framework imports, loaded when a run needs them
 
@@ -103,25 +108,29 @@ def _vision_run(name: str, precision: str):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
-    images = torch.randn(4 * STEPS, 3, IMAGE_SIDE, IMAGE_SIDE, generator=torch.Generator().manual_seed(1))
-    labels = torch.randint(0, 10, (4 * STEPS,), generator=torch.Generator().manual_seed(2))
+    size = SIZES[device]
+    count, side = size["images"] * STEPS, size["side"]
+    images = torch.randn(count, 3, side, side, generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, 10, (count,), generator=torch.Generator().manual_seed(2))
     data = torch.utils.data.TensorDataset(images, labels)
 
     def run(callback):
         torch.manual_seed(0)
         module = Classifier(copy.deepcopy(base))
-        L.Trainer(max_steps=STEPS, accelerator="cpu", logger=False, enable_checkpointing=False,
+        L.Trainer(max_steps=STEPS, accelerator=device, logger=False, enable_checkpointing=False,
                   enable_progress_bar=False, enable_model_summary=False, precision=precision,
-                  callbacks=[callback] if callback else []).fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+                  callbacks=[callback] if callback else []).fit(module, torch.utils.data.DataLoader(data,
+                                                                                 batch_size=size["images"]))
         return module
     return run, ul.integrations.LightningPlanCallback
 
 
-def one_setup(name: str, precision: str, policies: list[str]):
+def one_setup(name: str, precision: str, policies: list[str], device: str):
     """A row per policy for one model and precision."""
     made = _hf_run if name.startswith("hf:") else _vision_run
-    run, callback_class = made(name, precision)
-    probe = callback_class("20 GiB", policy="keep-all")  # the trainer's step, traced
+    run, callback_class = made(name, precision, device)
+    room = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else "20 GiB"
+    probe = callback_class(room, policy="keep-all")  # the trainer's step as it traces it
     run(probe)
     graph = probe.steps.graph
     for policy in policies:
@@ -136,7 +145,7 @@ def one_setup(name: str, precision: str, policies: list[str]):
             row.update(equal=all(torch.equal(a, b) for a, b in zip(planned.parameters(), eager.parameters())),
                        offloads=len(callback.plan.offloads), recomputes=len(callback.plan.recomputes),
                        budget_bytes=budget, predicted_peak_bytes=callback.reports[0].predicted_peak_bytes,
-                       measured_peak_bytes=steady[0].measured_peak_bytes if steady else None,
+                       measured_peak_bytes=steady[-1].measured_peak_bytes if steady else None,  # the last: steady
                        planned_steps=sum(r.planned for r in callback.reports), steps=len(callback.reports))
         except Exception as error:  # a row says what failed; the corpus goes on
             row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:400]}"
@@ -160,13 +169,16 @@ def summary(rows: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one Hugging Face and one Lightning setup, one policy")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the sizes people train (1024 tokens, 224 px), every step's peak from CUDA")
+    parser.add_argument("--models", nargs="+", help="these models only (hf: zoo names, torchvision or timm: names)")
     parser.add_argument("--out", type=Path, default=Path("data/benchmarks/trainer_callbacks.json"))
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     torch.set_num_threads(1)
-    models = ["hf:gpt2", "resnet18"] if args.quick else HF_MODELS + VISION_MODELS
+    models = args.models or (["hf:gpt2", "resnet18"] if args.quick else HF_MODELS + VISION_MODELS)
     precisions = ["32-true"] if args.quick else PRECISIONS
     policies = ["recompute"] if args.quick else POLICIES
     lines = args.out.with_suffix(".jsonl")
@@ -176,7 +188,7 @@ def main() -> None:
     print(f"{'model':24} {'precision':10} {'policy':9} {'equal':>5} {'actions':>7} {'predicted':>12} {'measured':>12}")
     for name in models:
         for precision in precisions:
-            for row in one_setup(name, precision, policies):
+            for row in one_setup(name, precision, policies, args.device):
                 rows.append(row)
                 with lines.open("a") as out:
                     out.write(json.dumps(row) + "\n")
@@ -189,6 +201,7 @@ def main() -> None:
                           flush=True)
     document = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "machine": {"cpu": platform.processor() or platform.machine(), "python": sys.version.split()[0],
+                            "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
                             "torch": torch.__version__, "udnn_lab": ul.__version__, "threads": 1},
                 "summary": summary(rows), "rows": rows}
     args.out.write_text(json.dumps(document, indent=1) + "\n")
