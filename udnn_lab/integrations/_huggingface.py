@@ -13,11 +13,11 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 
 from udnn_lab.graph import Plan
 from udnn_lab.hardware import Hardware
-from udnn_lab.integrations._planned import PlannedSteps, StepReport
+from udnn_lab.integrations._planned import PlannedSteps, StepsShown
 from udnn_lab.workload import StepLoss, Workload, precision_of, weights_dtype
 
 
-class HFPlanCallback(TrainerCallback):
+class HFPlanCallback(StepsShown, TrainerCallback):
     """``Trainer(..., callbacks=[HFPlanCallback("6 GiB")])``: every step of ``train()`` within the budget.
 
     At the first micro-batch it traces the step as the Trainer runs it (its ``compute_loss``, with the
@@ -36,18 +36,6 @@ class HFPlanCallback(TrainerCallback):
         self.trainer = trainer
         self._micro_batch = 0
         self._planned_micro_batches = 1
-
-    @property
-    def plan(self) -> Plan | None:
-        return self.steps.plan
-
-    @property
-    def reports(self) -> list[StepReport]:
-        return self.steps.reports
-
-    def frame(self):
-        """Every step's predicted and measured figures, a row each."""
-        return self.steps.frame()
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:

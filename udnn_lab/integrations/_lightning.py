@@ -14,12 +14,12 @@ import torch
 
 from udnn_lab.graph import Plan
 from udnn_lab.hardware import Hardware
-from udnn_lab.integrations._planned import PlannedSteps, StepReport
+from udnn_lab.integrations._planned import PlannedSteps, StepsShown
 from udnn_lab.vocabulary import PRECISIONS, Precision
 from udnn_lab.workload import StepLoss, Workload
 
 
-class LightningPlanCallback(pl.Callback):
+class LightningPlanCallback(StepsShown, pl.Callback):
     """``Trainer(callbacks=[LightningPlanCallback("6 GiB")])``: every step of ``fit`` within the budget.
 
     At the first batch it traces the step as the trainer runs it (``training_step``, the trainer's optimizer,
@@ -35,14 +35,6 @@ class LightningPlanCallback(pl.Callback):
         self.log = log
         self._micro_batches = 0
         self._stepped = False
-
-    @property
-    def plan(self) -> Plan | None:
-        return self.steps.plan
-
-    @property
-    def reports(self) -> list[StepReport]:
-        return self.steps.reports
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -75,10 +67,6 @@ class LightningPlanCallback(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.steps.close()
-
-    def frame(self):
-        """Every step's predicted and measured figures, a row each."""
-        return self.steps.frame()
 
 
 def _workload(trainer: pl.Trainer, module: pl.LightningModule, batch: Any, batch_idx: int) -> Workload:

@@ -261,3 +261,23 @@ def module_bound(graph: Graph) -> Graph:
 
 def _shapes_text(shapes: tuple) -> str:
     return ", ".join(f"{str(dtype).removeprefix('torch.')}[{', '.join(map(str, shape))}]" for shape, dtype in shapes)
+
+
+class StepsShown:
+    """What both callbacks show of the steps they planned (each is also its framework's callback class)."""
+
+    steps: PlannedSteps
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan every planned step runs under (None until the first batch is traced)."""
+        return self.steps.plan
+
+    @property
+    def reports(self) -> list[StepReport]:
+        return self.steps.reports
+
+    def frame(self) -> pd.DataFrame:
+        """Every step's predicted and measured figures, a row each."""
+        return self.steps.frame()
+
