@@ -148,8 +148,6 @@ class Workload:
     parallel: Parallel | None = None  # a DDP or FSDP spec: the step is one rank of parallel.world_size; None: one
 
     def __post_init__(self) -> None:
-        if not self.name:
-            object.__setattr__(self, "name", type(self.model).__name__)
         if self.precision is None:
             object.__setattr__(self, "precision", precision_of(self.model))
         check_weights(self.model, self.step_options)
