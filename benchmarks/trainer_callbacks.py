@@ -8,8 +8,8 @@ plan's actions, the budget, the predicted peak and the peak one steady step meas
 op), and the steps that ran planned. A keep-all callback's trace of the same trainer gives the peak the budget is
 made from. Rows are written as they come (JSON lines beside the summary).
 
-Target: every run's parameters equal; every measured peak within the budget plus the few bytes the trainers make
-outside the traced step (a scalar or two), and within 1% of the predicted peak.
+Target: every run's parameters equal; every measured peak within the budget plus the few bytes the trainers hold
+outside the traced step (a scalar or two: Hugging Face's running loss is one), and within 1% of the predicted peak.
 
     python benchmarks/trainer_callbacks.py [--quick] [--device cuda] [--models hf:gpt2 resnet50]
                                            [--out data/benchmarks/trainer_callbacks.json]
