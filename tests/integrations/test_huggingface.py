@@ -31,13 +31,14 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids.clone()}
 
 
-def _train(callbacks, dataset=None, model=None, steps=4, **options):
+def _train(callbacks, dataset=None, model=None, steps=4, optimizers=(None, None), **options):
     model = model or transformers.GPT2LMHeadModel(CONFIG)
     model.load_state_dict(WEIGHTS)
     args = transformers.TrainingArguments(output_dir=tempfile.gettempdir(), use_cpu=True, per_device_train_batch_size=4,
                                           max_steps=steps, report_to=[], logging_steps=2, save_strategy="no",
                                           disable_tqdm=True, **options)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset or Tokens(), callbacks=callbacks)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset or Tokens(), callbacks=callbacks,
+                                   optimizers=optimizers)
     trainer.train()
     return model, trainer
 
@@ -87,6 +88,24 @@ def test_an_error_in_a_step_lets_the_runtime_go():
     with pytest.raises(RuntimeError, match="a failing batch"):
         _train([callback], model=Failing(CONFIG), remove_unused_columns=False)
     assert _no_runtime_left() and "training_step" not in vars(callback.trainer)
+
+
+def test_an_error_in_the_optimizer_step_lets_the_runtime_go():
+    class Failing(torch.optim.AdamW):
+        steps = 0
+
+        def step(self, closure=None):
+            Failing.steps += 1
+            if Failing.steps == 2:
+                raise RuntimeError("out of memory in the optimizer step")
+            return super().step(closure)
+
+    callback = HFPlanCallback("3 MiB", policy="recompute")
+    model = transformers.GPT2LMHeadModel(CONFIG)
+    with pytest.raises(RuntimeError, match="optimizer step"):
+        _train([callback], model=model, optimizers=(Failing(model.parameters()), None))
+    assert _no_runtime_left() and not callback.steps.in_step  # the step was under the plan when it failed
+    assert "step" not in vars(callback.trainer.optimizer) and "_clip_grad_norm" not in vars(callback.trainer)
 
 
 def test_a_saved_plan_is_used(tmp_path):

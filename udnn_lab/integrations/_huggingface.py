@@ -36,6 +36,7 @@ class HFPlanCallback(StepsShown, TrainerCallback):
         self.trainer = trainer
         self._micro_batch = 0
         self._planned_micro_batches = 1
+        self._guarded: list[tuple[object, str]] = []  # (object, method name): guarded while training runs
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
@@ -45,9 +46,14 @@ class HFPlanCallback(StepsShown, TrainerCallback):
                              "processes: plan one rank with ul.trace(..., parallel=ul.DDP(n) or ul.FSDP(n)) and "
                              "ul.plan, and train with ul.train(..., parallel=...)")
         self.trainer = trainer
-        if "training_step" in vars(trainer):  # still ours from a train() that an interrupt ended
-            del trainer.training_step
+        self._let_go()  # anything still ours from a train() that an interrupt ended
         trainer.training_step = partial(_followed_step, self, trainer.training_step)  # type: ignore[method-assign]
+        # the rest of the step (clipping, the optimizer's step) runs after the last training_step: an error there
+        # must let the runtime go too (NOTE [trainer steps] 5)
+        for owner, name in ((trainer, "_clip_grad_norm"), (trainer.optimizer, "step")):
+            if callable(getattr(owner, name, None)):
+                setattr(owner, name, partial(_guarded, self, getattr(owner, name)))
+                self._guarded.append((owner, name))
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       **kwargs: Any) -> None:
@@ -66,9 +72,13 @@ class HFPlanCallback(StepsShown, TrainerCallback):
         self._let_go()
 
     def _let_go(self) -> None:
-        """The Trainer as it was: its own training_step, the host pool given back."""
+        """The Trainer as it was: its own methods, the host pool given back."""
         if self.trainer is not None and "training_step" in vars(self.trainer):
             del self.trainer.training_step
+        for owner, name in self._guarded:
+            if name in vars(owner):
+                delattr(owner, name)
+        self._guarded.clear()
         self.steps.close()
 
     def micro_batch(self, model: torch.nn.Module, inputs: dict, num_items_in_batch: Any) -> None:
@@ -99,6 +109,16 @@ def _followed_step(callback: HFPlanCallback, training_step, model: torch.nn.Modu
     except BaseException:
         callback.steps.abort()
         callback._let_go()  # train() ends with the error: on_train_end will not come
+        raise
+
+
+def _guarded(callback: HFPlanCallback, method, *args: Any, **kwargs: Any) -> Any:
+    """One of the Trainer's methods in a step, letting the runtime go when it fails (NOTE [trainer steps] 5)."""
+    try:
+        return method(*args, **kwargs)
+    except BaseException:
+        callback.steps.abort()
+        callback._let_go()
         raise
 
 
