@@ -144,7 +144,7 @@ def forward_loss(model: torch.nn.Module, args: tuple, kwargs: dict, *, loss_fn: 
             output = model(*args, **kwargs)
             mark("forward", LOSS_SCOPE)
             loss = compute_loss(output, loss_fn, target)
-    divides = options.grad_accumulation > 1 and not getattr(loss_fn, "scales_for_accumulation", False)
+    divides = options.grad_accumulation > 1 and not (isinstance(loss_fn, StepLoss) and loss_fn.scales_for_accumulation)
     start = loss / options.grad_accumulation if divides else loss
     if scaler is not None:
         start = scaler.scale(start)

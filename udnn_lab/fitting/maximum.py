@@ -18,7 +18,7 @@ from udnn_lab.fitting.result import FitSearch, Probe, disagreements
 from udnn_lab.fitting.search import Bracket, largest_fitting
 from udnn_lab.hardware import PREDICTED_DEVICE, Hardware
 from udnn_lab.planning import POLICIES, check_within_device, host
-from udnn_lab.planning.reserved import COUNTS
+from udnn_lab.planning.reserved import check_count_name
 from udnn_lab.simulation.simulator import resolve_hardware
 from udnn_lab.units import format_bytes, parse_bytes
 from udnn_lab.vocabulary import Dimension
@@ -148,9 +148,7 @@ def _search(build: StepFactory, label: str, dimension: Dimension, setting: _Sett
 
 def _counted(setting: _Setting, profile: Hardware) -> tuple[str, ...]:
     """Check what the budget counts; the note that says so where it is not allocated bytes."""
-    if setting.counts not in COUNTS:
-        raise ValueError(f"counts={setting.counts!r}: a budget counts 'allocated' bytes (live tensors) or 'reserved' "
-                         "bytes (what the caching allocator holds, plus outside_bytes)")
+    check_count_name(setting.counts)
     if setting.counts == "allocated":
         return ()
     if profile.device_type != "cuda":

@@ -85,9 +85,10 @@ class HFPlanCallback(StepsShown, TrainerCallback):
         """Before the Trainer's training_step: plan at the first, start or check the step (NOTE [trainer steps])."""
         trainer = self.trainer
         assert trainer is not None
-        example = _example(trainer, inputs, num_items_in_batch)
+        # the batch as training_step gets it: its shapes and dtypes are the ones _prepare_inputs leaves on the device
+        example = (dict(inputs),) if num_items_in_batch is None else (dict(inputs), num_items_in_batch)
         if not self.steps.ready:
-            work = _workload(trainer, model, example)
+            work = _workload(trainer, model, _on_device(trainer, example))
             self._planned_micro_batches = work.grad_accumulation
             self.steps.prepare(work, example)
         self._micro_batch += 1
@@ -136,11 +137,9 @@ def _calling_trainer() -> Trainer:
                        "HFPlanCallback(..., trainer=trainer), or add the callback with trainer.add_callback")
 
 
-def _example(trainer: Trainer, inputs: dict, num_items_in_batch: Any) -> tuple:
-    """The micro-batch as training_step computes its loss from it: the inputs on the device, and the count of
-    items the loss is normalized by when the Trainer passes one."""
-    prepared = dict(trainer._prepare_inputs(inputs))
-    return (prepared,) if num_items_in_batch is None else (prepared, num_items_in_batch)
+def _on_device(trainer: Trainer, example: tuple) -> tuple:
+    """The micro-batch as training_step computes its loss from it: the inputs where _prepare_inputs puts them."""
+    return (dict(trainer._prepare_inputs(example[0])), *example[1:])
 
 
 def _workload(trainer: Trainer, model: torch.nn.Module, example: tuple) -> Workload:

@@ -41,7 +41,7 @@ from udnn_lab.graph import Graph, Plan
 from udnn_lab.hardware import Hardware
 from udnn_lab.planning import plan as make_plan
 from udnn_lab.runtime import OffloadRuntime
-from udnn_lab.runtime.live_bytes import LiveBytes
+from udnn_lab.runtime.live_bytes import LiveBytes, resident
 from udnn_lab.simulation import simulate
 from udnn_lab.vocabulary import PLANNED_CATEGORIES
 from udnn_lab.workload import Workload
@@ -101,7 +101,8 @@ class PlannedSteps:
         self._counter: LiveBytes | None = None
         self._started = 0.0
         self._device = torch.device("cpu")
-        self._work: Workload | None = None
+        self._model: torch.nn.Module | None = None  # not the Workload: its example batch would stay on the device
+        self._optimizer: torch.optim.Optimizer | None = None
         self._step_number = 0
 
     @property
@@ -122,7 +123,7 @@ class PlannedSteps:
         self.predicted_peak_bytes = int(simulation.peak_bytes)
         self.predicted_step_s = float(simulation.step_time_s)
         self._batch_shapes = shapes_of(batch)
-        self._work = work
+        self._model, self._optimizer = work.model, work.optimizer
         self.runtime = runtime
 
     def _plan(self, graph: Graph) -> Plan:
@@ -160,7 +161,9 @@ class PlannedSteps:
         self._counter = None
         if not self._why_unplanned and self._device.type == "cpu" and self._steady() \
                 and not any(r.measured_peak_bytes is not None for r in self.reports):
-            self._counter = LiveBytes(existing=self._resident(batch))  # one steady planned step is counted
+            assert self._model is not None  # prepared
+            existing = resident(self._model, self._optimizer, None, [(batch, {}, None)])
+            self._counter = LiveBytes(existing=existing)  # one steady planned step is counted
             self._counter.__enter__()
             self.runtime.observer = self._counter
         self._started = time.perf_counter()
@@ -214,19 +217,7 @@ class PlannedSteps:
     def _steady(self) -> bool:
         """The optimizer holds its state, as in the traced step (NOTE [optimizer state of a traced step]): the
         first step makes it only in its optimizer step, so its peak is not the step's."""
-        optimizer = self._work.optimizer if self._work is not None else None
-        return optimizer is None or bool(optimizer.state)
-
-    def _resident(self, batch: Any):
-        """What a step starts with: parameters, buffers, optimizer state, the batch (as ``measure`` counts them)."""
-        assert self._work is not None
-        yield from self._work.model.parameters()
-        yield from self._work.model.buffers()
-        if self._work.optimizer is not None:
-            for state in self._work.optimizer.state.values():
-                yield from (value for value in state.values() if isinstance(value, torch.Tensor))
-        leaves, _ = tree_flatten(batch)
-        yield from (leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+        return self._optimizer is None or bool(self._optimizer.state)
 
     def _measured_peak(self) -> int | None:
         if self._device.type == "cuda":

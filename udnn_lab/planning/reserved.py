@@ -32,10 +32,15 @@ def reserved_peak_bytes(graph: Graph, plan: Plan, simulation: Simulation) -> int
     return replay(events_from_simulation(graph, plan, simulation)).reserved_peak_bytes
 
 
-def check_counts(counts: str, graph: Graph) -> None:
+def check_count_name(counts: str) -> None:
+    """Raise ValueError unless ``counts`` is one of COUNTS."""
     if counts not in COUNTS:
         raise ValueError(f"counts={counts!r}: a budget counts 'allocated' bytes (live tensors) or 'reserved' bytes "
                          "(what the caching allocator holds, plus outside_bytes)")
+
+
+def check_counts(counts: str, graph: Graph) -> None:
+    check_count_name(counts)
     if counts == "reserved" and graph.device != "cuda":
         raise ValueError(f"counts='reserved' needs a CUDA step (this one is on {graph.device}, where no caching "
                          "allocator reserves memory): trace it with device='cuda', or count the budget as allocated")

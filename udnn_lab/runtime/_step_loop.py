@@ -15,8 +15,8 @@ import torch
 from tqdm.auto import tqdm
 
 from udnn_lab.analysis.recording import resized_storages
-from udnn_lab.analysis.step import MicroBatch, map_tensors, run_step, scaler_state, split_input
-from udnn_lab.runtime.live_bytes import LiveBytes
+from udnn_lab.analysis.step import MicroBatch, map_tensors, run_step, split_input
+from udnn_lab.runtime.live_bytes import LiveBytes, resident
 from udnn_lab.runtime.offload import OffloadRuntime
 from udnn_lab.units import format_bytes, format_seconds
 from udnn_lab.workload import StepOptions
@@ -100,15 +100,3 @@ class _NoBar:
 
     def close(self) -> None:
         pass
-
-
-def resident(model, optimizer, scaler, micro_batches: list[MicroBatch]):
-    """What the step starts with: parameters, buffers, optimizer and scaler state, the micro-batches."""
-    yield from model.parameters()
-    yield from model.buffers()
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
-    yield from scaler_state(scaler).values()
-    for args, kwargs, target in micro_batches:
-        yield from (t for t in (*args, *kwargs.values(), target) if isinstance(t, torch.Tensor))

@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
 from udnn_lab.analysis.recording import flat_tensors
+from udnn_lab.analysis.step import MicroBatch, scaler_state
 
 
 class LiveBytes(TorchDispatchMode):
@@ -84,3 +85,18 @@ class LiveBytes(TorchDispatchMode):
     def _gone(self, key: int, _ref) -> None:
         if self._refs.pop(key, None) is not None:
             self.live -= self._counted.pop(key)
+
+
+def resident(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, scaler: torch.amp.GradScaler | None,
+             micro_batches: Iterable[MicroBatch]):
+    """What a step starts with, for ``LiveBytes(existing=)``: parameters, buffers, optimizer and scaler state, and
+    the micro-batches' tensors (inside whatever holds them)."""
+    yield from model.parameters()
+    yield from model.buffers()
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+    yield from scaler_state(scaler).values()
+    for args, kwargs, target in micro_batches:
+        yield from flat_tensors((args, kwargs, target))
+

@@ -27,7 +27,7 @@ from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware import PREDICTED_DEVICE, Hardware
 from udnn_lab.planning.budget import PlanInfeasible
 from udnn_lab.planning.registry import quick_policies
-from udnn_lab.planning.reserved import COUNTS
+from udnn_lab.planning.reserved import check_count_name
 from udnn_lab.simulation.simulator import Simulation, resolve_hardware
 from udnn_lab.units import format_bytes, format_seconds
 from udnn_lab.vocabulary import PRECISIONS, AttentionImplementation, Precision
@@ -184,9 +184,7 @@ class MemoryLab(widgets.AppLayout):
         self.device_note = widgets.HTML(layout=widgets.Layout(width="290px", height="auto"))
         self.budget_control = BudgetControl(lambda: self._request(_BUDGET), self._show_budget_error, "290px")
         self.budget, self.budget_entry = self.budget_control.slider, self.budget_control.entry
-        if counts not in COUNTS:
-            raise ValueError(f"counts={counts!r}: a budget counts 'allocated' bytes (live tensors) or 'reserved' "
-                             "bytes (what the caching allocator holds: the number an out-of-memory error is about)")
+        check_count_name(counts)
         self.counts = widgets.Dropdown(options=[("allocated bytes", "allocated"), ("reserved bytes", "reserved")],
                                        value=counts, description="counts", layout=wide,
                                        tooltip="what the budget counts: live tensors (allocated), or what the CUDA "
