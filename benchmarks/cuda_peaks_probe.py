@@ -47,7 +47,7 @@ def _plans(graph, hardware) -> dict:
 def _steps(work, plan, device) -> list[dict]:
     model = copy.deepcopy(work.model)
     optimizer = optimizer_like(work.optimizer, model.parameters())
-    runtime = ul.OffloadRuntime(plan)
+    runtime = ul.OffloadRuntime(plan, model=model)
     args, kwargs = split_input(work.example_input)
     rows = []
     for sync in (False, False, True):

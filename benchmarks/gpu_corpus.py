@@ -210,7 +210,7 @@ class Model:
                     outcome.outside_allocator_bytes = total - free - reserved_before
                 torch.use_deterministic_algorithms(index == 0, warn_only=True)
                 started = time.perf_counter()
-                with runtime if runtime is not None else nullcontext():
+                with runtime.for_model(model) if runtime is not None else nullcontext():
                     _, loss = run_step(model, args, kwargs, loss_fn=self.work.loss_fn, target=self.work.target,
                                        optimizer=optimizer, options=options, scaler=scaler)
                 self._sync()

@@ -8,9 +8,10 @@ quick policy is planned at a budget midway between its smallest and the keep-all
 that peak where it fits, and simulated with that profile; then eager steps and steps under the runtime
 are timed in turn. The figure compared is the slowdown against eager, measured and simulated, with the
 simulation also shown without the host work priced (the dispatch mode, and the runtime's hook calls, offload
-actions and replays its host probes measured: what it said before it priced them). The hook-call and offload
-figures are measured in the same run, on its thread, by the runtime's host probe; a replay's, by its step probe
-on the workload's own forward, within ``ul.profile`` (NOTE [host probes] 4).
+actions, its work once per step and replays its host probes measured: what it said before it priced them). The
+hook-call and offload figures are measured in the same run, on its thread, by the runtime's host probe, and, where
+they show above the step's variation, on the workload's own step (with its work per step) by its step probe, as a
+replay's on the workload's own forward, within ``ul.profile`` (NOTE [host probes] 4).
 Target: every plan's measured slowdown within 3% of its simulated one.
 
 Then each workload against torch.utils.checkpoint over its blocks (a ResNet's stages, the zoo
@@ -42,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import udnn_lab as ul  # noqa: E402
-from benchmarks.offload_vs_peers import Bench, checkpointed, ours  # noqa: E402
+from benchmarks.offload_vs_peers import Bench, checkpointed, on_model, ours  # noqa: E402
 from udnn_lab.analysis.step import compute_loss, split_input  # noqa: E402
 from udnn_lab.devices import device_name  # noqa: E402
 from udnn_lab.errors import PlanInfeasible  # noqa: E402
@@ -75,7 +76,7 @@ def _steps(work: ul.Workload, contexts: dict, repeats: int, models: dict | None 
             model = models[name]
             model.zero_grad(set_to_none=True)
             start = time.process_time()
-            with context():
+            with on_model(context(), model):
                 compute_loss(model(*args, **kwargs), work.loss_fn, work.target).backward()
             if index >= 2:  # two warm-up rounds
                 times[name].append(time.process_time() - start)
@@ -100,7 +101,8 @@ def _rows(name: str, options: dict, repeats: int) -> list[dict]:
     work = ul.zoo.get(name, optimizer="none", **options)
     profile = ul.profile(work, repeats=repeats)
     graph = ul.trace(work, fake=False)
-    unpriced = dataclasses.replace(profile, dispatch_mode_op_s=None, replay_op_s=None, hook_call_s=None)
+    unpriced = dataclasses.replace(profile, dispatch_mode_op_s=None, replay_op_s=None, hook_call_s=None,
+                                   offload_action_s=None, runtime_step_s=None)
     hardware = ul.Hardware.load("cpu-amd-epyc-2cpu")
     # the runtime's host figures measured now, on this run's thread, as the step's own figures are (Hardware.measure's
     # probes: NOTE [host probes]); the shipped profile's were measured on another day, on two threads
@@ -130,7 +132,8 @@ def _rows(name: str, options: dict, repeats: int) -> list[dict]:
             "recomputes": len(plan.recomputes), "followed_by": runtimes[label].follows,
             "dispatch_mode_op_s": profile.dispatch_mode_op_s, "hook_call_s": profile.hook_call_s,
             "machine_hook_call_s": hardware.hook_call_s,
-            "offload_action_s": hardware.offload_action_s, "replay_op_s": profile.replay_op_s,
+            "offload_action_s": profile.offload_action_s, "machine_offload_action_s": hardware.offload_action_s,
+            "runtime_step_s": profile.runtime_step_s, "replay_op_s": profile.replay_op_s,
             "machine_replay_op_s": hardware.replay_op_s,
             "hook_calls": sum(plan.hook_calls(graph).values()), "rerun_ops": sum(len(r.ops) for r in plan.recomputes),
             "eager_s": measured["eager"],

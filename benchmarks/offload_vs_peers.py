@@ -84,7 +84,7 @@ class Bench:
             self._sync(reset=True)
             outside = self._outside(model, optimizer)
             start = time.perf_counter()
-            context = context_factory()
+            context = on_model(context_factory(), model)
             if hasattr(context, "observer"):  # our runtime: prefetched and recomputed storages are made out of sight
                 context.observer = counter
             with counter or nullcontext(), context:
@@ -133,6 +133,12 @@ def _hardware(device: torch.device) -> ul.Hardware:
         return resolve_hardware(None, device.type)
     except ValueError:
         return ul.Hardware.load("h100-sxm" if device.type == "cuda" else "cpu-amd-epyc-2cpu")
+
+
+def on_model(context, model: nn.Module):
+    """``context`` for the copy of the model a step runs: our runtime hooks that copy's modules (NOTE [hook
+    points] 8)."""
+    return context.for_model(model) if isinstance(context, ul.OffloadRuntime) else context
 
 
 def ours(bench: Bench, policy: str, budget: int | None):

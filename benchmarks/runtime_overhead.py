@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import udnn_lab as ul  # noqa: E402
+from benchmarks.offload_vs_peers import on_model  # noqa: E402
 from udnn_lab.analysis.step import compute_loss, split_input  # noqa: E402
 from udnn_lab.devices import device_name  # noqa: E402
 
@@ -55,7 +56,7 @@ def _timed(work, methods: dict, repeats: int, device: torch.device) -> dict[str,
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start, cpu_start = time.perf_counter(), time.process_time()
-            with make_context():
+            with on_model(make_context(), model):
                 compute_loss(model(*args, **kwargs), work.loss_fn, work.target).backward()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)

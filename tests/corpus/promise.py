@@ -7,7 +7,7 @@ simulation said beforehand what the measurement shows. On the CPU, with one thre
 1. trace the step (fake tensors) and plan it for the budget on ``HARDWARE``;
 2. one eager step on a deep copy (a fresh optimizer of the same kind, warmed to its steady
    state as the trace assumes, seed ``SEED`` before the step);
-3. two steps under ``OffloadRuntime(plan)`` on another deep copy, the same way, each
+3. two steps under ``OffloadRuntime(plan)``, given another deep copy (as ``ul.train`` gives its model), each
    counted by ``LiveBytes`` seeded with what exists before it (parameters, buffers,
    optimizer state, inputs, target); the first is compared with eager.
 
@@ -122,8 +122,9 @@ def check(entry: Entry, policy: str, budget_kind: str) -> dict[str, Any]:
                        eager_peak_bytes=found.eager.peaks[0] if found.eager.peaks else None)
             stage = "runtime"
             runtime = ul.OffloadRuntime(chosen)
+            outcome = run(found.work, runtime)
             row["followed_by"] = runtime.follows
-            kinds += _judge(row, found, run(found.work, runtime), budget, simulated)
+            kinds += _judge(row, found, outcome, budget, simulated)
         except Exception as err:  # every failure is a finding, not a crash
             kinds.append(error_kind(err, stage))
             row["error"] = describe(err)
@@ -167,6 +168,8 @@ def _judge(row: dict, found: Subject, ran: Outcome, budget: int | None, simulate
 def run(work: ul.Workload, runtime: ul.OffloadRuntime | None = None) -> Outcome:
     """One step (two under a runtime) on a deep copy of the model, with a fresh, warmed optimizer."""
     model = copy.deepcopy(work.model)
+    if runtime is not None:
+        runtime.for_model(model)  # the copy's modules are the ones it hooks, as ul.train's (NOTE [hook points] 8)
     optimizer = None
     if work.optimizer is not None:
         optimizer = optimizer_like(work.optimizer, model.parameters())

@@ -15,6 +15,7 @@ from udnn_lab.runtime._step_probes import _paired_extra, _probe_plans, step_hook
 from udnn_lab.zoo import get as zoo_get
 
 ADDED_S = 1e-4  # what the test adds to each hook call the runtime handles
+ADDED_STEP_S = 5e-3  # and to each step it follows
 
 
 @pytest.fixture(scope="module")
@@ -25,14 +26,19 @@ def probed():
     graph = ul.trace(work, fake=False)
     return ProbedStep(lambda: work.model(*args, **kwargs),
                       lambda: run_step(work.model, args, kwargs, loss_fn=work.loss_fn, target=work.target),
-                      graph, torch.device("cpu"), 0.01)
+                      graph, torch.device("cpu"), 0.01, work.model)
 
 
-def test_the_probes_two_plans_are_followed_by_hooks_and_far_apart_in_calls_per_offload(probed):
-    one, several = _probe_plans(probed.graph)
+@pytest.mark.parametrize("every_module", [False, True], ids=["given-the-model", "every-module"])
+def test_the_probes_two_plans_are_followed_by_hooks_and_far_apart_in_calls_per_offload(probed, every_module):
+    """Given the model, the runtime hooks the modules a plan needs (NOTE [hook points] 8): the one offload with the
+    most calls stands apart; probed without it, every module: any one offload makes many calls."""
+    plans = _probe_plans(probed.graph, every_module)
+    one, several = plans["one"], plans["several"]
+    assert len(plans["fewest"].offloads) == 1
     assert len(one.offloads) == 1 and len(several.offloads) > 1
     assert not one.followed_op_by_op(probed.graph) and not several.followed_op_by_op(probed.graph)
-    calls = [sum(plan.hook_calls(probed.graph).values()) for plan in (one, several)]
+    calls = [sum(plan.hook_calls(probed.graph, every_module=every_module).values()) for plan in (one, several)]
     assert calls[0] >= 2 * calls[1] / len(several.offloads)
 
 
@@ -42,15 +48,20 @@ def _busy(seconds: float) -> None:
         pass
 
 
-def test_the_probe_finds_what_each_hook_call_costs_on_the_step(probed, monkeypatch):
-    """Every hook call made dearer by a known time: the figure on the step is that time, and what it cost before."""
+def test_the_probe_finds_what_each_hook_call_and_each_step_costs_on_the_step(probed, monkeypatch):
+    """Every hook call and every step's start made dearer by known times: the figures on the step are those times,
+    and what they cost before."""
     for name in ("packed", "unpacked", "module_called"):
         original = getattr(HookSchedule, name)
         monkeypatch.setattr(HookSchedule, name,
                             lambda self, *a, _original=original: (_busy(ADDED_S), _original(self, *a))[1])
+    starting = HookSchedule.check_modes
+    monkeypatch.setattr(HookSchedule, "check_modes", lambda self: (_busy(ADDED_STEP_S), starting(self))[1])
     measured = step_hook_figures(probed, 2)
-    assert set(measured.figures) == {"hook_call_s"}, measured.source
-    assert ADDED_S < measured.figures["hook_call_s"] < ADDED_S + 1e-4, measured.source
+    assert set(measured.figures) == {"hook_call_s", "offload_action_s", "runtime_step_s"}, measured.source
+    # three unknowns from three plans: each a little noisier than one alone
+    assert ADDED_S * 0.75 < measured.figures["hook_call_s"] < ADDED_S * 1.5 + 1e-4, measured.source
+    assert ADDED_STEP_S * 0.8 < measured.figures["runtime_step_s"] < ADDED_STEP_S + 2e-3, measured.source
     assert "this step offloading one saved activation" in measured.source
 
 

@@ -125,6 +125,26 @@ def test_the_profiled_steps_own_hook_call_figure_comes_first():
     assert CostModel(dataclasses.replace(CPU, hook_call_s=None)).hook_call_s == 0.0
 
 
+def test_the_profiled_steps_own_offload_and_step_figures_are_priced_once_each(cpu_graph):
+    """NOTE [simulated streams] 6: a followed step pays its runtime_step_s once, each offload its offload_action_s;
+    keep-all pays neither. The step's own offload figure comes before the machine's."""
+    from udnn_lab.cost.model import CostModel
+
+    hardware = _with_host(CPU, 0.0, 2e-5, 0.0)
+    step = ul.profile(zoo.get("resnet18", batch=4, image_size=32), repeats=1)
+    free = dataclasses.replace(step, hook_call_s=0.0, replay_op_s=0.0, offload_action_s=None, runtime_step_s=None)
+    priced = dataclasses.replace(free, offload_action_s=7e-4, runtime_step_s=5e-3)
+    assert CostModel(hardware, priced).offload_action_s == 7e-4 and CostModel(hardware, free).offload_action_s == 2e-5
+    assert CostModel(hardware, free).runtime_step_s == 0.0
+    plan = ul.plan(cpu_graph, None, "vdnn-conv", hardware=CPU)
+    assert plan.offloads
+    extra = ul.simulate(cpu_graph, plan, hardware=hardware, profile=priced).step_time_s - \
+        ul.simulate(cpu_graph, plan, hardware=hardware, profile=free).step_time_s
+    assert extra == pytest.approx(5e-3 + len(plan.offloads) * (7e-4 - 2e-5), rel=1e-6)
+    assert ul.simulate(cpu_graph, None, hardware=hardware, profile=priced).step_time_s == \
+        ul.simulate(cpu_graph, None, hardware=hardware, profile=free).step_time_s
+
+
 def test_a_planner_sees_the_price_of_a_dispatch_mode():
     """Behind a slow link auto recomputes; once seeing the recorded ops through a dispatch mode costs more than
     the copies, it offloads (a plan followed by its hooks alone) instead."""
@@ -158,10 +178,16 @@ def _with_host(hardware: Hardware, hook: float, action: float, replay: float) ->
 
 @pytest.mark.parametrize("policy", ["vdnn-all", "vdnn-conv", "recompute"])
 def test_the_hook_calls_priced_are_those_the_runtime_counts(cpu_graph, policy):
+    """Given the traced model, the runtime hooks few modules: those calls are priced; without it, every module's
+    (NOTE [hook points] 8)."""
     plan = ul.plan(cpu_graph, None, policy, hardware=CPU)
-    schedule = ul.OffloadRuntime(plan).hook_schedule()
-    assert schedule is not None and (plan.offloads or plan.recomputes)
-    assert sum(plan.hook_calls(cpu_graph).values()) == len(schedule.events)
+    model = zoo.get("resnet18", batch=4, image_size=32).model
+    hooked = ul.OffloadRuntime(plan, model=model).hook_schedule()
+    every = ul.OffloadRuntime(plan).hook_schedule()
+    assert hooked is not None and every is not None and (plan.offloads or plan.recomputes)
+    assert hooked.modules and every.modules is None
+    assert sum(plan.hook_calls(cpu_graph).values()) == len(hooked.events) < len(every.events)
+    assert sum(plan.hook_calls(cpu_graph, every_module=True).values()) == len(every.events)
 
 
 def test_a_plan_followed_by_its_hooks_pays_each_hook_call_and_offload(cpu_graph):
@@ -169,7 +195,9 @@ def test_a_plan_followed_by_its_hooks_pays_each_hook_call_and_offload(cpu_graph)
     plan = ul.plan(cpu_graph, None, "vdnn-conv", hardware=CPU)
     calls = sum(plan.hook_calls(cpu_graph).values())
     module_calls = sum(e.kind in ("enter", "exit") for e in cpu_graph.hook_events)
-    assert module_calls < calls < len(cpu_graph.hook_events)  # every module call, the packs of its windows only
+    # the calls of the modules it acts at and the packs of its windows; hooking every module, more
+    assert calls < module_calls < sum(plan.hook_calls(cpu_graph, every_module=True).values()) < \
+        len(cpu_graph.hook_events)
     free = ul.simulate(cpu_graph, plan, hardware=_with_host(CPU, 0.0, 0.0, 0.0))
     priced = ul.simulate(cpu_graph, plan, hardware=_with_host(CPU, 1e-4, 3e-4, 0.0))
     assert priced.step_time_s - free.step_time_s == pytest.approx(calls * 1e-4 + len(plan.offloads) * 3e-4, rel=1e-6)

@@ -156,6 +156,7 @@ class StepRecorder(TorchDispatchMode):
         self._sequence_to_op: dict[int, int] = {}
         self._last_sequence = torch._C._autograd._get_sequence_nr()
         self._param_paths: dict[int, str] = {}  # id(parameter) -> name, for AccumulateGrad nodes
+        self._module_paths: dict[int, str] = {}  # id(module) -> its path, while watching a model
         self.hook_events: list[HookEvent] = []  # in the order the hooks were called
         self.tracks_host = False  # some storages live on the host: follow each one's side (NOTE [host storages] 3)
 
@@ -410,7 +411,8 @@ class StepRecorder(TorchDispatchMode):
                 top = torch._C._autograd._top_saved_tensors_default_hooks(False)
                 own = top is not None and top[0] == self.pack  # no hooks pushed inside the step in force
                 self.hook_events.append(HookEvent(kind, len(self.ops), node=type(module).__name__, own_hooks=own,
-                                                  training=module.training, plain_arguments=plain_values(arguments)))
+                                                  training=module.training, plain_arguments=plain_values(arguments),
+                                                  path=self._module_paths.get(id(module))))
 
         def entered(module, args) -> None:
             logged("enter", module)
@@ -429,16 +431,17 @@ class StepRecorder(TorchDispatchMode):
     def watching(self, model: torch.nn.Module):
         """Track the module path of every op while ``model`` runs (hooks removed on exit)."""
         handles = []
-        seen = set()
+        seen = self._module_paths
         for path, module in model.named_modules(remove_duplicate=False):
             if id(module) in seen:
                 continue
-            seen.add(id(module))
+            seen[id(module)] = path  # its first path, as named_modules and get_submodule name it
             handles.append(module.register_forward_pre_hook(partial(self._enter, path)))
             handles.append(module.register_forward_hook(partial(self._exit, path)))
         try:
             yield
         finally:
+            seen.clear()
             for handle in handles:
                 handle.remove()
 

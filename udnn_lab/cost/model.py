@@ -171,34 +171,40 @@ class CostModel:
     def dispatch_mode_op_s(self) -> float:
         """Host seconds a step followed op by op pays per op (NOTE [simulated streams] 6): the profiled step's own
         figure where there is one, else the hardware profile's; 0 where neither was measured."""
-        measured = self.profile.dispatch_mode_op_s if self.profile is not None else None
-        if measured is None:
-            measured = self.hardware.dispatch_mode_op_s
-        return measured or 0.0
+        return self._step_first("dispatch_mode_op_s")
 
     @property
     def hook_call_s(self) -> float:
         """Host seconds the runtime spends per hook call it handles (NOTE [simulated streams] 6): the profiled step's
         own figure where there is one (NOTE [host probes] 4), else the hardware profile's; 0 where neither was
         measured."""
-        measured = self.profile.hook_call_s if self.profile is not None else None
-        if measured is None:
-            measured = self.hardware.hook_call_s
-        return measured or 0.0
+        return self._step_first("hook_call_s")
 
     @property
     def offload_action_s(self) -> float:
-        """Host seconds of one offload's actions, its copies' bytes aside (NOTE [simulated streams] 6)."""
-        return self.hardware.offload_action_s or 0.0
+        """Host seconds of one offload's actions, its copies' bytes aside (NOTE [simulated streams] 6): the profiled
+        step's own figure where there is one (NOTE [host probes] 4), else the hardware profile's."""
+        return self._step_first("offload_action_s")
+
+    @property
+    def runtime_step_s(self) -> float:
+        """Host seconds of the runtime's own work once per step it follows (NOTE [simulated streams] 6): the
+        profiled step's figure (NOTE [host probes] 4); 0 where it was not measured."""
+        return self._step_first("runtime_step_s")
 
     @property
     def replay_op_s(self) -> float:
         """Host seconds a recomputation adds to each op it records and re-runs, the op aside (NOTE [simulated
         streams] 6): the profiled step's own figure where there is one (NOTE [host probes] 4), else the hardware
         profile's; 0 where neither was measured."""
-        measured = self.profile.replay_op_s if self.profile is not None else None
+        return self._step_first("replay_op_s")
+
+    def _step_first(self, figure: str) -> float:
+        """A host figure: the profiled step's own where it was measured there, else the hardware profile's (which has
+        no figure of some names); 0 where neither was measured."""
+        measured = getattr(self.profile, figure) if self.profile is not None else None
         if measured is None:
-            measured = self.hardware.replay_op_s
+            measured = getattr(self.hardware, figure, None)
         return measured or 0.0
 
     def roofline_s(self, name: str, flops: int, nbytes: int, dtype: str = "float32") -> float:

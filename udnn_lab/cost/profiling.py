@@ -77,6 +77,10 @@ class Profile:
     # host seconds the runtime spends per module or saved-tensor hook call it handles, measured on this step by the
     # runtime's step probe (NOTE [host probes] 4); None: not measured, or not above the step's own variation
     hook_call_s: float | None = None
+    # host seconds of one offload's actions, and of the runtime's own work once per step (setting up and tearing
+    # down, the view replay it turns on), measured on this step by the same probe; None: not measured
+    offload_action_s: float | None = None
+    runtime_step_s: float | None = None
     # per op, the most bytes the caching allocator held while the op ran beyond what it held before and after it
     # (a library's scratch: cuDNN's convolution workspaces), the largest over the timed steps; CUDA only, None
     # elsewhere (NOTE [op scratch])
@@ -198,7 +202,7 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
             moded.append(_host_step(work.model, args, kwargs, step, where, PassThroughMode()))
         probed = ProbedStep(forward=lambda: _forward(work.model, args, kwargs, work.step_options, where),
                             run=lambda: run_step(work.model, args, kwargs, **step), graph=graph, device=where,
-                            step_time_s=statistics.median(plain))
+                            step_time_s=statistics.median(plain), model=work.model)
         stepped = _step_figures(probed, repeats)
     times = np.array(per_op)
     return Profile(
@@ -210,7 +214,9 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         time_s=tuple(float(v) for v in np.median(times, axis=0)), time_min_s=tuple(float(v) for v in times.min(axis=0)),
         repeats=repeats, step_time_s=statistics.median(plain), threads=torch.get_num_threads(),
         dispatch_mode_op_s=max(0.0, statistics.median(moded) - statistics.median(host)) / max(len(graph.ops), 1),
-        replay_op_s=stepped.get("replay_op_s"), hook_call_s=stepped.get("hook_call_s"), scratch_bytes=scratch,
+        replay_op_s=stepped.get("replay_op_s"), hook_call_s=stepped.get("hook_call_s"),
+        offload_action_s=stepped.get("offload_action_s"), runtime_step_s=stepped.get("runtime_step_s"),
+        scratch_bytes=scratch,
     )
 
 

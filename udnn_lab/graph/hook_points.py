@@ -30,16 +30,16 @@ NOTE [hook points]
      costs about what the step's own host work per op does; so the runtime keeps its hooks
      on only in windows: the module calls that hold a pack of a planned tensor (innermost
      first), and the stretches between calls made outside every module (the loss, after
-     the forward). Module calls are followed throughout. A window opens at a call's enter
-     and closes at its exit (or at the next top-level enter, or the step's end), so the
-     runtime's hooks go on and off at the top of autograd's stack of hooks, and only where
-     the trace saw no hooks pushed inside the step in force (``HookEvent.own_hooks``). The
-     runtime then sees the module calls, the packs inside windows and their unpacks, in the
-     traced order; an acting boundary with none of those gets the window of one of its
-     packs (of an unpack's pack in backward). Where no window can hold what is needed, the
-     hooks stay on for the whole step. Outside windows the step is checked by its module
-     calls only (class and mode): a change between modules, other than in the loss, goes
-     unseen there.
+     the forward). Module calls are followed throughout (of the modules hooked: 8). A window
+     opens at a call's enter and closes at its exit (or at the next top-level enter, or the
+     step's end), so the runtime's hooks go on and off at the top of autograd's stack of
+     hooks, and only where the trace saw no hooks pushed inside the step in force
+     (``HookEvent.own_hooks``). The runtime then sees those module calls, the packs inside
+     windows and their unpacks, in the traced order; an acting boundary with none of those
+     gets the window of one of its packs (of an unpack's pack in backward). Where no window
+     can hold what is needed, the hooks stay on for the whole step. Outside windows the step
+     is checked by its hooked module calls only (class and mode): a change between them,
+     other than in the loss, goes unseen there.
   6. Recording windows. A recomputation replays the forward ops it names, so the runtime must
      see those ops: a dispatch mode records them, on only from the last module call (enter or
      exit) at or before the first of them to the first module call after the last, or to the
@@ -67,10 +67,28 @@ NOTE [hook points]
      qualifies (``graph/reruns.py``) only where no op of the call writes in place into a tensor
      from before it (a parameter, buffer or input included) or is a collective, and no
      saved-tensor hooks are pushed inside the step around it. The module's
-     Python runs again as it did in forward, without the runtime's module hooks (they are removed
-     while it runs, so torch calls its modules on its fast path, as under checkpoint): the
+     Python runs again as it did in forward, without the runtime's global module hooks (they are
+     removed while it runs, so torch calls its modules on its fast path, as under checkpoint;
+     the few modules hooked alone, 8, keep their hooks, which let the re-run's calls pass): the
      simulator charges no per-op replay, only a hook call per pack inside the call (NOTE
      [simulated streams] 6).
+  8. Hooked modules. A global module hook sends every module call through torch's slow path
+     and a Python call; the runtime needs only the module calls it acts at: those where a
+     window opens or closes (5), a recording window opens or closes (6), a re-run call enters
+     or leaves (7), or that stand for an acting boundary (``followed_calls``; in forward a
+     boundary's last pack stands for it where it has one, so that fewer modules need hooks,
+     and a planned pack inside a re-run call opens that call's window). Given the traced model,
+     it hooks just those calls' modules, by the path the trace recorded for each
+     (``HookEvent.path``: the first name ``named_modules`` gives it), ahead of the module's
+     other hooks, so it sees every call of those modules (a module called twice, twice), the
+     packs inside its windows and their unpacks, in the traced order; every other module call
+     runs on torch's fast path, as under checkpoint. The step is checked at those calls, and
+     as it starts every traced module's mode (train or eval) is checked. Where a needed call's
+     module is outside the traced model (a loss module), where the runtime is not given the
+     model, where the model holds another class at a traced path, or where the plan moves
+     nothing (it is followed only to refuse another step), the runtime hooks every module
+     globally and checks every call. The simulator prices the calls of the first case
+     (``Plan.hook_calls``): a runtime without the model pays more than it says.
 """
 
 from __future__ import annotations
@@ -161,21 +179,28 @@ def window_ops(events: tuple[HookEvent, ...], windows: tuple[tuple[int, int], ..
 # that call's 'exit'), or the 'exit' of a call made outside every module (it closes at the next such
 # call's 'enter', or at the end of the step).
 
-def saved_tensor_windows(events: tuple[HookEvent, ...], acting: set[int],
-                         planned: Collection[int]) -> set[int] | None:
+def saved_tensor_windows(events: tuple[HookEvent, ...], acting: set[int], planned: Collection[int],
+                         within: Collection[tuple[int, int]] = ()) -> set[int] | None:
     """The windows that show every pack of a planned tensor, every top-level pack (the loss: the
-    step's fingerprint), and a call at each acting boundary; None when one cannot be opened."""
-    return _windows_seen(events, acting, planned)[0]
+    step's fingerprint), and a call at each acting boundary; None when one cannot be opened. A
+    planned pack inside one of the calls ``within`` (enter, exit: the re-run calls, NOTE [hook
+    points] 7) gets that call's window, whose module calls are hooked anyway (8): every pack of a
+    re-run call is handled again when it re-runs, as checkpoint handles each."""
+    return _windows_seen(events, acting, planned, within)[0]
 
 
-def _windows_seen(events: tuple[HookEvent, ...], acting: set[int],
-                  planned: Collection[int]) -> tuple[set[int] | None, list[bool]]:
+def _windows_seen(events: tuple[HookEvent, ...], acting: set[int], planned: Collection[int],
+                  within: Collection[tuple[int, int]] = ()) -> tuple[set[int] | None, list[bool]]:
     """``saved_tensor_windows`` and which events a runtime sees with them (every one where there are none)."""
     calls = _calls(events)
     chosen = {start for start, (kind, _) in calls.items() if kind == "gap"}
+    outer = [(enter, exit_) for enter, exit_ in within if calls.get(enter) == ("call", exit_)]
     for ordinal, event in enumerate(events):
         if event.kind == "pack" and event.tensor in planned:
-            if not _add_window(ordinal, calls, chosen):
+            holder = next((enter for enter, exit_ in outer if enter < ordinal < exit_), None)
+            if holder is not None:
+                chosen.add(holder)
+            elif not _add_window(ordinal, calls, chosen):
                 return None, [True] * len(events)
     visible, _ = _seen(events, calls, chosen)
     by_boundary: dict[int, list[int]] = {}
@@ -251,17 +276,6 @@ def _seen(events: tuple[HookEvent, ...], calls: dict[int, tuple[str, int]],
             shown[ordinal] = event.packed_at >= 0 and shown[event.packed_at]
         on[ordinal] = bool(open_until)
     return shown, on
-
-
-def handled_calls(events: tuple[HookEvent, ...], acting: set[int], planned: Collection[int]) -> dict[int, int]:
-    """Boundary -> the hook calls a runtime that acts at ``acting`` handles there: every module call, and the packs
-    and unpacks inside its windows (NOTE [hook points] 5), all of them where no windows can be opened."""
-    seen = _windows_seen(events, acting, planned)[1]
-    calls: dict[int, int] = {}
-    for event, handled in zip(events, seen):
-        if handled:
-            calls[event.boundary] = calls.get(event.boundary, 0) + 1
-    return calls
 
 
 def _either(preferred: int | None, otherwise: int | None) -> int | None:

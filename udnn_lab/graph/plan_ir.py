@@ -15,9 +15,10 @@ from functools import cached_property
 from pathlib import Path
 
 from udnn_lab.errors import PlanError, PlanForAnotherStep
-from udnn_lab.graph.hook_points import handled_calls, hook_points, on_hook_points, recording_windows, window_ops
+from udnn_lab.graph.followed_calls import followed_calls
+from udnn_lab.graph.hook_points import hook_points, on_hook_points, recording_windows, window_ops
 from udnn_lab.graph.plan_file import read_plan_file, write_plan_file
-from udnn_lab.graph.reruns import NOT_RERUN, module_reruns
+from udnn_lab.graph.reruns import NOT_RERUN, module_reruns, rerun_calls
 from udnn_lab.graph.step_graph import Graph, HookEvent, op_family, writes_in_place
 from udnn_lab.units import cuda_block_bytes, format_bytes
 
@@ -145,17 +146,20 @@ class Plan:
         """A located plan's boundaries where the runtime acts on its hook calls, and the tensors it plans (NOTE
         [hook points]): forward lets a recomputed tensor go at a hook point, or in a recording window (6)."""
         held = {site.tensor: site.held_until for site in self.sites}
-        return _acting(self.offloads, self.recomputes, held, self.hook_events)
+        return _acting(self.offloads, self.recomputes, held, self.hook_events, self.reruns)
 
-    def hook_calls(self, graph: Graph) -> dict[int, int]:
+    def hook_calls(self, graph: Graph, every_module: bool = False) -> dict[int, int]:
         """Boundary -> the module and saved-tensor hook calls the runtime handles there when it follows this plan
         by its hooks (NOTE [hook points] 5; priced by NOTE [simulated streams] 6); {} when there is nothing to do
-        or it follows the step op by op."""
+        or it follows the step op by op. ``every_module``: as a runtime made without the model hooks every module
+        call (NOTE [hook points] 8)."""
         followed = self._followed(graph) if self.offloads or self.recomputes else None
         if followed is None:
             return {}
         held = {t: _site(graph, t).held_until for r in self.recomputes for t in r.tensors}
-        return handled_calls(graph.hook_events, *_acting(followed[0], self.recomputes, held, graph.hook_events))
+        events = graph.hook_events
+        return followed_calls(events, *_acting(followed[0], self.recomputes, held, events, followed[2]), followed[1],
+                              rerun_calls(events, followed[2], self.recomputes), not every_module).calls_at(events)
 
     def reruns_in(self, graph: Graph) -> tuple[int, ...]:
         """For each recomputation, where the runtime re-runs a module call for it (NOTE [hook points] 7) or -1;
@@ -343,10 +347,12 @@ def _followed_by_hooks(graph: Graph, plan: Plan) -> _Followed | None:
 
 
 def _acting(offloads: tuple[Offload, ...], recomputes: tuple[Recompute, ...], held_until: Mapping[int, int],
-            events: tuple[HookEvent, ...]) -> tuple[set[int], set[int]]:
-    """The boundaries a runtime following hooks acts at, and the tensors it plans (NOTE [hook points] 2, 6)."""
+            events: tuple[HookEvent, ...], reruns: tuple[int, ...] = ()) -> tuple[set[int], set[int]]:
+    """The boundaries a runtime following hooks acts at, and the tensors it plans (NOTE [hook points] 2, 6): forward
+    lets a recomputed tensor go at a hook point, but one a module re-run restores by itself (7)."""
     recomputed = {t for r in recomputes for t in r.tensors}
-    let_go = {held_until[t] + 1 for t in recomputed} & {event.boundary for event in events}
+    let_go = {held_until[t] + 1 for i, r in enumerate(recomputes) for t in r.tensors
+              if not reruns or reruns[i] == NOT_RERUN} & {event.boundary for event in events}
     acting = {o.after_op + 1 for o in offloads} | {o.prefetch_at for o in offloads} | {o.release_op for o in offloads} \
         | {o.wait_before for o in offloads if o.wait_before is not None} | {r.at_op for r in recomputes} | let_go
     return acting, {o.tensor for o in offloads} | recomputed

@@ -78,6 +78,12 @@ def rerun_call(events: tuple[HookEvent, ...], enter: int, tensors: tuple[int, ..
     return RerunCall(enter, exit_, packs, restores)
 
 
+def rerun_calls(events: tuple[HookEvent, ...], enters: tuple[int, ...], recomputes: tuple) -> dict[int, RerunCall]:
+    """Recomputation index -> the module call it re-runs, for those ``enters`` (``Plan.reruns``) names."""
+    return {index: rerun_call(events, enter, recomputes[index].tensors)
+            for index, enter in enumerate(enters) if enter != NOT_RERUN}
+
+
 def _rerun_of(graph: Graph, recompute, spans: dict, points: frozenset[int]) -> int:
     first, last = recompute.ops[0], recompute.ops[-1]
     if recompute.ops != tuple(range(first, last + 1)) or recompute.at_op not in points:

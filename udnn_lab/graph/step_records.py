@@ -105,6 +105,9 @@ class HookEvent:
     # exit: the call's arguments were tensors and plain values only (no object its forward could change, like a
     # cache): calling it again changes nothing outside it (NOTE [hook points] 7)
     plain_arguments: bool = True
+    # enter, exit: the module's path in the traced model ('' the model itself; None: a module outside it, or a step
+    # traced before paths were recorded): where a runtime hooks that module alone (NOTE [hook points] 8)
+    path: str | None = None
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,11 @@ NOTE [host probes]
      call's with the modules' (a module hook is handed every argument; a model of many small
      modules called with keywords pays twice what a network of convolutions does). The runtime
      registers step probes (``register_step_probe``) that ``ul.profile`` runs on the step
-     itself (``ProbedStep``: its forward, the whole step, its Graph); the cost model prefers the
-     profile's figure to the machine's, as it does for ``dispatch_mode_op_s``. A probe fails as
+     itself (``ProbedStep``: its forward, the whole step, its Graph, its model, which the
+     runtime hooks as ``ul.train`` does); the cost model prefers the profile's figure to the
+     machine's, as it does for ``dispatch_mode_op_s``. The step's hook probe also finds what an
+     offload and what a followed step costs once (setting it up and tearing it down, the view
+     replay it turns on: ``runtime_step_s``, which only a step probe measures). A probe fails as
      in 3, leaving the profile's figure None; a probe whose figure does not show above the
      step's own variation (a long step, few hook calls) returns none, and the machine's stands.
 """
@@ -65,6 +68,7 @@ class ProbedStep:
     graph: Any  # that step's Graph, recorded on real tensors with its hook events (graph/ is not imported here)
     device: torch.device
     step_time_s: float  # the whole step, as timed plainly: what a probe's figure must show above
+    model: torch.nn.Module | None = None  # the step's model, which a runtime probed on it hooks (NOTE [hook points] 8)
 
 
 # (the step, repeats) -> figures measured on it (NOTE [host probes] 4)

@@ -114,7 +114,7 @@ class PlannedSteps:
         self.graph = module_bound(trace(work))
         self._device = torch.device(self.graph.device)
         self.plan = self._plan(self.graph)
-        runtime = OffloadRuntime(self.plan)
+        runtime = OffloadRuntime(self.plan, model=work.model)
         if runtime.enabled and runtime.hook_schedule() is None:
             raise PlanError(f"the {self.plan.policy!r} plan for this step can only be followed op by op, which would "
                             "count the trainer's own ops as the step's (NOTE [trainer steps] 2): ask for another "

@@ -203,7 +203,7 @@ def measure(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
     if warmup < 0 or repeats < 0:
         raise ValueError(f"warmup and repeats count steps: 0 or more, got warmup={warmup}, repeats={repeats}")
     args, kwargs = split_input(map_tensors(lambda t: t.to(device), work.example_input))
-    runtime = OffloadRuntime(check_plan(plan, graph))  # a graph given: the plan must be its step's
+    runtime = OffloadRuntime(check_plan(plan, graph), model=work.model)  # a graph given: the plan must be its step's
     if graph is None and device.type == "cpu":
         graph = _traced(work)
     cost = _announce(graph, warmup + repeats, device)

@@ -27,19 +27,33 @@ class HookStep(Step):
         self._recorder = OpMode(self.on_recorded_op) if self.plan.recomputes else None
         self._recording = False  # the recorder is on (NOTE [hook points] 6)
         self._module_hooks: tuple = ()
-        self._thread = threading.get_ident()  # module hooks are global: follow this thread's step only
+        self._replaying = False  # a re-run's module calls are not the step's (NOTE [hook points] 7)
+        self._thread = threading.get_ident()  # follow this thread's step only: a module may run on others too
 
     def _begin(self) -> None:
+        self.events.check_modes()
         if self.events.whole_step:
             self._switch_hooks(True)
         self._hook_modules()
 
     def _hook_modules(self) -> None:
         thread = self._thread  # a re-run in backward may run on autograd's own thread
-        self._module_hooks = (
-            register_module_forward_pre_hook(lambda m, a: self._module_event(thread, "enter", m)),
-            register_module_forward_hook(lambda m, a, k, o: self._module_event(thread, "exit", m, a, k),
-                                         with_kwargs=True))
+
+        def entered(module, args) -> None:
+            self._module_event(thread, "enter", module)
+
+        def exited(module, args, kwargs, output) -> None:
+            self._module_event(thread, "exit", module, args, kwargs)
+
+        modules = self.events.modules
+        if modules is None:  # every module, by global hooks: each module call then takes torch's slow path
+            self._module_hooks = (register_module_forward_pre_hook(entered),
+                                  register_module_forward_hook(exited, with_kwargs=True))
+            return
+        # NOTE [hook points] 8: those the plan needs alone, called first as global hooks would be
+        self._module_hooks = tuple(handle for module in modules for handle in (
+            module.register_forward_pre_hook(entered, prepend=True),
+            module.register_forward_hook(exited, with_kwargs=True, prepend=True)))
 
     def _unhook_modules(self) -> None:
         for handle in self._module_hooks:
@@ -53,12 +67,15 @@ class HookStep(Step):
         finally:
             self._unhook_modules()
 
+    def _hook_calls(self) -> int | None:
+        return self.events.seen
+
     def _check_complete(self) -> None:
         self.events.check_complete()
 
     def _module_event(self, thread: int, kind: str, module: torch.nn.Module, args: tuple = (),
                       kwargs: dict | None = None) -> None:
-        if threading.get_ident() != thread:
+        if self._replaying or threading.get_ident() != thread:
             return
         action = self.events.module_called(kind, module)
         if action is None:  # nearly every call: counted and checked only
@@ -119,7 +136,15 @@ class HookStep(Step):
 
     def _replay(self, replay) -> None:
         """A re-run's module calls are not the step's (NOTE [hook points] 7): without the global hooks, torch calls
-        them on its fast path, as checkpoint's recomputation is called."""
+        them on its fast path, as checkpoint's recomputation is called; the few modules hooked alone (8) keep their
+        hooks, which let the re-run's calls pass."""
+        if self.events.modules is not None:
+            self._replaying = True
+            try:
+                super()._replay(replay)
+            finally:
+                self._replaying = False
+            return
         hooked = bool(self._module_hooks)
         self._unhook_modules()
         try:

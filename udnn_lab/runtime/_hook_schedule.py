@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from itertools import accumulate
 from types import MappingProxyType
 from typing import NamedTuple
 
 import torch
 
 from udnn_lab.errors import PlanMismatch
-from udnn_lab.graph.hook_points import saved_tensor_windows, seen_in_windows
+from udnn_lab.graph.followed_calls import followed_calls
 from udnn_lab.graph.plan_ir import other_step
 from udnn_lab.graph.reruns import RerunCall
 from udnn_lab.graph.step_graph import HookEvent
@@ -33,7 +32,8 @@ class HookSchedule:
     """Counts a step's module calls and autograd's pack and unpack calls against the traced ones.
 
     Saved-tensor hooks are in force only inside the plan's windows (NOTE [hook points] 5), so
-    the calls counted are the step's module calls and the packs and unpacks of those windows.
+    the calls counted are the step's module calls (of the modules hooked, 8) and the packs and
+    unpacks of those windows.
     Each is checked against the trace's (a module by its class and mode, a pack by the saved
     tensor's autograd node, dtype and shape): the first that differs raises PlanMismatch. At the
     call that stands for a boundary where the plan acts it says so.
@@ -41,37 +41,32 @@ class HookSchedule:
 
     def __init__(self, events: tuple[HookEvent, ...], acting: set[int], op_families: tuple[str, ...],
                  planned: Collection[int] = (), recording: tuple[tuple[int, int], ...] = (),
-                 reruns: Mapping[int, RerunCall] = MappingProxyType({})) -> None:
+                 reruns: Mapping[int, RerunCall] = MappingProxyType({}),
+                 model: torch.nn.Module | None = None) -> None:
         self.op_families = op_families
         self.reruns = reruns  # recomputation -> the module call it re-runs (NOTE [hook points] 7)
         self.seen = 0
-        windows = saved_tensor_windows(events, acting, planned)
-        self.whole_step = windows is None  # hooks in force from start to finish
-        everything = [True] * len(events)
-        shown, on = (everything, everything) if windows is None else seen_in_windows(events, windows)
-        self.events = tuple(event for event, visible in zip(events, shown) if visible)
+        followed = followed_calls(events, acting, planned, recording, reruns, by_path=model is not None)
+        # the only modules to hook (NOTE [hook points] 8); None: every module, by global hooks
+        traced = None if followed.hooked is None else _traced_modules(model, events)
+        # the modules whose mode (train or eval) each step must have, as the trace met them: unhooked calls go unseen
+        self.modes: tuple[tuple[str, torch.nn.Module, bool], ...] = () if traced is None else tuple(
+            (path, module, training) for path, (module, training) in traced.items() if training is not None)
+        self.modules = None if traced is None else tuple(traced[path][0] for path in sorted(followed.hooked or ()))
+        if followed.hooked is not None and traced is None:  # not the traced model: hook every module
+            followed = followed_calls(events, acting, planned, recording, reruns, by_path=False)
+        self.whole_step = followed.whole_step  # hooks in force from start to finish
+        self.events = tuple(event for event, visible in zip(events, followed.seen) if visible)
+        position = dict(zip((o for o, visible in enumerate(followed.seen) if visible), range(len(self.events))))
         # module events (by position in self.events) where hooks go on (+1) or off (-1)
-        self.switches: dict[int, int] = {}
+        self.switches = {position[o]: change for o, change in followed.switches.items()}
         # module events (by position) where the recording mode opens (at the op index given) or closes (-1)
         # (NOTE [hook points] 6)
-        self.recording: dict[int, int] = {}
-        opens = {opening: events[opening].boundary for opening, _ in recording}
-        closes = {closing for _, closing in recording}
-        position, before = -1, False
-        for ordinal, (event, visible, after) in enumerate(zip(events, shown, on)):
-            position += visible
-            if windows is not None and event.kind in ("enter", "exit") and after != before:
-                self.switches[position] = 1 if after else -1
-            before = after
-            if ordinal in opens or ordinal in closes:  # module calls: always shown
-                self.recording[position] = opens.get(ordinal, -1)
-        # module events (by position) of the calls a recomputation re-runs: their 'enter' and 'exit' -> which
+        self.recording = {position[o]: at for o, at in followed.recording.items()}
+        # module events (by position) of the calls a recomputation re-runs: 'enter' and 'exit' -> which
         # recomputation (NOTE [hook points] 7)
-        positions = list(accumulate(shown, initial=-1))[1:]  # module calls are always shown
-        self.rerun_calls: dict[int, int] = {}
-        for recompute, call in reruns.items():
-            self.rerun_calls[positions[call.enter]] = self.rerun_calls[positions[call.exit]] = recompute
-        self.triggers = _triggers(self.events, acting)  # position -> the boundary it stands for
+        self.rerun_calls = {position[o]: recompute for o, recompute in followed.reruns.items()}
+        self.triggers = {position[o]: boundary for o, boundary in followed.triggers.items()}
         self.last_trigger = max(self.triggers, default=-1)
         # what each call must be, compared in one go: (kind, class, mode) of a module call, (kind, shape, dtype) of a
         # pack (its node apart: views' nodes vary), (kind,) of an unpack
@@ -95,6 +90,17 @@ class HookSchedule:
         """Where hooks are in force, in words: for a table of steps."""
         opened = sum(change > 0 for change in self.switches.values())
         return WHOLE_STEP if self.whole_step else f"{opened} window{'' if opened == 1 else 's'}"
+
+    def check_modes(self) -> None:
+        """As a step starts: every traced module in the mode the trace met it in (NOTE [offload runtime] 1)."""
+        for path, module, training in self.modes:
+            if module.training != training:
+                mode = {True: "training", False: "eval"}
+                raise other_step(
+                    f"this step is not the one the plan was made for: its module {path or '(the model)'} "
+                    f"({type(module).__name__}) is in {mode[module.training]} mode, where the plan's step had it in "
+                    f"{mode[training]} mode; trace this step and plan again",
+                    "plan for this step with ul.plan(ul.trace(...), ...), or set the module's mode back")
 
     def packed(self, tensor: torch.Tensor) -> tuple[HookEvent, int | None]:
         """A pack call: the traced event it is, and the boundary to act at now (None: none)."""
@@ -138,6 +144,10 @@ class HookSchedule:
         return self.triggers.get(ordinal)
 
     def check_complete(self) -> None:
+        if self.seen == 0 and self.modules:
+            raise PlanMismatch(
+                "the step called none of the modules the runtime hooks in the model it was given (NOTE [hook points] "
+                "8): run that model inside the runtime, or give it the one you run with runtime.for_model(model)")
         if self.seen <= self.last_trigger:
             raise PlanMismatch(
                 f"the step made {self.seen} hook calls but the plan acts at call {self.last_trigger + 1} of "
@@ -167,23 +177,25 @@ class HookSchedule:
             "op by op with plan.located(graph, on_hooks=False)")
 
 
-def _triggers(events: tuple[HookEvent, ...], acting: set[int]) -> dict[int, int]:
-    """Position -> the boundary it stands for: in forward the last call at the boundary (every tensor
-    packed there is met), in backward the first unpack (before any node at it runs)."""
-    last_forward: dict[int, int] = {}
-    first_unpack: dict[int, int] = {}
-    for ordinal, event in enumerate(events):
-        if event.kind == "unpack":
-            first_unpack.setdefault(event.boundary, ordinal)
-        else:
-            last_forward[event.boundary] = ordinal
-    triggers: dict[int, int] = {}
-    for boundary in acting:
-        at = first_unpack.get(boundary, last_forward.get(boundary))
-        if at is None:
-            raise ValueError(f"boundary {boundary} is not a hook point (NOTE [hook points])")
-        triggers[at] = boundary
-    return triggers
+def _traced_modules(model: torch.nn.Module | None,
+                    events: tuple[HookEvent, ...]) -> dict[str, tuple[torch.nn.Module, bool | None]] | None:
+    """Path -> (the module, its mode; None: called in both) for every module the trace met in ``model``, when
+    ``model`` holds one of the traced class at each path; None where it does not (another model: NOTE [hook points]
+    8)."""
+    traced: dict[str, tuple[str, set[bool]]] = {}
+    for event in events:
+        if event.kind == "enter" and event.path is not None:
+            traced.setdefault(event.path, (event.node, set()))[1].add(event.training)
+    found = {}
+    for path, (node, modes) in traced.items():
+        try:
+            module = model.get_submodule(path) if model is not None else None
+        except AttributeError:
+            return None
+        if module is None or type(module).__name__ != node:
+            return None
+        found[path] = (module, next(iter(modes)) if len(modes) == 1 else None)
+    return found
 
 
 # A view's backward node depends on how autograd rebuilds views (NOTE [view replay] 1): a traced step names

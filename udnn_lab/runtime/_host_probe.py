@@ -56,7 +56,8 @@ def runtime_host_figures(device: torch.device, repeats: int, measured: Mapping[s
     network, x = _Residual().to(device), torch.randn(2, 4, 4, 4, device=device)
     graph = trace(network, x)
     one, every = offload_plans(graph)
-    runtimes = {"one": OffloadRuntime(one), "every": OffloadRuntime(every)}
+    # given the network, each runtime hooks only the modules its plan needs, as ul.train's does (NOTE [hook points] 8)
+    runtimes = {"one": OffloadRuntime(one, model=network), "every": OffloadRuntime(every, model=network)}
     try:
         contexts: dict[str, Callable[[], Any]] = {"eager": nullcontext}
         contexts.update({name: partial(itself, runtime) for name, runtime in runtimes.items()})

@@ -12,14 +12,14 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from udnn_lab.analysis.recording import PLAIN_TYPES
 from udnn_lab.errors import ReplayError
 from udnn_lab.graph.plan_ir import Plan, Recompute, other_step
-from udnn_lab.graph.reruns import NOT_RERUN, RUNNING_STATISTICS, RerunCall, rerun_call
+from udnn_lab.graph.reruns import RUNNING_STATISTICS, RerunCall
+from udnn_lab.graph.reruns import rerun_calls as reruns_of
 from udnn_lab.graph.step_graph import HookEvent
 
 
 def rerun_calls(plan: Plan) -> dict[int, RerunCall]:
     """Recomputation index -> the module call it re-runs, for a located plan's recomputations that re-run one."""
-    return {index: rerun_call(plan.hook_events, enter, plan.recomputes[index].tensors)
-            for index, enter in enumerate(plan.reruns) if enter != NOT_RERUN}
+    return reruns_of(plan.hook_events, plan.reruns, plan.recomputes)
 
 
 class ModuleRerun:

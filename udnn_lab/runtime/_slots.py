@@ -27,6 +27,7 @@ class StepStats:
     wait_s: float  # host time blocked on copies
     on_demand: int  # handles unpacked before their prefetch
     by_hook_events: bool = False  # followed by module and saved-tensor hooks (a dispatch mode only to record)
+    hook_calls: int | None = None  # followed by hooks: the calls it handled, which Plan.hook_calls prices
 
 
 class Slot:

@@ -119,6 +119,9 @@ class Step:
     def _ops_seen(self) -> int | None:
         return None
 
+    def _hook_calls(self) -> int | None:
+        return None
+
     def _switch_hooks(self, on: bool) -> None:
         """Saved-tensor hooks on or off, at the top of autograd's stack of them (NOTE [hook points] 5)."""
         if on == self._hooks_on:
@@ -166,7 +169,8 @@ class Step:
         if completed:
             self._check_complete()
         return StepStats(self._ops_seen(), copies.d2h_bytes if copies else 0, copies.h2d_bytes if copies else 0,
-                         self.recomputed, copies.wait_s if copies else 0.0, self.on_demand, self.by_hook_events)
+                         self.recomputed, copies.wait_s if copies else 0.0, self.on_demand, self.by_hook_events,
+                         self._hook_calls())
 
     # -- the ops ----------------------------------------------------------------------------
     def _known(self, func) -> tuple[str, tuple[int | str, ...]]:

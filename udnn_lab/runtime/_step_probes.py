@@ -3,12 +3,14 @@
 - ``step_replay_figures``: ``replay_op_s`` as the machine probe measures it, on the step's own forward: per op,
   a replay costs more where ops take more arguments and outputs.
 - ``step_hook_figures``: ``hook_call_s`` as the machine probe measures it, on the whole step: the step under a
-  plan offloading the one saved activation (of its smallest few) whose offload takes the fewest hook calls, and
+  plan offloading the one saved activation (of its smallest few) whose offload takes the most hook calls, and
   under one offloading all of those few, against the step alone, round by round: two equations in the time per
-  hook call and per offload, solved where they are well apart. A module hook is handed the call's arguments,
-  so a model of many small modules called with keywords pays more per call than the probe's network of
-  convolutions. Where the extra time does not stand clear of the step's own variation (a long step, few hook
-  calls), it returns no figure: the machine's stands.
+  hook call and per offload, solved where they are well apart. The runtime is given the step's model, as
+  ``ul.train`` gives it, so it makes the calls the simulator prices (NOTE [hook points] 8); a step probed without
+  its model is followed with every module hooked, and the fewest calls make the one offload's plan. A module
+  hook is handed the call's arguments, so a model of many small modules called with keywords pays more per call
+  than the probe's network of convolutions. Where the extra time does not stand clear of the step's own
+  variation (a long step, few hook calls), it returns no figure: the machine's stands.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from functools import partial
 from typing import Any
+
+import numpy as np
 
 from udnn_lab.graph import Graph, Offload, Plan
 from udnn_lab.hardware import HostFigures, ProbedStep
@@ -43,17 +47,17 @@ def step_replay_figures(step: ProbedStep, repeats: int) -> HostFigures:
 
 
 def step_hook_figures(step: ProbedStep, repeats: int) -> HostFigures:
-    """The runtime's host time per hook call on the step itself (module docstring)."""
-    plans = _probe_plans(step.graph)
+    """The runtime's host time per hook call, per offload and per step on the step itself (module docstring)."""
+    every_module = step.model is None
+    plans = _probe_plans(step.graph, every_module)
     if plans is None:
         return HostFigures({}, "this step has no two offload plans followed by hooks whose hook calls per offload "
                                "differ enough to tell the two apart: the machine's figure stands")
-    one, several = plans
-    calls = {"one": _calls(one, step.graph), "several": _calls(several, step.graph)}
+    calls = {name: _calls(plan, step.graph, every_module) for name, plan in plans.items()}
     if calls["several"] * CHEAP_CALL_S < VISIBLE * step.step_time_s:
         return HostFigures({}, f"this step ({step.step_time_s * 1e3:.1f} ms) is too long for its probe's "
                                f"{calls['several']} hook calls to show: the machine's figure stands")
-    runtimes = {"one": OffloadRuntime(one), "several": OffloadRuntime(several)}
+    runtimes = {name: OffloadRuntime(plan, model=step.model) for name, plan in plans.items()}
     try:
         contexts: dict[str, Callable[[], Any]] = {"eager": nullcontext}
         contexts.update({name: partial(itself, runtime) for name, runtime in runtimes.items()})
@@ -62,36 +66,71 @@ def step_hook_figures(step: ProbedStep, repeats: int) -> HostFigures:
         for runtime in runtimes.values():
             runtime.release()
     extra = {name: _paired_extra(rounds[name], rounds["eager"]) for name in runtimes}
-    what = (f"this step offloading one saved activation ({calls['one']} hook calls) and its "
-            f"{len(several.offloads)} smallest ({calls['several']}), less the step alone, over "
-            f"{len(rounds['eager'])} rounds")
+    several = len(plans["several"].offloads)
+    what = (f"this step offloading one saved activation ({calls['fewest']} and {calls['one']} hook calls) and its "
+            f"{several} smallest ({calls['several']}), less the step alone, over {len(rounds['eager'])} rounds")
     if any(median < CLEAR_OF_NOISE * error for median, error in extra.values()):
         return HostFigures({}, f"{what}: not clear of the step's own variation, so the machine's figure stands")
-    hook_call_s, _ = two_unknowns((calls["one"], 1, extra["one"][0]),
-                                  (calls["several"], len(several.offloads), extra["several"][0]))
-    return HostFigures({"hook_call_s": hook_call_s} if hook_call_s > 0 else {}, what)
+    solved = three_unknowns(*((calls[name], len(plans[name].offloads), extra[name][0])
+                              for name in ("fewest", "one", "several")))
+    if solved is not None:
+        return HostFigures(dict(zip(("hook_call_s", "offload_action_s", "runtime_step_s"), solved)), what)
+    hook_call_s, _ = two_unknowns((calls["one"], 1, extra["one"][0]), (calls["several"], several,
+                                                                       extra["several"][0]))
+    return HostFigures({"hook_call_s": hook_call_s} if hook_call_s > 0 else {},
+                       f"{what}; the time per offload and per step could not be told apart")
 
 
-def _probe_plans(graph: Graph) -> tuple[Plan, Plan] | None:
-    """(one offload, several), located, or None where their hook calls per offload are too close to solve for."""
+def three_unknowns(*rows: tuple[int, int, float]) -> tuple[float, float, float] | None:
+    """(per call, per offload, per step) with ``calls x a + offloads x b + c = seconds`` for the three rows, none
+    below 0 (noise can make one negative: it is 0 then, and the other two explain the rows as well as they can);
+    None where the rows cannot tell them apart."""
+    matrix = np.array([[calls, offloads, 1.0] for calls, offloads, _ in rows])
+    seconds = np.array([row[2] for row in rows])
+    if abs(np.linalg.det(matrix)) < 1e-9:
+        return None
+    solved = np.linalg.solve(matrix, seconds)
+    if (solved < 0).any():
+        fits = []
+        for kept in ((0, 1), (0, 2), (1, 2)):
+            part, *_ = np.linalg.lstsq(matrix[:, kept], seconds, rcond=None)
+            if (part >= 0).all():
+                full = np.zeros(3)
+                full[list(kept)] = part
+                fits.append((float(np.sum((matrix @ full - seconds) ** 2)), tuple(full)))
+        if not fits:
+            return None
+        solved = np.array(min(fits)[1])
+    return float(solved[0]), float(solved[1]), float(solved[2])
+
+
+def _probe_plans(graph: Graph, every_module: bool = False) -> dict[str, Plan] | None:
+    """Located plans offloading one saved activation (the fewest hook calls: 'fewest'; the one farthest from
+    'several' in calls per offload: 'one') and several ('several'), or None where 'one' and 'several' are too close
+    in calls per offload to solve for. ``every_module``: counted as a runtime without the model hooks every module
+    call (NOTE [hook points] 8)."""
     candidates: list[tuple[Offload, int]] = []  # (the offload, its hook calls alone), smallest tensors first
     for tensor in sorted(graph.tensors, key=lambda t: t.nbytes):
         if len(candidates) == SMALLEST_OFFLOADS:
             break
         alone = offload_by_hooks(graph, tensor)
         if alone is not None:  # its hook calls from the analysis that found it followed by hooks
-            candidates.append((alone.offloads[0], _calls(alone, graph)))
+            candidates.append((alone.offloads[0], _calls(alone, graph, every_module)))
     if len(candidates) < 2:
         return None
+    # every module hooked, each offload's plan makes the step's many module calls: the fewest is the cleanest;
+    # only the modules a plan needs hooked, one offload's calls are its windows': the most stand farthest apart
     fewest = min(candidates, key=lambda candidate: candidate[1])[0]
-    one, several = (Plan("probe", graph.fingerprint, offloads=chosen).located(graph)
-                    for chosen in ((fewest,), tuple(offload for offload, _ in candidates)))
-    per_offload = (_calls(one, graph), _calls(several, graph) / len(several.offloads))
-    return (one, several) if per_offload[0] >= 2 * per_offload[1] else None
+    one = fewest if every_module else max(candidates, key=lambda candidate: candidate[1])[0]
+    plans = {name: Plan("probe", graph.fingerprint, offloads=offloads).located(graph) for name, offloads in
+             (("fewest", (fewest,)), ("one", (one,)), ("several", tuple(offload for offload, _ in candidates)))}
+    per_offload = (_calls(plans["one"], graph, every_module),
+                   _calls(plans["several"], graph, every_module) / len(plans["several"].offloads))
+    return plans if per_offload[0] >= 2 * per_offload[1] else None
 
 
-def _calls(plan: Plan, graph: Graph) -> int:
-    return sum(plan.hook_calls(graph).values())
+def _calls(plan: Plan, graph: Graph, every_module: bool) -> int:
+    return sum(plan.hook_calls(graph, every_module=every_module).values())
 
 
 def _paired_extra(under: list[float], alone: list[float]) -> tuple[float, float]:

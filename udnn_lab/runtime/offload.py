@@ -3,12 +3,13 @@
 NOTE [offload runtime]
   1. Identity. Where the plan carries the step's saved-tensor events (NOTE [hook points]:
      every action on a hook point, every recomputation in a recording window), the runtime
-     counts module calls, and autograd's pack and unpack calls inside its windows (NOTE [hook
-     points] 5): each must be the traced one (a module by its class and mode, a pack by its
-     tensor's autograd node, dtype and shape), so a step that differs (another activation,
-     loss or mode) raises PlanMismatch at the first call that differs; a planned tensor is
-     the storage packed at its first traced pack (its size is checked); the plan acts at the
-     call that stands for its boundary. The step pays for the module hooks and the
+     counts module calls (of the modules it hooks: NOTE [hook points] 8), and autograd's pack
+     and unpack calls inside its windows (NOTE [hook points] 5): each must be the traced one
+     (a module by its class and mode, a pack by its tensor's autograd node, dtype and shape;
+     every traced module's mode is checked as the step starts), so a step that differs
+     (another activation, loss or mode) raises PlanMismatch at the first call that differs; a
+     planned tensor is the storage packed at its first traced pack (its size is checked); the
+     plan acts at the call that stands for its boundary. The step pays for the module hooks and the
      saved-tensor hooks of the windows, and, where the plan recomputes, for a dispatch mode in
      its recording windows only (NOTE [hook points] 6): it counts ops from the boundary it
      opens at, checks their families, records the ops a Recompute re-runs, and lets a
@@ -88,16 +89,21 @@ __all__ = ["OffloadRuntime", "PlanMismatch", "StepStats"]
 
 
 class OffloadRuntime:
-    """``with OffloadRuntime(plan): loss_fn(model(x)).backward()`` carries the plan out.
+    """``with OffloadRuntime(plan, model=model): loss_fn(model(x)).backward()`` carries the plan out.
+
+    ``model`` is the traced model: the runtime then hooks only the modules the plan acts at (NOTE [hook points]
+    8), as the simulator prices it; without it (or for another model) it hooks every module call, which costs
+    each module call a little host time more.
 
     Made without a plan (or with ``enabled=False``) it does nothing, so a training loop
     reads the same either way. The host pool is allocated on first use and kept across
     steps; ``host_cap_bytes`` bounds it (default: half the host memory available).
     """
 
-    def __init__(self, plan: Plan | None = None, *, enabled: bool = True, host_cap_bytes: int | None = None,
-                 pool_bytes: int | None = None) -> None:
+    def __init__(self, plan: Plan | None = None, *, model: torch.nn.Module | None = None, enabled: bool = True,
+                 host_cap_bytes: int | None = None, pool_bytes: int | None = None) -> None:
         self.plan = check_plan(plan)
+        self.model = model  # the traced model: its modules the plan needs are hooked alone (NOTE [hook points] 8)
         # a plan that moves nothing still follows the step by its hooks, where it carries them, to refuse another
         self.enabled = enabled and plan is not None and bool(plan.offloads or plan.recomputes or plan.hook_events)
         self.host_cap_bytes = host_cap_bytes
@@ -121,6 +127,15 @@ class OffloadRuntime:
             self.last_step = step.finish(completed=exc_type is None)
         return False
 
+    def for_model(self, model: torch.nn.Module) -> OffloadRuntime:
+        """This runtime (its host pool kept) for ``model``, e.g. a copy of the traced one: ``with
+        runtime.for_model(model): ...``. Its modules the plan acts at are the ones hooked (NOTE [hook points] 8)."""
+        if self._step is not None:
+            raise RuntimeError("for_model() inside a step: leave the `with runtime:` block first")
+        if model is not self.model:
+            self.model, self._schedule = model, None
+        return self
+
     def release(self) -> None:
         """Give the host pool's memory back (pinned memory is scarce); the next step allocates it again."""
         if self._step is not None:
@@ -140,7 +155,10 @@ class OffloadRuntime:
             return "op by op (a dispatch mode)"
         reruns = len(schedule.reruns)
         again = f"{reruns} module call{'' if reruns == 1 else 's'} re-run, " if reruns else ""
-        return f"by module and saved-tensor hooks ({again}{schedule.windows})"
+        modules = schedule.modules
+        hooked = "every module hooked" if modules is None else \
+            f"{len(modules)} module{'' if len(modules) == 1 else 's'} hooked"
+        return f"by module and saved-tensor hooks ({again}{schedule.windows}, {hooked})"
 
     def hook_schedule(self) -> HookSchedule | None:
         """A fresh count of the step's hook calls, when the plan can be followed by them (NOTE [hook points])."""
@@ -148,8 +166,10 @@ class OffloadRuntime:
         if self._schedule is None and plan is not None and plan.hook_events:
             acting, planned = plan.hook_actions()
             if (plan.recording or plan.reruns or not plan.recomputes) and HookSchedule.covers(plan.hook_events, acting):
+                # a plan that moves nothing is followed only to refuse another step: every module call is checked
+                model = self.model if plan.offloads or plan.recomputes else None
                 self._schedule = HookSchedule(plan.hook_events, acting, plan.op_families, planned, plan.recording,
-                                              rerun_calls(plan))
+                                              rerun_calls(plan), model)
         if self._schedule is not None:
             self._schedule.seen = 0
         return self._schedule

@@ -68,7 +68,7 @@ def train(model: torch.nn.Module, batches: Iterable, optimizer: torch.optim.Opti
                            track_memory=track_memory, name=name)
     one_plan = _one_process_plan(plan, fuse_optimizer, options)
     device = model_device(model)
-    runtime = OffloadRuntime(one_plan)
+    runtime = OffloadRuntime(one_plan, model=model)
     track = device.type == "cpu" if track_memory is None else track_memory
     fused = _FusedOptimizer(optimizer) if fuse_optimizer and optimizer is not None else None
     scaler = grad_scaler(options, device)

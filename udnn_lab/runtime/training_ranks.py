@@ -358,7 +358,7 @@ def _train_rank(rank: int, job: RankJob, device: torch.device, inbox, outbox) ->
         optimizer = same_optimizer(users, [{**group, "params": [now[names[id(p)]] for p in group["params"]]}
                                            for group in users.param_groups])
         load_optimizer_state(wrapped, optimizer, users.state_dict(), spec, order)
-    runtime = OffloadRuntime(job.plans[rank])
+    runtime = OffloadRuntime(job.plans[rank], model=wrapped)
     without_plan = OffloadRuntime(None)
     warm_up = warm_up_steps(job.plans[rank])
     step = dict(loss_fn=loss_fn, optimizer=optimizer, options=job.options,

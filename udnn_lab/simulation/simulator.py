@@ -37,13 +37,15 @@ NOTE [simulated streams]
      waits for an op not issued yet (``stall_host``). The runtime's own host work is priced the
      same way, from figures its host probes measured (the profiled step's own where its step
      probes found them, the machine's otherwise: NOTE [host probes] 4): each module and
-     saved-tensor hook call it handles (``Plan.hook_calls``: every module call, the packs and
-     unpacks of its windows; every pack and unpack when it follows the step op by op) at the
-     call's boundary, each offload's actions at the op its copy starts before, and each op a
-     recomputation records and re-runs at the recomputation's op (recording happens in forward,
-     but the host work is the same); a recomputation that re-runs a module call (NOTE [hook points]
+     saved-tensor hook call it handles (``Plan.hook_calls``: the calls of the modules it hooks,
+     NOTE [hook points] 8, the packs and unpacks of its windows; every pack and unpack when it
+     follows the step op by op) at the call's boundary, each offload's actions at the op its
+     copy starts before, the runtime's own work once per step (``runtime_step_s``: setting up
+     and tearing down, where the step's probe measured it) at the first op, and each op a
+     recomputation records and re-runs at the recomputation's op (recording happens in
+     forward, but the host work is the same); a recomputation that re-runs a module call (NOTE [hook points]
      7) pays its ops' own host work, as eager does, and a hook call for each pack inside it (the
-     runtime's module hooks are off while it runs, so its module calls cost what eager's do).
+     runtime's global module hooks are off while it runs, so its module calls cost what eager's do).
      That clock counts the runtime's work alone, not the host's own work per op: a lower bound.
   7. On a CPU the device is the host: a copy to or from the host pool is a memcpy the runtime
      makes while compute waits, so compute's clock runs through it (a sync stall for a copy to
@@ -563,6 +565,7 @@ def _runtime_host_work(graph: Graph, plan: Plan, cost: CostModel,
             for i in ops:
                 if graph.ops[i].phase != "optimizer":
                     add(i, cost.dispatch_mode_op_s)
+    add(0, cost.runtime_step_s)  # setting the step up and tearing it down: at its first op
     if cost.hook_call_s:
         calls = plan.hook_calls(graph) if windows is not None else \
             Counter(e.boundary for e in graph.hook_events if e.kind in ("pack", "unpack"))  # op by op: every one
