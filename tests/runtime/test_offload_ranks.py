@@ -125,9 +125,12 @@ def _stepped(work: ul.Workload, model: torch.nn.Module, optimizer: torch.optim.O
         return [_local(p.grad) for p in params], [_local(p) for p in params]
 
 
-def hooks_left() -> tuple[str, ...]:
-    """The runtime's kinds of hooks still installed in this process (none once a step is over)."""
+def hooks_left(model: torch.nn.Module | None = None, wrappers_hooks: int = 0) -> tuple[str, ...]:
+    """The runtime's kinds of hooks still installed in this process, and on ``model``'s modules beyond the
+    ``wrappers_hooks`` DDP or FSDP keeps there (none once a step is over)."""
     left = []
+    if model is not None and _module_hooks(model) != wrappers_hooks:
+        left.append("module hooks")
     if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
         left.append("saved-tensor hooks")
     if module_hooks._global_forward_pre_hooks or module_hooks._global_forward_hooks:
@@ -135,6 +138,10 @@ def hooks_left() -> tuple[str, ...]:
     if torch._C._len_torch_dispatch_stack():
         left.append("a dispatch mode")
     return tuple(left)
+
+
+def _module_hooks(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
 
 
 def _rank(rank: int, store: str, out: str, plans: dict) -> None:
@@ -150,9 +157,10 @@ def _rank(rank: int, store: str, out: str, plans: dict) -> None:
             grads, params = _stepped(work, model, optimizer, None)
             for policy in POLICIES:
                 graph, plan = plans[case, rank][0], plans[case, rank][1][policy]
-                runtime = OffloadRuntime(plan)
+                runtime = OffloadRuntime(plan, model=model)  # as ul.train's ranks: its modules hooked by path
+                wrappers_hooks = _module_hooks(model)
                 grads_b, params_b = _stepped(work, model, optimizer, runtime)
-                left = hooks_left()
+                left = hooks_left(model, wrappers_hooks)
                 stats = runtime.last_step
                 measured = ul.measure(model, work.example_input, work.loss_fn, optimizer, target=work.target,
                                       plan=plan, warmup=0, graph=graph, name=case)
@@ -191,6 +199,8 @@ def test_each_rank_under_its_plan_steps_as_without_the_runtime(ranks, case, poli
         assert run.same_gradients, f"rank {rank}: gradients differ under the {policy} plan ({run.follows})"
         assert run.same_parameters, f"rank {rank}: parameters differ after the optimizer step ({run.follows})"
         assert run.hooks_left == (), f"rank {rank} left {run.hooks_left} behind"
+        if run.follows.startswith("by module") and (plan.offloads or plan.recomputes):  # the wrapper's paths match
+            assert "every module" not in run.follows, f"rank {rank}: {run.follows}"
         if plan.offloads:
             assert run.moved_bytes > 0, f"rank {rank} moved nothing of its plan's {len(plan.offloads)} offloads"
         if plan.recomputes:
