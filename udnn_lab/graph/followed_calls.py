@@ -54,8 +54,8 @@ def followed_calls(events: tuple[HookEvent, ...], acting: Collection[int], plann
         if windows is not None and event.kind in ("enter", "exit") and after != before:
             switches[ordinal] = 1 if after else -1
         before = after
-    recorded = {opening: events[opening].boundary for opening, _ in recording}
-    recorded |= {closing: -1 for _, closing in recording if closing < len(events)}
+    recorded = {closing: -1 for _, closing in recording if closing < len(events)}
+    recorded |= {opening: events[opening].boundary for opening, _ in recording}  # an opening wins
     rerun_at = {ordinal: index for index, call in reruns.items() for ordinal in (call.enter, call.exit)}
     triggers = _triggers(events, shown, acting)
     needed = {*switches, *recorded, *rerun_at, *(at for at in triggers if events[at].kind in ("enter", "exit"))}
