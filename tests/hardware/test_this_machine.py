@@ -9,7 +9,7 @@ import torch
 
 import udnn_lab as ul
 from udnn_lab.errors import HardwareProfileError, ShippedProfileWarning
-from udnn_lab.hardware import Hardware, MachineDevice, machine_hardware, this_machine
+from udnn_lab.hardware import HOOKS_BY_PATH, Hardware, MachineDevice, machine_hardware, this_machine
 
 XEON = "Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz"
 
@@ -73,6 +73,22 @@ def test_a_profile_cached_before_a_host_figure_was_measured_is_measured_again(ma
     del older[figure], older["sources"][figure]
     path.write_text(json.dumps(older))
     assert getattr(machine_hardware("cpu", measure=machine.measure), figure) is not None
+    assert machine.calls == ["cpu", "cpu"]
+
+
+def test_a_profile_whose_hook_calls_were_measured_with_every_module_hooked_is_measured_again(machine, monkeypatch):
+    """NOTE [host probes] 2: the runtime now hooks only the modules a plan needs (NOTE [hook points] 8), so a hook
+    call measured before that is not its cost now."""
+    _fake_cpu(monkeypatch, XEON)
+    first = machine_hardware("cpu", measure=machine.measure)
+    assert HOOKS_BY_PATH in first.sources["hook_call_s"]
+    path = this_machine.cached_path(MachineDevice.of("cpu"))
+    older = json.loads(path.read_text())
+    older["sources"]["hook_call_s"] = older["sources"]["hook_call_s"].replace(f" ({HOOKS_BY_PATH})", "")
+    path.write_text(json.dumps(older))
+    assert HOOKS_BY_PATH in machine_hardware("cpu", measure=machine.measure).sources["hook_call_s"]
+    assert machine.calls == ["cpu", "cpu"]
+    machine_hardware("cpu", measure=machine.measure)  # the new one is kept
     assert machine.calls == ["cpu", "cpu"]
 
 

@@ -4,7 +4,13 @@ May import: devices, units, errors and vocabulary.
 """
 
 from udnn_lab.hardware._dispatch_probe import PassThroughMode
-from udnn_lab.hardware.host_probes import HostFigures, ProbedStep, register_host_probe, register_step_probe
+from udnn_lab.hardware.host_probes import (
+    HOOKS_BY_PATH,
+    HostFigures,
+    ProbedStep,
+    register_host_probe,
+    register_step_probe,
+)
 from udnn_lab.hardware.profiles import Hardware, HardwareMismatchWarning, HardwareProfileError, UnknownHardwareError
 from udnn_lab.hardware.this_machine import (
     CACHE_VARIABLE,
@@ -17,7 +23,7 @@ from udnn_lab.hardware.this_machine import (
     machine_hardware,
 )
 
-__all__ = ["CACHE_VARIABLE", "CHOICES", "HARDWARE_VARIABLE", "Hardware", "HardwareMismatchWarning",
+__all__ = ["CACHE_VARIABLE", "CHOICES", "HARDWARE_VARIABLE", "HOOKS_BY_PATH", "Hardware", "HardwareMismatchWarning",
            "HardwareProfileError", "HostFigures", "MachineDevice", "PassThroughMode", "PREDICTED_DEVICE", "ProbedStep",
            "ShippedProfileWarning", "UnknownHardwareError", "cache_dir", "machine_hardware", "register_host_probe",
            "register_step_probe"]

@@ -9,7 +9,10 @@ NOTE [host probes]
      over. A probe returns figures named after ``Hardware`` fields and one line saying how
      it measured them.
   2. Without a probe (this stage imported alone) those figures stay None: not measured, and
-     not priced; a cached machine profile is then not measured again for them. The package
+     not priced; a cached machine profile is then not measured again for them. With one, a
+     cached profile whose hook-call figure was not measured as the runtime now runs (its
+     source does not say ``HOOKS_BY_PATH``: before it hooked only the modules a plan needs,
+     NOTE [hook points] 8) is measured again. The package
      imports the runtime with any stage that measures or prices a machine (``ul.Hardware``,
      ``ul.simulate``, ``ul.plan``, ...), so a profile measured through it has them.
   3. A probe that fails leaves its figures None with an UnmeasuredFigureWarning naming the
@@ -46,6 +49,8 @@ class HostFigures:
 
 
 # (device, repeats, figures measured so far) -> its figures
+# what the runtime's host probe says of how it measured a hook call (2): with the modules a plan needs hooked by path
+HOOKS_BY_PATH = "the modules each plan needs hooked by path"
 HostProbe = Callable[[torch.device, int, Mapping[str, Any]], HostFigures]
 _PROBES: dict[str, HostProbe] = {}
 

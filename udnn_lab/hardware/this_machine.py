@@ -33,7 +33,7 @@ import torch
 
 from udnn_lab.devices import device_name
 from udnn_lab.errors import HardwareProfileError, ShippedProfileWarning, UnknownHardwareError
-from udnn_lab.hardware.host_probes import host_probes
+from udnn_lab.hardware.host_probes import HOOKS_BY_PATH, host_probes
 from udnn_lab.hardware.profiles import Hardware, _name_key
 
 HARDWARE_VARIABLE = "UDNN_LAB_HARDWARE"
@@ -165,6 +165,8 @@ def load_cached(device: MachineDevice) -> Hardware | None:
         return None  # a file cut short or from another version: measured again and replaced
     host = (cached.dispatch_mode_op_s,) + ((cached.hook_call_s, cached.offload_action_s, cached.replay_op_s)
                                            if host_probes() else ())  # NOTE [host probes] 2
+    if host_probes() and HOOKS_BY_PATH not in cached.sources.get("hook_call_s", ""):
+        return None  # its hook calls measured before the runtime hooked modules by path
     return cached if None not in host else None  # measured before those figures were
 
 

@@ -29,7 +29,7 @@ import torch
 from udnn_lab.analysis import trace
 from udnn_lab.errors import PlanError
 from udnn_lab.graph import Graph, Offload, Plan, Recompute, TensorInfo
-from udnn_lab.hardware import HostFigures, PassThroughMode
+from udnn_lab.hardware import HOOKS_BY_PATH, HostFigures, PassThroughMode
 from udnn_lab.runtime._replay import Replay, per_op_kind, recorded_call
 from udnn_lab.runtime._slots import OpMode
 from udnn_lab.runtime.offload import OffloadRuntime
@@ -73,7 +73,8 @@ def runtime_host_figures(device: torch.device, repeats: int, measured: Mapping[s
     replay_op_s, recorded = replay_op_s_on(lambda: network(x), x.device, max(repeats, 5) * 4 + 2)
     return HostFigures(
         {"hook_call_s": hook_call_s, "offload_action_s": offload_action_s, "replay_op_s": replay_op_s},
-        f"the runtime's host probe: an {_BLOCKS}-block residual network's step followed by hooks offloading one "
+        f"the runtime's host probe: an {_BLOCKS}-block residual network's step followed by hooks ({HOOKS_BY_PATH}) "
+        "offloading one "
         f"saved activation ({calls['one']} hook calls) and all {len(every.offloads)} ({calls['every']} calls), "
         f"less eager; a replay recording and re-running its {recorded} forward ops, less passing them through and "
         "a forward without grad")
