@@ -71,18 +71,24 @@ def _step(model, work, runtime=None):
     return [p.detach().clone() for p in model.parameters()] + [b.clone() for b in model.buffers()]
 
 
-def _plans(graph: ul.Graph) -> dict[str, ul.Plan]:
-    return {"re-run blocks": block_plans(graph, None)[0].located(graph),
-            "offload every activation": offload_plans(graph)[1],
-            "recompute least": ul.plan(graph, ul.min_budget(graph, "recompute", hardware=CPU), "recompute",
-                                       hardware=CPU)}
+_PLANS = {  # name -> the plan for the traced step
+    "re-run blocks": lambda graph: block_plans(graph, None)[0].located(graph),
+    "offload every activation": lambda graph: offload_plans(graph)[1],
+    "recompute least": lambda graph: ul.plan(graph, ul.min_budget(graph, "recompute", hardware=CPU), "recompute",
+                                             hardware=CPU),
+}
+
+
+def _traced(name: str) -> tuple[Workload, ul.Graph, ul.Plan]:
+    """A fresh workload, its traced step, and the plan ``name`` for it."""
+    work = _work()
+    graph = ul.trace(work)
+    return work, graph, _PLANS[name](graph)
 
 
 @pytest.mark.parametrize("name", ["re-run blocks", "offload every activation", "recompute least"])
 def test_the_runtime_given_the_model_hooks_few_modules_makes_the_priced_calls_and_is_exact(name):
-    work = _work()
-    graph = ul.trace(work)
-    plan = _plans(graph)[name]
+    work, graph, plan = _traced(name)
     assert plan.offloads or plan.recomputes
     expected = _step(copy.deepcopy(work.model), work)
     model = copy.deepcopy(work.model)
@@ -102,9 +108,7 @@ def test_the_runtime_given_the_model_hooks_few_modules_makes_the_priced_calls_an
 
 
 def test_without_the_model_every_module_is_hooked_and_the_step_is_the_same():
-    work = _work()
-    graph = ul.trace(work)
-    plan = _plans(graph)["re-run blocks"]
+    work, graph, plan = _traced("re-run blocks")
     runtime = OffloadRuntime(plan)
     assert runtime.hook_schedule().modules is None and runtime.follows.endswith("every module hooked)")
     got = _step(copy.deepcopy(work.model), work, runtime)
@@ -113,9 +117,7 @@ def test_without_the_model_every_module_is_hooked_and_the_step_is_the_same():
 
 
 def test_a_runtime_for_a_copy_of_the_model_follows_the_copy_it_is_given():
-    work = _work()
-    graph = ul.trace(work)
-    plan = _plans(graph)["re-run blocks"]
+    work, graph, plan = _traced("re-run blocks")
     runtime = OffloadRuntime(plan, model=work.model)
     with pytest.raises(PlanMismatch, match="called none of the modules the runtime hooks") as refused:
         _step(copy.deepcopy(work.model), work, runtime)
@@ -126,9 +128,7 @@ def test_a_runtime_for_a_copy_of_the_model_follows_the_copy_it_is_given():
 
 
 def test_a_module_in_another_mode_than_traced_is_refused_as_the_step_starts():
-    work = _work()
-    graph = ul.trace(work)
-    plan = _plans(graph)["re-run blocks"]
+    work, graph, plan = _traced("re-run blocks")
     model = copy.deepcopy(work.model)
     runtime = OffloadRuntime(plan, model=model)
     model.blocks[2].drop.eval()  # a module the runtime does not hook
@@ -141,9 +141,7 @@ def test_a_module_in_another_mode_than_traced_is_refused_as_the_step_starts():
 
 
 def test_a_model_with_another_module_at_a_traced_path_is_followed_call_by_call():
-    work = _work()
-    graph = ul.trace(work)
-    plan = _plans(graph)["offload every activation"]
+    work, graph, plan = _traced("offload every activation")
     model = copy.deepcopy(work.model)
     model.blocks[0].norm = nn.Identity()
     runtime = OffloadRuntime(plan, model=model)

@@ -2,10 +2,11 @@
 
 - ``step_replay_figures``: ``replay_op_s`` as the machine probe measures it, on the step's own forward: per op,
   a replay costs more where ops take more arguments and outputs.
-- ``step_hook_figures``: ``hook_call_s`` as the machine probe measures it, on the whole step: the step under a
-  plan offloading the one saved activation (of its smallest few) whose offload takes the most hook calls, and
-  under one offloading all of those few, against the step alone, round by round: two equations in the time per
-  hook call and per offload, solved where they are well apart. The runtime is given the step's model, as
+- ``step_hook_figures``: ``hook_call_s`` as the machine probe measures it, on the whole step: the step under
+  plans offloading the one saved activation (of its smallest few) whose offload takes the fewest hook calls, the
+  one whose offload takes the most, and all of those few, against the step alone, round by round: three
+  equations in the time per hook call, per offload and per step (``offload_action_s``, ``runtime_step_s``),
+  solved where they are apart (else two, for the time per call alone). The runtime is given the step's model, as
   ``ul.train`` gives it, so it makes the calls the simulator prices (NOTE [hook points] 8); a step probed without
   its model is followed with every module hooked, and the fewest calls make the one offload's plan. A module
   hook is handed the call's arguments, so a model of many small modules called with keywords pays more per call
@@ -57,7 +58,9 @@ def step_hook_figures(step: ProbedStep, repeats: int) -> HostFigures:
     if calls["several"] * CHEAP_CALL_S < VISIBLE * step.step_time_s:
         return HostFigures({}, f"this step ({step.step_time_s * 1e3:.1f} ms) is too long for its probe's "
                                f"{calls['several']} hook calls to show: the machine's figure stands")
-    runtimes = {name: OffloadRuntime(plan, model=step.model) for name, plan in plans.items()}
+    # one runtime per distinct plan: without the model, the fewest calls are the one offload's too
+    distinct = {name: plan for name, plan in plans.items() if name != "fewest" or plan is not plans["one"]}
+    runtimes = {name: OffloadRuntime(plan, model=step.model) for name, plan in distinct.items()}
     try:
         contexts: dict[str, Callable[[], Any]] = {"eager": nullcontext}
         contexts.update({name: partial(itself, runtime) for name, runtime in runtimes.items()})
@@ -66,6 +69,7 @@ def step_hook_figures(step: ProbedStep, repeats: int) -> HostFigures:
         for runtime in runtimes.values():
             runtime.release()
     extra = {name: _paired_extra(rounds[name], rounds["eager"]) for name in runtimes}
+    extra.setdefault("fewest", extra["one"])
     several = len(plans["several"].offloads)
     what = (f"this step offloading one saved activation ({calls['fewest']} and {calls['one']} hook calls) and its "
             f"{several} smallest ({calls['several']}), less the step alone, over {len(rounds['eager'])} rounds")
@@ -123,7 +127,9 @@ def _probe_plans(graph: Graph, every_module: bool = False) -> dict[str, Plan] | 
     fewest = min(candidates, key=lambda candidate: candidate[1])[0]
     one = fewest if every_module else max(candidates, key=lambda candidate: candidate[1])[0]
     plans = {name: Plan("probe", graph.fingerprint, offloads=offloads).located(graph) for name, offloads in
-             (("fewest", (fewest,)), ("one", (one,)), ("several", tuple(offload for offload, _ in candidates)))}
+             (("one", (one,)), ("several", tuple(offload for offload, _ in candidates)))}
+    plans["fewest"] = plans["one"] if fewest == one else \
+        Plan("probe", graph.fingerprint, offloads=(fewest,)).located(graph)
     per_offload = (_calls(plans["one"], graph, every_module),
                    _calls(plans["several"], graph, every_module) / len(plans["several"].offloads))
     return plans if per_offload[0] >= 2 * per_offload[1] else None
