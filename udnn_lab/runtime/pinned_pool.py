@@ -18,6 +18,7 @@ from udnn_lab.errors import HostMemoryError
 from udnn_lab.units import CUDA_BLOCK_BYTES, format_bytes
 
 _ALIGN = CUDA_BLOCK_BYTES  # every slice starts on a 512-byte boundary, as CUDA copies like
+EMPTY = -1  # the offset of an empty slice, which holds no room in the pool
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,10 @@ class HostPool:
         return PoolStats(self.capacity_bytes, self._in_use, self._peak, self.pinned, self._grown)
 
     def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
-        """A slice of at least ``nbytes``: (its offset, the uint8 view)."""
+        """A slice of at least ``nbytes``: (its offset, the uint8 view). An empty storage (cuDNN's batch norm saves
+        one) takes no room, as it takes no CUDA block in ``Plan.host_pool_bytes``: its offset is ``EMPTY``."""
+        if nbytes == 0:
+            return EMPTY, self._buffer[:0]
         size = max(_round(nbytes), _ALIGN)
         for i, (offset, free) in enumerate(self._free):
             if free >= size:
@@ -71,6 +75,8 @@ class HostPool:
         return self.take(nbytes)
 
     def give_back(self, offset: int) -> None:
+        if offset == EMPTY:
+            return
         size = self._used.pop(offset)
         self._in_use -= size
         position = bisect.bisect(self._free, (offset, size))
