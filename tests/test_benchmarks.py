@@ -62,6 +62,9 @@ def test_gpu_corpus_dry_run_on_cpu_holds_every_plan_to_eager(tmp_path):
     assert {row["policy"] for row in planned} == {"auto", "vdnn++", "recompute"}
     assert all(row["grads_differ"] == 0 and not row["error"] for row in planned), [r["status"] for r in planned]
     assert (tmp_path / "gpu_corpus" / "gpt2-keep-all-kernels.json.gz").exists()
+    assert {"eager", "control", "kernels", "profile"} <= set(rows[0]["phase_s"])  # where the model's time went
+    kinds = [row["budget_kind"] for row in rows[1:] if row.get("budget_kind")]
+    assert kinds[:3] == ["midway"] * 3 and "min+5%" in kinds  # every policy at one budget before the next budget
     again = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=600, env=_threads())
     assert "gpt2: in gpu_corpus.jsonl already" in again.stdout
     curve = tmp_path / "rates.json"  # the keep-all step's per-op profile makes a rate curve
