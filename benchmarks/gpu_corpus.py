@@ -16,9 +16,11 @@ limit (one hang or crash loses one model):
    then steps for the time; measured peak against the budget and the simulated peak, step against the
    simulated step. Budgets go in turn (every policy at midway, then at 50%, then at minimum + 5%), so a model
    stopped at its time limit has tried each policy;
-5. last, once every comparison is made: keep-all and each plan on a device of its budget's size (two steps
-   under ``set_per_process_memory_fraction``), a row each with ``"check": "capped"``. Last because a run near
-   the cap leaves cuDNN's smaller-workspace convolutions cached for the rest of the process.
+5. last, once every comparison is made: each policy planned again for its budget in reserved bytes (what an
+   out-of-memory error counts) and run on a device of that size (two steps under
+   ``set_per_process_memory_fraction``), and keep-all on a device of its predicted reserved peak, a row each with
+   ``"check": "capped"``. Last because a run near the cap leaves cuDNN's smaller-workspace convolutions cached
+   for the rest of the process.
 
 The keep-all row says where the model's time went (``phase_s``), each policy's first row its ``min_budget_s``.
 
@@ -434,7 +436,7 @@ def _plan_runs(subject: Model, predicted: int, nondeterministic: list[int], emit
     # the process: on an H200 every ResNet-50 and VGG-16 plan run after such a run differed from eager in every
     # parameter, deterministic kernels and all, where eager run twice was bitwise equal.
     on_cuda = subject.device.type == "cuda"
-    capped: list[tuple[str, str | None, Any, int]] = [("keep-all", None, None, predicted)] if on_cuda else []
+    capped: list[tuple[str, str | None, int]] = [("keep-all", None, predicted)] if on_cuda else []
     profiled_recompute = False
     lows: dict[str, int] = {}
     min_budget_s: dict[str, float] = {}  # said in the policy's first row
@@ -460,9 +462,9 @@ def _plan_runs(subject: Model, predicted: int, nondeterministic: list[int], emit
                              policy, 0.0))
         profiled_recompute |= policy == "recompute" and plan is not None
         if plan is not None and budget is not None and on_cuda:
-            capped.append((policy, kind, plan, budget))
-    for capped_policy, capped_kind, capped_plan, cap in capped:
-        _run_capped(subject, capped_policy, capped_kind, capped_plan, cap, emit)
+            capped.append((policy, kind, budget))
+    for capped_policy, capped_kind, cap in capped:
+        _run_capped(subject, capped_policy, capped_kind, cap, emit)
 
 
 def _plan_order(case: Case) -> list[tuple[str, str]]:
@@ -473,23 +475,42 @@ def _plan_order(case: Case) -> list[tuple[str, str]]:
                     if policy not in SEED_POLICIES or policy == "vdnn++"]
 
 
-def _run_capped(subject: Model, policy: str, kind: str | None, plan, budget: int, emit) -> None:
-    """Two steps on a device of the budget's size (``set_per_process_memory_fraction``): does the plan run there?"""
+def _run_capped(subject: Model, policy: str, kind: str | None, budget: int, emit) -> None:
+    """Two steps on a device of the budget's size (``set_per_process_memory_fraction``): does the step run there?
+    Keep-all is capped at the caching allocator's reserved peak the allocator model predicts for it; a policy is
+    planned again for the budget in reserved bytes (``counts="reserved"``), as a plan for a device of that size is."""
     import udnn_lab as ul
+    from udnn_lab.planning.reserved import reserved_peak_bytes
 
     started = time.perf_counter()
-    runtime = None if plan is None else ul.OffloadRuntime(plan)
+    row = subject.row(policy=policy, budget_kind=kind, budget_bytes=budget, check="capped")
+    runtime = None
+    try:
+        if policy == "keep-all":
+            budget = reserved_peak_bytes(subject.graph, ul.Plan.keep_all(subject.graph), subject.keep_all_sim)
+            row.update(budget_bytes=budget, planned_in="the allocator model's reserved peak as the cap")
+        else:
+            plan = ul.plan(subject.graph, budget, policy, profile=subject.profile, counts="reserved")
+            sim = ul.simulate(subject.graph, plan, profile=subject.profile)
+            row.update(planned_in="reserved bytes", offloads=len(plan.offloads), recomputes=len(plan.recomputes),
+                       simulated_peak_bytes=sim.peak_bytes,
+                       predicted_reserved_peak_bytes=reserved_peak_bytes(subject.graph, plan, sim))
+            runtime = ul.OffloadRuntime(plan)
+    except Exception as err:
+        row.update(status="no plan in reserved bytes", error=describe(err), seconds=time.perf_counter() - started)
+        emit(row)
+        return
     try:
         capped = subject.steps(runtime, count=2, cap_bytes=budget)
     finally:
         if runtime is not None:
             runtime.release()
     fits = not capped.error
-    emit(subject.row(policy=policy, budget_kind=kind, budget_bytes=budget, check="capped",
-                     status="runs on a device of its budget" if fits else "runs out of memory on a device of its "
-                     "budget", capped_runs=fits, capped_error=capped.error,
-                     capped_step_s=capped.seconds[-1] if len(capped.seconds) == 2 else None,
-                     seconds=time.perf_counter() - started))
+    row.update(status="runs on a device of its budget" if fits else "runs out of memory on a device of its budget",
+               capped_runs=fits, capped_error=capped.error, measured_peaks=capped.peaks,
+               capped_step_s=capped.seconds[-1] if len(capped.seconds) == 2 else None,
+               seconds=time.perf_counter() - started)
+    emit(row)
 
 
 def _run_plan(subject: Model, policy: str, kind: str, budget: int | None, low: int, eager: Outcome,
