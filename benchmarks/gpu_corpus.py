@@ -140,6 +140,7 @@ class Outcome:
     # its start): the first step's starts from an emptied cache, as a fresh process's does
     reserved_growth: list = field(default_factory=list)
     outside_allocator_bytes: int | None = None  # the device's used memory less what the allocator reserves
+    left_behind: list = field(default_factory=list)  # per step: allocated bytes it left beyond its gradients
     seconds: list = field(default_factory=list)
     error: str = ""
     traceback: str = ""
@@ -230,9 +231,10 @@ class Model:
                 outcome.peaks.append(None if peak is None else peak - before + self._step_resident(model, optimizer))
                 if self.device.type == "cuda":
                     outcome.reserved_growth.append(torch.cuda.max_memory_reserved(self.device) - reserved_before)
+                del loss
+                outcome.left_behind.append(self._left_behind(model, before))
                 if index == 0:
                     outcome.grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
-                del loss
         except Exception as err:  # a finding, recorded with the row
             outcome.error = describe(err)
             outcome.traceback = traceback.format_exc()[-2500:]
@@ -262,6 +264,17 @@ class Model:
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
                     if t.device.type == "cuda"}
         return sum(cuda_block_bytes(n) for n in storages.values())
+
+    def _left_behind(self, model, before: int) -> int | None:
+        """Allocated bytes a step left beyond its gradients: what a library allocated once through the caching
+        allocator and keeps (cuBLAS's workspaces, per handle and stream, are the suspects)."""
+        from udnn_lab.units import cuda_block_bytes
+
+        if self.device.type != "cuda":
+            return None
+        grads = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes() for p in model.parameters()
+                 if p.grad is not None}
+        return self._allocated() - before - sum(cuda_block_bytes(n) for n in grads.values())
 
     def _allocated(self) -> int:
         return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
@@ -404,7 +417,8 @@ def run_model(case: Case, device: torch.device, small: bool, out: Path, emit) ->
                       simulated_step_s=subject.keep_all_sim.step_time_s, measured_step_s=step_s,
                       measured_steps_s=eager.seconds, step_error=_ratio(step_s, subject.keep_all_sim.step_time_s),
                       nondeterministic_grads=len(nondeterministic),
-                      nondeterministic_names=subject.parameter_names(nondeterministic), parameters=len(eager.grads))
+                      nondeterministic_names=subject.parameter_names(nondeterministic), parameters=len(eager.grads),
+                      left_behind_bytes=eager.left_behind)
     if eager.error:
         row.update(status="eager error", traceback=eager.traceback)
     else:
@@ -557,7 +571,8 @@ def _measure_plan(subject: Model, row: dict, plan, runtime, sim, keep_all, budge
                keep_all.step_time_s, grads_differ=len(differing),
                grads_differ_unexplained=len(differing - set(nondeterministic)),
                grads_differ_names=subject.parameter_names(sorted(differing - set(nondeterministic))),
-               error=outcome.error, traceback=outcome.traceback, runtime=_stats(runtime))
+               error=outcome.error, traceback=outcome.traceback, runtime=_stats(runtime),
+               left_behind_bytes=outcome.left_behind)
     kinds = _judged(row, outcome, budget)
     if not outcome.error:
         try:
