@@ -72,11 +72,14 @@ def main() -> None:
     if not found:
         raise SystemExit(f"no *-profile.json.gz in {', '.join(map(str, args.sources))}: run the GPU corpus first")
     hardware = Hardware.load(args.hardware)
-    fitted_on = {name: p.profile for name, p in found.items() if name not in args.held_out}
+    fitted_on = {name: p for name, p in found.items() if name not in args.held_out}
     devices = {p.profile.device_name for p in found.values()}
     torch_version = next(iter(found.values())).profile.torch_version
-    curve = RateCurve.fit(fitted_on.values(), source=f"ul.profile of {', '.join(sorted(fitted_on))} on "
-                          f"{', '.join(sorted(devices))}, torch {torch_version}")
+    # each op's compute dtype: a bf16 matmul and a float32 one are different rates
+    curve = RateCurve.fit([p.profile for p in fitted_on.values()], dtypes=[p.compute_dtypes for p in
+                                                                           fitted_on.values()],
+                          source=f"ul.profile of {', '.join(sorted(fitted_on))} on {', '.join(sorted(devices))}, "
+                          f"torch {torch_version}")
     plain, with_curve = CostModel(hardware), CostModel(hardware, rates=curve)
     print(f"{'model':20s} {'measured':>10s} {'figures':>16s} {'fitted curve':>16s}")
     for name, p in sorted(found.items()):

@@ -64,6 +64,27 @@ def test_rate_curve_fits_interpolates_and_round_trips(tmp_path):
     assert RateCurve.load(path) == curve
 
 
+def test_a_rate_curve_fitted_with_dtypes_keeps_half_precision_apart(tmp_path):
+    import dataclasses
+
+    fp32 = ul.profile(zoo.get("mlp3", batch=4), repeats=1)
+    # the same ops as if they had run in bf16 at ten times the speed (as tensor cores do)
+    bf16 = dataclasses.replace(fp32, time_s=tuple(t / 10 for t in fp32.time_s))
+    dtypes = [("float32",) * len(fp32.ops), ("bfloat16",) * len(bf16.ops)]
+    curve = RateCurve.fit([fp32, bf16], dtypes=dtypes)
+    flops = curve.points["aten.addmm.default"][0][0]
+    slow, fast = (curve.flops_per_s("aten.addmm.default", flops, dtype) for dtype in ("float32", "bfloat16"))
+    assert curve.per_precision and "kind:matmul@bfloat16" in curve.points and fast > 5 * slow
+    assert RateCurve.load(curve.save(tmp_path / "curve.json")).flops_per_s("aten.addmm.default", flops,
+                                                                            "bfloat16") == fast
+    mixed = RateCurve.fit([fp32, bf16])  # without dtypes: one rate for both, as curves fitted before
+    assert not mixed.per_precision
+    assert mixed.flops_per_s("aten.addmm.default", flops, "bfloat16") == mixed.flops_per_s("aten.addmm.default",
+                                                                                           flops)
+    with pytest.raises(ValueError, match="one per op"):
+        RateCurve.fit([fp32], dtypes=[("float32",)])
+
+
 def test_rate_curve_errors_are_clear(tmp_path):
     with pytest.raises(ValueError, match="at least one"):
         RateCurve.fit([])

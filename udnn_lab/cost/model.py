@@ -9,12 +9,13 @@ Transfers cost ``latency + bytes / bandwidth`` for pinned or pageable host memor
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,7 +49,9 @@ class RateCurve:
     """What ops achieve on one device: FLOP/s against op size, bytes/s, and a per-op overhead.
 
     Rates are kept per op name (``aten.addmm.default``) and per kind of op (``kind:matmul``,
-    ``kind:memory``); a look-up tries the name first, then the kind.
+    ``kind:memory``); a look-up tries the name first, then the kind. An op computing in half precision has its own
+    keys (``kind:matmul@bfloat16``): on a GPU with tensor cores it runs many times the float32 rate, and one median
+    over both is right for neither. A curve fitted without dtypes (no ``@`` key) stands for every dtype.
     """
 
     device_name: str
@@ -58,9 +61,11 @@ class RateCurve:
     source: str = ""
     notes: tuple[str, ...] = field(default=())
 
-    def flops_per_s(self, name: str, flops: float) -> float | None:
-        """Interpolated in log-log space; clamped at both ends; None if neither name nor kind was measured."""
-        points = self.points.get(name) or self.points.get(f"kind:{op_kind(name, int(flops) or 1)}")
+    def flops_per_s(self, name: str, flops: float, dtype: str = "float32") -> float | None:
+        """Interpolated in log-log space; clamped at both ends; None if neither name nor kind was measured (in
+        ``dtype``'s precision, where the curve was fitted per precision)."""
+        tag = _precision_tag(dtype) if self.per_precision else ""
+        points = self.points.get(name + tag) or self.points.get(f"kind:{op_kind(name, int(flops) or 1)}{tag}")
         if not points:
             return None
         xs = np.log([p[0] for p in points])
@@ -70,24 +75,37 @@ class RateCurve:
     def memory_bytes_per_s(self, name: str) -> float | None:
         return self.bytes_per_s.get(name) or self.bytes_per_s.get("kind:memory")
 
+    @functools.cached_property
+    def per_precision(self) -> bool:
+        """Fitted with each op's compute dtype: half-precision ops have keys of their own."""
+        return any("@" in key for key in self.points)
+
     @classmethod
-    def fit(cls, profiles: Iterable[Profile], source: str = "") -> RateCurve:
-        """Fit on ops timed by ``ul.profile`` on one device: median rate per name (and kind) and size bin."""
+    def fit(cls, profiles: Iterable[Profile], source: str = "",
+            dtypes: Iterable[Sequence[str] | None] | None = None) -> RateCurve:
+        """Fit on ops timed by ``ul.profile`` on one device: median rate per name (and kind), size bin and, where
+        ``dtypes`` gives each profile's ops' compute dtypes (None for a profile without them: float32), precision."""
         profiles = list(profiles)
         if not profiles:
             raise ValueError("fitting a rate curve needs at least one Profile")
         if len({p.device_name for p in profiles}) > 1:
             raise ValueError(f"profiles from several devices ({sorted({p.device_name for p in profiles})}): "
                              "fit one curve per device")
-        rows = [row for p in profiles for row in zip(p.ops, p.flops, p.bytes_read, p.bytes_written, p.time_s)]
-        tiny = [t for _, flops, r, w, t in rows if flops == 0 and r + w <= _TINY_OP_BYTES]
+        per_op = list(dtypes) if dtypes is not None else [None] * len(profiles)
+        if len(per_op) != len(profiles) or any(d is not None and len(d) != len(p.ops)
+                                               for p, d in zip(profiles, per_op)):
+            raise ValueError("dtypes: one sequence of compute dtypes per profile, one per op (or None)")
+        rows = [(*row, _precision_tag(dtype)) for p, d in zip(profiles, per_op)
+                for row, dtype in zip(zip(p.ops, p.flops, p.bytes_read, p.bytes_written, p.time_s),
+                                      d or ("float32",) * len(p.ops))]
+        tiny = [t for _, flops, r, w, t, _ in rows if flops == 0 and r + w <= _TINY_OP_BYTES]
         overhead = statistics.median(tiny) if tiny else 0.0
         bins: dict[tuple[str, int], list[float]] = defaultdict(list)
         bandwidths: dict[str, list[float]] = defaultdict(list)
-        for name, flops, read, written, seconds in rows:
+        for name, flops, read, written, seconds, tag in rows:
             work_s = max(seconds - overhead, seconds * 0.05, 1e-9)
             if flops > 0:
-                for key in (name, f"kind:{op_kind(name, flops)}"):
+                for key in (name + tag, f"kind:{op_kind(name, flops)}{tag}"):
                     bins[(key, int(math.log2(flops)))].append(flops / work_s)
             elif read + written >= _MIN_MEMORY_OP_BYTES:
                 for key in (name, "kind:memory"):
@@ -209,7 +227,7 @@ class CostModel:
 
     def roofline_s(self, name: str, flops: int, nbytes: int, dtype: str = "float32") -> float:
         """``overhead + max(flops / achieved rate, bytes / memory bandwidth)`` for one op computing in ``dtype``."""
-        rate = self.rates.flops_per_s(name, flops) if self.rates is not None and flops else None
+        rate = self.rates.flops_per_s(name, flops, dtype) if self.rates is not None and flops else None
         if rate is None:
             rate = self._hardware_rate(op_kind(name, flops), dtype)
         bandwidth = self.rates.memory_bytes_per_s(name) if self.rates is not None else None
@@ -247,6 +265,11 @@ class CostModel:
 
 
 _HALF = {"bfloat16": "bf16", "float16": "fp16"}  # the names Hardware.peak_flops_per_s takes
+
+
+def _precision_tag(dtype: str) -> str:
+    """A rate curve key's suffix for ops computing in ``dtype``: none for float32 (and what is not half)."""
+    return f"@{dtype}" if dtype in _HALF else ""
 _TENSOR_CORE_KINDS = ("conv", "conv_backward", "matmul", "attention")
 
 
