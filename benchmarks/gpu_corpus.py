@@ -56,6 +56,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,11 +186,13 @@ class Model:
                 "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
                 "hardware": self.keep_all_sim.hardware, **fields}
 
-    def steps(self, runtime, count: int = 1 + TIMED_STEPS, cap_bytes: int | None = None) -> Outcome:
+    def steps(self, runtime, count: int = 1 + TIMED_STEPS, cap_bytes: int | None = None, compared: bool = True,
+              after_step: Callable[[], Any] | None = None) -> Outcome:
         """``count`` steps on a fresh copy from the same state; the first step's gradients kept.
 
         The first step runs with deterministic kernels where PyTorch has them (``warn_only``), so that its
-        gradients can be held to eager's bit for bit; the others run as users run them. ``cap_bytes``: the
+        gradients can be held to eager's bit for bit (``compared``); the others run as users run them, and
+        ``after_step`` is called after each (a profiler's step). ``cap_bytes``: the
         process may hold what it held outside the step plus this much (``set_per_process_memory_fraction``),
         as on a device of that size: cuDNN then picks convolutions whose workspace fits, or the step runs out.
         """
@@ -220,7 +223,7 @@ class Model:
                 if index == 0 and self.device.type == "cuda":
                     free, total = torch.cuda.mem_get_info(self.device)
                     outcome.outside_allocator_bytes = total - free - reserved_before
-                torch.use_deterministic_algorithms(index == 0, warn_only=True)
+                torch.use_deterministic_algorithms(compared and index == 0, warn_only=True)
                 started = time.perf_counter()
                 with runtime.for_model(model) if runtime is not None else nullcontext():
                     _, loss = run_step(model, args, kwargs, loss_fn=self.work.loss_fn, target=self.work.target,
@@ -235,6 +238,8 @@ class Model:
                 outcome.left_behind.append(self._left_behind(model, before))
                 if index == 0:
                     outcome.grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+                if after_step is not None:
+                    after_step()
         except Exception as err:  # a finding, recorded with the row
             outcome.error = describe(err)
             outcome.traceback = traceback.format_exc()[-2500:]
@@ -329,14 +334,19 @@ class Model:
         return path.name
 
     def kernel_times(self, runtime, label: str) -> str | None:
-        """One step under torch.profiler: device and host time by op and input shapes."""
-        from torch.profiler import ProfilerActivity, profile
+        """One step under torch.profiler, the second of a copy (the first allocates libraries' workspaces and, in
+        ``steps``, runs deterministic kernels): device and host time by op and input shapes."""
+        from torch.profiler import ProfilerActivity, profile, schedule
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        with profile(activities=activities, record_shapes=True) as prof:
-            self.steps(runtime, count=1)
+        averages: list = []  # the active step's, handed over when it ends
+        with profile(activities=activities, record_shapes=True, schedule=schedule(wait=0, warmup=1, active=1, repeat=1),
+                     on_trace_ready=lambda done: averages.extend(done.key_averages(group_by_input_shape=True))) as prof:
+            self.steps(runtime, count=2, compared=False, after_step=prof.step)
+        if not averages:
+            raise RuntimeError("the profiler handed over no step: the steps stopped early")
         rows = []
-        for event in prof.key_averages(group_by_input_shape=True):
+        for event in averages:
             rows.append({"op": event.key, "shapes": str(event.input_shapes), "count": event.count,
                          "device_us": getattr(event, "device_time_total", 0.0),
                          "host_us": event.cpu_time_total, "self_host_us": event.self_cpu_time_total})

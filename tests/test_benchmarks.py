@@ -61,7 +61,11 @@ def test_gpu_corpus_dry_run_on_cpu_holds_every_plan_to_eager(tmp_path):
     assert rows[0]["policy"] == "keep-all" and rows[0]["nondeterministic_grads"] == 0
     assert {row["policy"] for row in planned} == {"auto", "vdnn++", "recompute"}
     assert all(row["grads_differ"] == 0 and not row["error"] for row in planned), [r["status"] for r in planned]
-    assert (tmp_path / "gpu_corpus" / "gpt2-keep-all-kernels.json.gz").exists()
+    import gzip
+
+    with gzip.open(tmp_path / "gpu_corpus" / "gpt2-keep-all-kernels.json.gz", "rt") as file:
+        kernels = json.load(file)
+    assert [row["count"] for row in kernels if row["op"].startswith("Optimizer.step")] == [1]  # one step, profiled
     assert {"eager", "control", "kernels", "profile"} <= set(rows[0]["phase_s"])  # where the model's time went
     kinds = [row["budget_kind"] for row in rows[1:] if row.get("budget_kind")]
     assert kinds[:3] == ["midway"] * 3 and "min+5%" in kinds  # every policy at one budget before the next budget
