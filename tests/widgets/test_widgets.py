@@ -305,6 +305,22 @@ def test_train_runs_in_the_background_and_charts_each_step():
     assert "trained 3 steps" in lab.status.value
 
 
+def test_train_plans_in_the_bytes_the_budget_counts_and_says_so_where_a_cpu_has_no_reserve(monkeypatch):
+    from udnn_lab.widgets import _training
+
+    asked = []
+    real_plan = _training.plan
+    monkeypatch.setattr(_training, "plan", lambda *args, **kwargs: asked.append(kwargs["counts"]) or real_plan(
+        *args, **kwargs))
+    lab = MemoryLab("mlp3", batch=8, policy="vdnn-all", hardware="cpu-amd-epyc-2cpu", debounce_s=0)
+    lab.train(steps=1, wait=True)
+    assert asked == ["allocated"] and "counted allocated" not in lab.status.value
+    lab.counts.value = "reserved"  # a CUDA profile's count: this step runs on the CPU
+    lab.train(steps=1, wait=True)
+    assert asked[-1] == "allocated" and "trained 1 steps" in lab.status.value
+    assert "the budget counted allocated bytes: the step runs on cpu" in lab.status.value
+
+
 def test_another_network_clears_the_training_view():
     lab = MemoryLab("mlp3", batch=8, policy="keep-all", hardware="cpu-amd-epyc-2cpu", debounce_s=0)
     lab.train(steps=2, wait=True)

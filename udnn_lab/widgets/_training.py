@@ -49,14 +49,19 @@ class TrainingPanel:
         self.thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._view = 0  # bumped when the view is cleared: a run's late steps no longer draw into it
+        self._counted = ""  # what the budget counted, where it is not what the app's counts say
 
     @property
     def running(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
 
     def start(self, work, policy: str, budget_bytes: int | None, steps: int, fallback_hardware,
-              parallel: Parallel | None = None) -> threading.Thread:
+              parallel: Parallel | None = None, counts: str = "allocated") -> threading.Thread:
         """Plan ``work``'s step on this machine and train it ``steps`` steps in a background thread.
+
+        ``counts``: what the budget counts (``ul.plan``'s): 'reserved' plans a CUDA step for the caching allocator's
+        bytes, the number its out-of-memory error is about; a step on a CPU has no such allocator and counts
+        allocated bytes, and the status says so.
 
         ``parallel`` (by default ``work.parallel``): train ``parallel.world_size`` ranks (processes) on this machine
         instead, each on ``work``'s batch (the run's batch is that many times larger), each rank under the plan of
@@ -73,7 +78,8 @@ class TrainingPanel:
         else:
             _check_ranks_here(parallel, device)
             graphs = [trace(work, parallel=replace(parallel, rank=rank)) for rank in range(parallel.world_size)]
-        plans = [plan(graph, budget_bytes, policy, hardware=hardware) for graph in graphs]
+        counted = counts if graphs[0].device == "cuda" else "allocated"
+        plans = [plan(graph, budget_bytes, policy, hardware=hardware, counts=counted) for graph in graphs]
         chosen = plans[0] if parallel is None else plans
         predicted = max(simulate(g, p, hardware=hardware).peak_bytes for g, p in zip(graphs, plans, strict=True))
         self.rows, self.run = [], None
@@ -83,7 +89,10 @@ class TrainingPanel:
         copies = 1 if parallel is None else parallel.world_size  # every rank takes its share of the batch
         batch = (_repeated(work.example_input, copies), _repeated(work.target, copies))
         batches = (batch for _ in range(steps))
-        self.report(f"step 1/{steps} running")
+        # said when the run ends too: the step reports replace this line
+        self._counted = "" if counted == counts else (f"; the budget counted allocated bytes: the step runs on "
+                                                      f"{graphs[0].device}, where no caching allocator reserves more")
+        self.report(f"step 1/{steps} running{self._counted}")
         self.thread = threading.Thread(target=self._train, daemon=True, name="udnn_lab MemoryLab training",
                                        args=(work, batches, chosen, steps, budget_bytes, predicted, self._view,
                                              parallel))
@@ -128,7 +137,7 @@ class TrainingPanel:
                 ended = f"stopped after step {len(run.steps)} as asked" if run.stopped == "stop requested" \
                     else f"stopped: {run.stopped}"
                 ranks = f" on {parallel.world_size} ranks" if parallel is not None else ""
-                self.report(f"trained {len(run.steps)} steps{ranks} under {policy_of(chosen)} ({ended})")
+                self.report(f"trained {len(run.steps)} steps{ranks} under {policy_of(chosen)} ({ended}){self._counted}")
         except Exception as error:  # shown in the app; the model stays as the last finished step left it
             self.report(error)
         finally:

@@ -371,7 +371,7 @@ class MemoryLab(widgets.AppLayout):
             work = self.session.trainable(self.setting)
             self._show_status("planning for this machine and starting …")
             thread = self.training.start(work, self.policy.value, self.budget_bytes, steps or self.training.steps.value,
-                                         self.session.hardware(self.hardware.value))
+                                         self.session.hardware(self.hardware.value), counts=self.counts.value)
             if wait:
                 thread.join()
         except Exception as error:
