@@ -87,4 +87,21 @@ def test_the_stand_in_trace_matches_the_trace_made_with_cuda_s_own_kernels():
         with mock.patch("torch.cuda.is_available", return_value=False):
             stand_in = ul.trace(work, device="cuda")
         assert _attention_ops(stand_in) == _attention_ops(on_cuda), precision
-        assert abs(stand_in.peak_bytes - on_cuda.peak_bytes) <= 0.01 * on_cuda.peak_bytes, precision
+        assert abs(stand_in.peak_bytes - on_cuda.peak_bytes) <= 0.01 * on_cuda.peak_bytes, \
+            f"{precision}: {_differences(stand_in, on_cuda)}"
+
+
+def _differences(stand_in, on_cuda, at_most: int = 12) -> str:
+    """Where the two traces part: op counts, then the ops whose new storages differ (name, shapes, bytes)."""
+    def made(graph, op) -> list[tuple[str, int]]:
+        return [(graph.tensors[t].dtype, graph.tensors[t].nbytes) for t in op.allocated]
+
+    found = [f"{len(stand_in.ops)} ops against {len(on_cuda.ops)}; peak at op {stand_in.peak_step} against "
+             f"{on_cuda.peak_step}"]
+    for a, b in zip(stand_in.ops, on_cuda.ops):
+        if a.name != b.name or made(stand_in, a) != made(on_cuda, b):
+            found.append(f"op {a.index} {a.name} {list(a.output_shapes)} made {made(stand_in, a)}; CUDA's op "
+                         f"{b.index} {b.name} {list(b.output_shapes)} made {made(on_cuda, b)}")
+            if len(found) > at_most:
+                break
+    return "\n".join(found)
