@@ -78,6 +78,30 @@ def test_a_gpt2_step_with_attention_dropout_is_no_longer_overestimated_for_cuda(
     assert cuda.peak_bytes < 0.6 * cpu.peak_bytes
 
 
+class Dropped(nn.Module):
+    def __init__(self, inplace: bool = False) -> None:
+        super().__init__()
+        self.first, self.dropout, self.last = nn.Linear(32, 64), nn.Dropout(0.1, inplace=inplace), nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.last(self.dropout(self.first(x))).sum()
+
+
+def test_the_cuda_step_calls_cuda_s_fused_dropout_and_saves_a_one_byte_mask():
+    x = torch.randn(256, 32)  # activations above the weights
+    cpu, cuda = _trace(Dropped(), x, "cpu"), _trace(Dropped(), x, "cuda")
+    assert "aten.bernoulli_.float" in {op.name for op in cpu.ops}  # the CPU's own step keeps its noise tensor
+    fused = [op for op in cuda.ops if op.name == "aten.native_dropout.default"]
+    assert len(fused) == 1 and "aten.bernoulli_.float" not in {op.name for op in cuda.ops}
+    mask = cuda.tensors[fused[0].allocated[1]]
+    assert mask.dtype == "bool" and mask.saved and mask.nbytes == 256 * 64
+    assert any(note.startswith("dropout:") for note in cuda.notes)
+    assert cpu.peak_bytes - cuda.peak_bytes >= 3 * 256 * 64  # a float32 noise tensor saved against a one-byte mask
+    assert F.dropout is torch.nn.functional.dropout and F.dropout.__module__ == "torch.nn.functional"  # put back
+    in_place = _trace(Dropped(inplace=True), x, "cuda")  # CUDA's in-place dropout is not the fused kernel either
+    assert "aten.native_dropout.default" not in {op.name for op in in_place.ops}
+
+
 @pytest.mark.gpu
 def test_the_stand_in_trace_matches_the_trace_made_with_cuda_s_own_kernels():
     pytest.importorskip("transformers")
