@@ -452,43 +452,77 @@ def run_model(case: Case, device: torch.device, small: bool, out: Path, emit) ->
 
 
 def _plan_runs(subject: Model, predicted: int, nondeterministic: list[int], emit) -> None:
-    """Every policy at every budget kind, compared with eager; then each on a device of its budget's size."""
-    import udnn_lab as ul
+    """Every policy at every budget kind, compared with eager; then each on a device of its budget's size.
+
+    The plans are made in planner processes, all at once, while this one runs them on the device: finding a
+    policy's smallest budget and planning take seconds of CPU each (about 12 s and 5 s for ``auto`` on ResNet-50
+    at batch 256), and made one after another they had the device idle for most of a model's time limit."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
     # Every run on a device of a budget's size comes after every compared run. Near the cap a convolution's
     # first-choice workspace does not fit and PyTorch caches the algorithm that did for that shape, for the rest of
     # the process: on an H200 every ResNet-50 and VGG-16 plan run after such a run differed from eager in every
     # parameter, deterministic kernels and all, where eager run twice was bitwise equal.
     on_cuda = subject.device.type == "cuda"
-    capped: list[tuple[str, str | None, int]] = [("keep-all", None, predicted)] if on_cuda else []
+    capped: list[tuple[str, str | None, Any]] = [("keep-all", None, predicted)] if on_cuda else []
     profiled_recompute = False
-    lows: dict[str, int] = {}
-    min_budget_s: dict[str, float] = {}  # said in the policy's first row
-    for policy, kind in _plan_order(subject.case):
-        if policy not in lows:
-            phase_started = time.perf_counter()
-            try:
-                lows[policy] = ul.min_budget(subject.graph, policy, profile=subject.profile)
-            except Exception as err:
-                lows[policy] = -1
-                emit(subject.row(policy=policy, status="min_budget error", error=describe(err)))
-            min_budget_s[policy] = time.perf_counter() - phase_started
-        low = lows[policy]
-        if low < 0:
-            continue
-        budget = {"midway": (low + predicted) // 2, "50%": predicted // 2, "min+5%": int(low * 1.05)}.get(kind)
-        if budget is not None and budget < low:
-            emit(subject.row(policy=policy, budget_kind=kind, budget_bytes=budget, min_budget_bytes=low,
-                             status="below the policy's minimum"))
-            continue
-        plan = _run_plan(subject, policy, kind, budget, low, subject.eager, nondeterministic, emit,
-                         profile=policy == "recompute" and not profiled_recompute, min_budget_s=min_budget_s.pop(
-                             policy, 0.0))
-        profiled_recompute |= policy == "recompute" and plan is not None
-        if plan is not None and budget is not None and on_cuda:
-            capped.append((policy, kind, budget))
-    for capped_policy, capped_kind, cap in capped:
-        _run_capped(subject, capped_policy, capped_kind, cap, emit)
+    order = _plan_order(subject.case)
+    said_min_budget: set[str] = set()  # a policy's first row says what finding its smallest budget took
+    workers = max(1, min(len(order), (os.cpu_count() or 2) // 2))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as planners:
+        pending = {(policy, kind): planners.submit(_planned, subject.graph, subject.profile, policy, kind, predicted,
+                                                   on_cuda) for policy, kind in order}
+        for policy, kind in order:
+            made = pending.pop((policy, kind)).result()
+            if "min_budget_error" in made:
+                if policy not in said_min_budget:
+                    emit(subject.row(policy=policy, status="min_budget error", error=made["min_budget_error"]))
+                said_min_budget.add(policy)
+                continue
+            low, budget = made["low"], made["budget"]
+            min_budget_s = 0.0 if policy in said_min_budget else made["min_budget_s"]
+            said_min_budget.add(policy)
+            if budget is not None and budget < low:
+                emit(subject.row(policy=policy, budget_kind=kind, budget_bytes=budget, min_budget_bytes=low,
+                                 status="below the policy's minimum"))
+                continue
+            plan = _run_plan(subject, policy, kind, budget, low, made, subject.eager, nondeterministic, emit,
+                             profile=policy == "recompute" and not profiled_recompute, min_budget_s=min_budget_s)
+            profiled_recompute |= policy == "recompute" and plan is not None
+            if plan is not None and budget is not None and on_cuda:
+                capped.append((policy, kind, made))
+    for capped_policy, capped_kind, capped_made in capped:
+        _run_capped(subject, capped_policy, capped_kind, capped_made, emit)
+
+
+def _budget(kind: str, low: int, predicted: int) -> int | None:
+    return {"midway": (low + predicted) // 2, "50%": predicted // 2, "min+5%": int(low * 1.05)}.get(kind)
+
+
+def _planned(graph, profile, policy: str, kind: str, predicted: int, reserved: bool) -> dict:
+    """In a planner process (``_plan_runs``): the policy's smallest budget, and its plan for the budget ``kind``
+    names, in allocated bytes and (``reserved``) in reserved bytes, with the seconds each took or its error."""
+    import udnn_lab as ul
+
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    try:
+        low = ul.min_budget(graph, policy, profile=profile)
+    except Exception as err:
+        return {"min_budget_error": describe(err), "min_budget_s": time.perf_counter() - started}
+    made: dict[str, Any] = {"low": low, "min_budget_s": time.perf_counter() - started,
+                            "budget": _budget(kind, low, predicted)}
+    if made["budget"] is not None and made["budget"] < low:
+        return made
+    for counts in ("allocated", "reserved") if reserved and made["budget"] is not None else ("allocated",):
+        started = time.perf_counter()
+        try:
+            made[counts] = ul.plan(graph, made["budget"], policy, profile=profile, counts=counts)
+        except Exception as err:
+            made[f"{counts}_error"] = describe(err)
+        made[f"{counts}_s"] = time.perf_counter() - started
+    return made
 
 
 def _plan_order(case: Case) -> list[tuple[str, str]]:
@@ -499,29 +533,37 @@ def _plan_order(case: Case) -> list[tuple[str, str]]:
                     if policy not in SEED_POLICIES or policy == "vdnn++"]
 
 
-def _run_capped(subject: Model, policy: str, kind: str | None, budget: int, emit) -> None:
+def _run_capped(subject: Model, policy: str, kind: str | None, made: Any, emit) -> None:
     """Two steps on a device of the budget's size (``set_per_process_memory_fraction``): does the step run there?
-    Keep-all is capped at the caching allocator's reserved peak the allocator model predicts for it; a policy is
-    planned again for the budget in reserved bytes (``counts="reserved"``), as a plan for a device of that size is."""
+    Keep-all is capped at the caching allocator's reserved peak the allocator model predicts for it (``made``: the
+    simulated peak); a policy runs the plan made for the budget in reserved bytes (``counts="reserved"``), as a plan
+    for a device of that size is."""
     import udnn_lab as ul
     from udnn_lab.planning.reserved import reserved_peak_bytes
 
     started = time.perf_counter()
-    row = subject.row(policy=policy, budget_kind=kind, budget_bytes=budget, check="capped")
+    row = subject.row(policy=policy, budget_kind=kind, check="capped")
     runtime = None
     try:
         if policy == "keep-all":
             budget = reserved_peak_bytes(subject.graph, ul.Plan.keep_all(subject.graph), subject.keep_all_sim)
             row.update(budget_bytes=budget, planned_in="the allocator model's reserved peak as the cap")
         else:
-            plan = ul.plan(subject.graph, budget, policy, profile=subject.profile, counts="reserved")
+            budget = made["budget"]
+            row.update(budget_bytes=budget, planned_in="reserved bytes", plan_s=made.get("reserved_s"))
+            if "reserved_error" in made:
+                row.update(status="no plan in reserved bytes", error=made["reserved_error"],
+                           seconds=time.perf_counter() - started)
+                emit(row)
+                return
+            plan = made["reserved"]
             sim = ul.simulate(subject.graph, plan, profile=subject.profile)
-            row.update(planned_in="reserved bytes", offloads=len(plan.offloads), recomputes=len(plan.recomputes),
+            row.update(offloads=len(plan.offloads), recomputes=len(plan.recomputes),
                        simulated_peak_bytes=sim.peak_bytes,
                        predicted_reserved_peak_bytes=reserved_peak_bytes(subject.graph, plan, sim))
             runtime = ul.OffloadRuntime(plan)
     except Exception as err:
-        row.update(status="no plan in reserved bytes", error=describe(err), seconds=time.perf_counter() - started)
+        row.update(status="capped check error", error=describe(err), seconds=time.perf_counter() - started)
         emit(row)
         return
     try:
@@ -537,17 +579,19 @@ def _run_capped(subject: Model, policy: str, kind: str | None, budget: int, emit
     emit(row)
 
 
-def _run_plan(subject: Model, policy: str, kind: str, budget: int | None, low: int, eager: Outcome,
+def _run_plan(subject: Model, policy: str, kind: str, budget: int | None, low: int, made: dict, eager: Outcome,
               nondeterministic: list[int], emit, profile: bool, min_budget_s: float = 0.0):
     import udnn_lab as ul
 
     started = time.perf_counter()
     row = subject.row(policy=policy, budget_kind=kind, budget_bytes=budget, min_budget_bytes=low, status="ok",
-                      min_budget_s=min_budget_s)
+                      min_budget_s=min_budget_s, plan_s=made.get("allocated_s"))
+    if "allocated_error" in made:
+        row.update(status="plan error", error=made["allocated_error"], seconds=time.perf_counter() - started)
+        emit(row)
+        return None
     try:
-        plan_started = time.perf_counter()
-        plan = ul.plan(subject.graph, budget, policy, profile=subject.profile)
-        row["plan_s"] = time.perf_counter() - plan_started
+        plan = made["allocated"]
         row["planned_with"] = "the step's own ul.profile (op times, op scratch)" if subject.profile is not None \
             else "this machine's hardware profile"
         sim = ul.simulate(subject.graph, plan, profile=subject.profile)
