@@ -411,7 +411,7 @@ def run_model(case: Case, device: torch.device, small: bool, out: Path, emit) ->
               "seconds": time.perf_counter() - started})
         return
     phase_started = time.perf_counter()
-    control = subject.steps(None)  # eager again, from the same state
+    control = subject.steps(None, count=1)  # eager again, from the same state: its compared step is what counts
     phases = {"build": subject.build_s, "trace": subject.trace_s, "eager": subject.eager_s,
               "control": time.perf_counter() - phase_started}
     eager = subject.eager
