@@ -26,7 +26,9 @@ def records(sources: list[Path]) -> list[dict]:
                                                  else [source])]
     if not files:
         raise SystemExit(f"no gpu_corpus*.jsonl in {', '.join(map(str, sources))}: give the folder a GPU run wrote")
-    return [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
+    # a second call with --resume appends to the first call's file: a row copied into both counts once
+    lines = dict.fromkeys(line for f in files for line in f.read_text().splitlines() if line.strip())
+    return [json.loads(line) for line in lines]
 
 
 def distribution(values: list[float]) -> dict:
@@ -47,6 +49,15 @@ def summary(rows: list[dict]) -> dict:
     outside = sorted(r["outside_allocator_bytes"] for r in rows if isinstance(r.get("outside_allocator_bytes"), int))
     found["outside allocator"] = {"runs": len(outside), "min_bytes": outside[0], "max_bytes": outside[-1]} \
         if outside else {"runs": 0}
+    capped = [r for r in rows if r.get("check") == "capped" and isinstance(r.get("capped_runs"), bool)]
+    found["capped"] = {"runs": len(capped), "ran": sum(r["capped_runs"] for r in capped),
+                       "out_of_memory": [f"{r['model']} {r['policy']} {r.get('budget_kind') or ''}".strip()
+                                         for r in capped if not r["capped_runs"]]}
+    # what the first step of a process left allocated beyond its gradients (libraries' workspaces)
+    first = sorted(r["left_behind_bytes"][0] for r in rows if r.get("policy") == "keep-all"
+                   and r.get("left_behind_bytes") and isinstance(r["left_behind_bytes"][0], int))
+    found["left behind"] = {"runs": len(first), "min_bytes": first[0], "max_bytes": first[-1]} if first \
+        else {"runs": 0}
     return found
 
 
@@ -70,6 +81,14 @@ def main() -> None:
     if outside["runs"]:
         print(f"outside the allocator: {outside['min_bytes'] / MIB:,.0f} to {outside['max_bytes'] / MIB:,.0f} MiB "
               f"over {outside['runs']} runs")
+    capped = found["capped"]
+    if capped["runs"]:
+        print(f"on a device of the budget's size: {capped['ran']} of {capped['runs']} ran"
+              + (f"; out of memory: {', '.join(capped['out_of_memory'])}" if capped["out_of_memory"] else ""))
+    left = found["left behind"]
+    if left["runs"]:
+        print(f"left allocated by a process's first step beyond its gradients: {left['min_bytes'] / MIB:,.1f} to "
+              f"{left['max_bytes'] / MIB:,.1f} MiB over {left['runs']} models")
     if args.out:
         args.out.write_text(json.dumps({"rows": len(rows), **found}, indent=1))
         print(f"wrote {args.out}")

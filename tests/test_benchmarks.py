@@ -132,7 +132,11 @@ def test_gpu_diagnose_names_what_was_alive_at_the_peak(tmp_path):
 def test_gpu_errors_counts_the_short_predictions_and_the_margin_that_leaves_none(tmp_path):
     rows = [{"peak_error": e, "reserved_growth_error": r, "outside_allocator_bytes": o}
             for e, r, o in ((-0.02, -0.10, 500 * 2**20), (0.01, 0.05, 520 * 2**20), (0.0, None, None))]
+    rows += [{"model": "vgg16", "policy": "keep-all", "left_behind_bytes": [64 * 2**20, 0, 0]},
+             {"model": "vgg16", "policy": "keep-all", "check": "capped", "capped_runs": True},
+             {"model": "vgg16", "policy": "auto", "budget_kind": "midway", "check": "capped", "capped_runs": False}]
     (tmp_path / "gpu_corpus-1.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "gpu_corpus-2.jsonl").write_text(json.dumps(rows[0]))  # a resumed call's copy of the first's rows
     out = tmp_path / "errors.json"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_errors.py"), str(tmp_path), "--out",
                            str(out)], capture_output=True, text=True, timeout=120)
@@ -143,6 +147,8 @@ def test_gpu_errors_counts_the_short_predictions_and_the_margin_that_leaves_none
     assert found["reserved growth"]["runs"] == 2 and found["reserved growth"]["min"] == pytest.approx(-0.10)
     assert found["outside allocator"] == {"runs": 2, "min_bytes": 500 * 2**20, "max_bytes": 520 * 2**20}
     assert "reserved growth" in done.stdout and "500 to 520 MiB" in done.stdout
+    assert found["capped"] == {"runs": 2, "ran": 1, "out_of_memory": ["vgg16 auto midway"]}
+    assert "1 of 2 ran; out of memory: vgg16 auto midway" in done.stdout and "64.0 to 64.0 MiB over 1" in done.stdout
 
 
 def test_trainer_callbacks_runs_one_setup_of_each_trainer(tmp_path):
