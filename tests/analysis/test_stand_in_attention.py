@@ -105,14 +105,18 @@ def test_the_cuda_step_calls_cuda_s_fused_dropout_and_saves_a_one_byte_mask():
 @pytest.mark.gpu
 def test_the_stand_in_trace_matches_the_trace_made_with_cuda_s_own_kernels():
     pytest.importorskip("transformers")
-    for precision in ("32-true", "bf16-mixed"):
-        work = zoo.get("hf:gpt2", batch=2, small=True, seq_len=256, device="meta", precision=precision)
+    failed = []
+    for name, precision in (("hf:gpt2", "32-true"), ("hf:gpt2", "bf16-mixed"), ("hf:bert-base", "bf16-mixed"),
+                            ("hf:llama-3-8b", "bf16-mixed")):
+        work = zoo.get(name, batch=2, small=True, seq_len=256, device="meta", precision=precision)
         on_cuda = ul.trace(work, device="cuda")
         with mock.patch("torch.cuda.is_available", return_value=False):
             stand_in = ul.trace(work, device="cuda")
-        assert _attention_ops(stand_in) == _attention_ops(on_cuda), precision
-        assert abs(stand_in.peak_bytes - on_cuda.peak_bytes) <= 0.01 * on_cuda.peak_bytes, \
-            f"{precision}: {_differences(stand_in, on_cuda)}"
+        if abs(stand_in.peak_bytes - on_cuda.peak_bytes) > 0.01 * on_cuda.peak_bytes:
+            failed.append(f"{name} {precision}: peak {stand_in.peak_bytes} against CUDA's {on_cuda.peak_bytes}, "
+                          f"attention ops {sorted(_attention_ops(stand_in))} against "
+                          f"{sorted(_attention_ops(on_cuda))}; {_differences(stand_in, on_cuda)}")
+    assert not failed, "\n\n".join(failed)
 
 
 def _differences(stand_in, on_cuda, at_most: int = 12) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from udnn_lab.analysis._fake.attention import STAND_IN_ATTENTION_NOTE
+from udnn_lab.analysis._fake.autocast import STAND_IN_AUTOCAST_NOTE
 from udnn_lab.analysis._fake.dropout import STAND_IN_DROPOUT_NOTE
 from udnn_lab.workload import StepOptions
 
@@ -14,7 +15,8 @@ CPU_AUTOCAST_NOTE = ("autocast ran with the CPU's lists of ops to cast (CPU kern
                      "autocast casts some other ops, so casts and saved tensors can differ from the CUDA step")
 
 
-def substitution_notes(substituted: bool, options: StepOptions, attention: Any, dropout: Any = None) -> list[str]:
+def substitution_notes(substituted: bool, options: StepOptions, attention: Any, dropout: Any = None,
+                       casts: Any = None) -> list[str]:
     """What the graph's notes say when CPU kernels stood in for CUDA ones."""
     notes = [CPU_FOR_CUDA_NOTE] if substituted else []
     if substituted and options.mixed:
@@ -23,4 +25,6 @@ def substitution_notes(substituted: bool, options: StepOptions, attention: Any, 
         notes.append(STAND_IN_ATTENTION_NOTE)
     if getattr(dropout, "substituted", 0):
         notes.append(STAND_IN_DROPOUT_NOTE)
+    if getattr(casts, "cast", 0):
+        notes.append(STAND_IN_AUTOCAST_NOTE)
     return notes

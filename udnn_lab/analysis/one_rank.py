@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from udnn_lab.analysis._fake.attention import CudaAttentionKernels
+from udnn_lab.analysis._fake.autocast import CudaAutocastLists
 from udnn_lab.analysis._fake.dropout import CudaDropoutKernel
 from udnn_lab.analysis._fake.tensors import fake_inputs, fake_replica, meta_replica
 from udnn_lab.analysis._fake.values import KnownValues
@@ -64,7 +65,8 @@ def trace_one_rank(work: Workload, parallel: Parallel, counted_as: str, fast_pat
         options = work.step_options
         attention = CudaAttentionKernels(fake_mode) if substituted else nullcontext()
         dropout = CudaDropoutKernel(fake_mode) if substituted else nullcontext()  # NOTE [stand-in dropout]
-        with fake_mode, attention, dropout, values:
+        casts = CudaAutocastLists(fake_mode) if substituted and options.mixed else nullcontext()  # [stand-in autocast]
+        with fake_mode, attention, dropout, casts, values:
             scaler = grad_scaler(options, device)
             _warm_up(recorder, model, args, kwargs, target, work, optimizer, scaler)
             if isinstance(spec, FSDP) and optimizer is not None and not isinstance(optimizer, LocalShardSteps):
@@ -74,7 +76,7 @@ def trace_one_rank(work: Workload, parallel: Parallel, counted_as: str, fast_pat
                         options=options, scaler=scaler, runtime=copies)
             holders = forward_releases(model, args, kwargs, target, work.loss_fn, recorder.run_op,  # [forward holders]
                                        options, scaler, runtime=copies)
-            notes = [describe(spec), STREAMS_NOTE, *substitution_notes(substituted, options, attention, dropout)]
+            notes = [describe(spec), STREAMS_NOTE, *substitution_notes(substituted, options, attention, dropout, casts)]
             graph = graph_from_recording(recorder, work.name, counted_as, fake=True, notes=notes,
                                          cpu_stands_for_device=substituted, holders=holders)
     return with_host_note(graph) if offloads and substituted else graph

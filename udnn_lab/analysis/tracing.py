@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
 from udnn_lab.analysis._fake.attention import CudaAttentionKernels
+from udnn_lab.analysis._fake.autocast import CudaAutocastLists
 from udnn_lab.analysis._fake.dropout import CudaDropoutKernel
 from udnn_lab.analysis._fake.tensors import FAKE_LIMITS, fake_initial_state, fake_inputs, fake_optimizer, fake_state
 from udnn_lab.analysis._fake.values import KnownValues
@@ -125,16 +126,18 @@ def _trace_fake(work: Workload, device: torch.device, counted_as: str, fast_path
     substituted = counted_as != device.type
     attention = CudaAttentionKernels(fake_mode) if substituted else nullcontext()
     dropout = CudaDropoutKernel(fake_mode) if substituted else nullcontext()  # NOTE [stand-in dropout]
+    casts = CudaAutocastLists(fake_mode) if substituted and options.mixed else nullcontext()  # [stand-in autocast]
     # the optimizer's state is made as it first steps (NOTE [optimizer state of a traced step])
     state = state_at_first_step(optimizer, fake_initial_state(fake_mode, device))
-    with _reparametrize_module(model, fakes, tie_weights=True), fake_mode, attention, dropout, state, values:
+    with _reparametrize_module(model, fakes, tie_weights=True), fake_mode, attention, dropout, casts, state, \
+            values:
         scaler = grad_scaler(options, device)  # on the device whose kernels run the step
         record_step(recorder, model, args, kwargs, target, work.loss_fn, optimizer, track_saved=True,
                     options=options, scaler=scaler)
         holders = forward_releases(model, args, kwargs, target, work.loss_fn, recorder.run_op,  # [forward holders]
                                    options, scaler)
         return graph_from_recording(recorder, work.name, counted_as, fake=True,
-                                    notes=substitution_notes(substituted, options, attention, dropout),
+                                    notes=substitution_notes(substituted, options, attention, dropout, casts),
                                     cpu_stands_for_device=substituted, holders=holders)
 
 
