@@ -62,7 +62,8 @@ Collective = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all",
 COLLECTIVES: tuple[Collective, ...] = get_args(Collective)
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")  # the op namespaces of a process group's collectives
 UNTRACED_NAMESPACES = ("prim", "profiler")  # ops no tool that aligns to a Graph counts
-UNTRACED_OPS = ("aten.detach.default",)
+# _fused_sdp_choice: asked by the stand-in for CUDA's attention (NOTE [stand-in attention]); eager sdpa asks a stub
+UNTRACED_OPS = ("aten.detach.default", "aten._fused_sdp_choice.default")
 # shard_to_device, gradient_to_host: an FSDP2 rank that offloads its parameters copies them across
 TimelineKind = Literal["op", "recompute", "offload", "prefetch", "prefetch_cancelled", "stall_memory",
                        "stall_prefetch", "stall_sync", "stall_communication", "stall_host", "all_gather",
