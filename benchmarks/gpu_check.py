@@ -21,7 +21,7 @@ exit status and seconds), again after every step, so a run cut short keeps what 
 step's own JSON beside it. Without a CUDA device each step says it was skipped and the command exits 0:
 nothing here is ever estimated.
 
-    python benchmarks/gpu_check.py [--steps tests hardware peers sharing] [--out data/benchmarks/gpu]
+    python benchmarks/gpu_check.py [--steps tests hardware peers sharing] [--out data/benchmarks/gpu] [--total-s 530]
 """
 
 from __future__ import annotations
@@ -45,12 +45,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout, installed or not
 STEPS = ("corpus", "tests", "hardware", "peaks", "peers", "sharing", "trainers")
 # within 10 minutes on one H100 or H200 (one call); the corpus takes two such runs into one folder to finish
-DEFAULT_STEPS = ("corpus", "tests")
+DEFAULT_STEPS = ("tests", "corpus")  # the tests first: they are quick, and a second call resumes the corpus
 WHEELS = ROOT / ".whl"  # made by `make gpu-wheels`, carried to a GPU image that lacks them
 EXTRAS = {"altair": "altair", "vl_convert": "vl-convert-python", "nbformat": "nbformat", "nbclient": "nbclient",
           "ipywidgets": "ipywidgets", "anywidget": "anywidget", "highspy": "highspy", "lightning": "lightning",
           "lightning_utilities": "lightning-utilities", "torchmetrics": "torchmetrics"}  # module -> package
-LIMIT_S = {"corpus": 420, "tests": 120, "hardware": 120, "peaks": 150, "peers": 420, "sharing": 240, "trainers": 300}
+LIMIT_S = {"corpus": 420, "tests": 180, "hardware": 120, "peaks": 150, "peers": 420, "sharing": 240, "trainers": 300}
 
 
 def _machine() -> dict:
@@ -106,12 +106,12 @@ def _extras() -> dict:
     return {"missing": missing, "installed": result["exit"] == 0, **result}
 
 
-def _tests(out: Path) -> dict:
+def _tests(out: Path, limit_s: int) -> dict:
     report = out / "pytest-gpu.xml"
     result = _run([sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-q", "-rfEs",
                    *(["--timeout=90"] if importlib.util.find_spec("pytest_timeout") else []),
                    "--continue-on-collection-errors",
-                   f"--junitxml={report}"], LIMIT_S["tests"])
+                   f"--junitxml={report}"], limit_s)
     if report.exists():
         result["tests"] = [_case(case) for case in ET.parse(report).getroot().iter("testcase")]
         report.unlink()
@@ -128,46 +128,49 @@ def _case(case: ET.Element) -> dict:
             "seconds": float(case.get("time", 0)), "message": message[-4000:]}
 
 
-def _hardware(out: Path) -> dict:
+def _hardware(out: Path, limit_s: int) -> dict:
     code = ("import json, sys, udnn_lab as ul\n"
             "profile, sweep = ul.Hardware.measure_with_sweep('cuda', progress=False)\n"
             f"profile.save({str(out / 'hardware-measured.json')!r})\n"
             f"sweep.to_json({str(out / 'hardware-sweep.json')!r}, orient='records', indent=1)\n"
             "print(json.dumps(profile.to_dict(), indent=1, default=str))\n")
-    return _run([sys.executable, "-c", code], LIMIT_S["hardware"])
+    return _run([sys.executable, "-c", code], limit_s)
 
 
-def _corpus(out: Path) -> dict:
+def _corpus(out: Path, limit_s: int) -> dict:
     # --resume: a second run into the same folder (the next call in one lease) goes on with the models not done
     return _run([sys.executable, "benchmarks/gpu_corpus.py", "--out", str(out), "--resume", "--total-s",
-                 str(LIMIT_S["corpus"] - 15)], LIMIT_S["corpus"])
+                 str(max(limit_s - 15, 10))], limit_s)
 
 
-def _peaks(out: Path) -> dict:
+def _peaks(out: Path, limit_s: int) -> dict:
     return _run([sys.executable, "benchmarks/cuda_peaks_probe.py", "--out", str(out / "cuda_peaks_probe.json")],
-                LIMIT_S["peaks"])
+                limit_s)
 
 
-def _peers(out: Path) -> dict:
+def _peers(out: Path, limit_s: int) -> dict:
     return _run([sys.executable, "benchmarks/offload_vs_peers.py", "--device", "cuda", "--models", "resnet50",
-                 "transformer", "--out", str(out / "offload_vs_peers-cuda.json")], LIMIT_S["peers"])
+                 "transformer", "--out", str(out / "offload_vs_peers-cuda.json")], limit_s)
 
 
-def _sharing(out: Path) -> dict:
+def _sharing(out: Path, limit_s: int) -> dict:
     return _run([sys.executable, "benchmarks/sharing_study.py", "--device", "cuda", "--size", "small",
-                 "--out", str(out / "sharing")], LIMIT_S["sharing"])
+                 "--out", str(out / "sharing")], limit_s)
 
 
-def _trainers(out: Path) -> dict:
+def _trainers(out: Path, limit_s: int) -> dict:
     return _run([sys.executable, "benchmarks/trainer_callbacks.py", "--device", "cuda", "--models", "hf:gpt2",
-                 "resnet50", "swin_t", "--out", str(out / "trainer_callbacks-cuda.json")], LIMIT_S["trainers"])
+                 "resnet50", "swin_t", "--out", str(out / "trainer_callbacks-cuda.json")], limit_s)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", nargs="+", default=list(DEFAULT_STEPS), choices=STEPS)
     parser.add_argument("--out", type=Path, default=ROOT / "data" / "benchmarks" / "gpu")
+    parser.add_argument("--total-s", type=float, help="seconds for every step together (a lease's call): each step "
+                        "gets its own limit or what is left, whichever is less")
     args = parser.parse_args()
+    deadline = None if args.total_s is None else time.monotonic() + args.total_s
     if not torch.cuda.is_available():
         for step in args.steps:
             print(f"gpu-check: {step}: skipped, this machine has no CUDA device (nothing run, nothing written)")
@@ -180,13 +183,20 @@ def main() -> None:
     path = args.out / f"gpu_check-{slug}-{date:%Y%m%dT%H%M%S}.json"
     steps: dict[str, dict] = {}
     for step in args.steps:
+        limit_s = LIMIT_S[step]
+        if deadline is not None:
+            left = int(deadline - time.monotonic())
+            if left < 30:
+                steps[step] = {"exit": "not run", "seconds": 0, "output_tail": f"{left} s of --total-s were left"}
+                continue
+            limit_s = min(limit_s, left)
         steps[step] = {"corpus": _corpus, "tests": _tests, "hardware": _hardware, "peaks": _peaks, "peers": _peers,
-                       "sharing": _sharing, "trainers": _trainers}[step](args.out)
+                       "sharing": _sharing, "trainers": _trainers}[step](args.out, limit_s)
         document = {"check": "gpu_check", "date": date.isoformat(timespec="seconds"), "machine": machine,
                     "steps": steps, "steps_left": args.steps[len(steps):]}
         path.write_text(json.dumps(document, indent=1, default=str))  # as it goes: a run cut short keeps these
     print(f"\nwrote {path}")
-    failed = [name for name, step in steps.items() if step["exit"] != 0]
+    failed = [name for name, step in steps.items() if step["exit"] not in (0, "not run")]
     print("all steps passed" if not failed else f"steps that failed: {', '.join(failed)}")
     sys.exit(1 if failed else 0)
 
