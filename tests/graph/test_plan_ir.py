@@ -109,3 +109,14 @@ def test_a_replays_sources_include_what_it_reads_before_a_later_op_returns_it_as
         assert tensor in replay_reads(graph, ops)
         made_before = {t for i in range(first, then + 1) for t in graph.ops[i].outputs}
         assert tensor in made_before  # counting every output as made, as the planners once did, loses it
+
+
+def test_a_step_is_the_same_whichever_fused_attention_kernel_or_batch_norm_backend_the_device_picks():
+    from udnn_lab.graph.step_graph import op_family
+
+    kernels = ("flash", "efficient", "cudnn")
+    assert {op_family(f"aten._scaled_dot_product_{k}_attention.default") for k in kernels} == {"fused_attention"}
+    assert {op_family(f"aten._scaled_dot_product_{k}_attention_backward.default") for k in kernels} == {
+        "fused_attention_backward"}
+    assert op_family("aten.cudnn_batch_norm.default") == op_family("aten.native_batch_norm.default")
+    assert op_family("aten._scaled_dot_product_flash_attention_for_cpu.default") != "fused_attention"  # the CPU's

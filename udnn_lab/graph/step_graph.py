@@ -31,6 +31,10 @@ _BACKEND_VARIANTS = {
     "_native_batch_norm_legit": "native_batch_norm", "_native_batch_norm_legit_functional": "native_batch_norm",
     "cudnn_batch_norm_backward": "native_batch_norm_backward",
     "miopen_batch_norm_backward": "native_batch_norm_backward",
+    # sdpa's fused kernels: which one runs is the device's choice (an H200 under torch 2.11 picks cuDNN's where a
+    # trace made without a GPU has FlashAttention, NOTE [stand-in attention]); their outputs come in the same order
+    **{f"_scaled_dot_product_{kernel}_attention{part}": f"fused_attention{part}"
+       for kernel in ("flash", "efficient", "cudnn") for part in ("", "_backward")},
 }
 
 
