@@ -22,7 +22,9 @@ limit (one hang or crash loses one model):
    ``"check": "capped"``. Last because a run near the cap leaves cuDNN's smaller-workspace convolutions cached
    for the rest of the process.
 
-The keep-all row says where the model's time went (``phase_s``), each policy's first row its ``min_budget_s``.
+The keep-all row says where the model's time went (``phase_s``), each policy's first row its ``min_budget_s``. On a
+GPU it also holds the step traced as on a machine without one (``stand_in_peak_bytes``, ``stand_in_peak_error``
+against the trace made with CUDA's kernels, and the first ops where the two part).
 
 Every row on a GPU also holds the caching allocator's side: the reserved bytes the first step added from an
 emptied cache against what the allocator model predicts for the plan's step, and what the process held outside
@@ -444,11 +446,37 @@ def run_model(case: Case, device: torch.device, small: bool, out: Path, emit) ->
                 row["curve"] = subject.measured_curve()
         except Exception as err:
             row["diagnostics_error"] = describe(err)
+    if device.type == "cuda":
+        phase_started = time.perf_counter()
+        row.update(_stand_in(case, small, subject.graph))
+        phases["stand_in"] = time.perf_counter() - phase_started
     row["seconds"] = time.perf_counter() - started
     row["phase_s"] = phases  # where a model's time goes, to keep the check within its limits
     emit(row)
     if not eager.error:
         _plan_runs(subject, predicted, nondeterministic, emit)
+
+
+def _stand_in(case: Case, small: bool, on_cuda) -> dict:
+    """The step traced as on a machine without a GPU (CPU kernels standing in, NOTE [stand-in attention]) against the
+    trace made here with CUDA's own: its peak and op count, and the first ops where the two part."""
+    from unittest import mock
+
+    import udnn_lab as ul
+
+    try:
+        with mock.patch("torch.cuda.is_available", return_value=False):
+            graph = ul.trace(case.workload(torch.device("meta"), small), device="cuda")
+    except Exception as err:
+        return {"stand_in_error": describe(err)}
+
+    def made(g, op) -> list:
+        return [(g.tensors[t].dtype, g.tensors[t].nbytes) for t in op.allocated]
+
+    parted = [f"op {a.index} {a.name} made {made(graph, a)}; CUDA's {b.name} made {made(on_cuda, b)}"
+              for a, b in zip(graph.ops, on_cuda.ops) if a.name != b.name or made(graph, a) != made(on_cuda, b)]
+    return {"stand_in_peak_bytes": graph.cuda_peak_bytes, "stand_in_ops": len(graph.ops),
+            "stand_in_peak_error": _ratio(on_cuda.cuda_peak_bytes, graph.cuda_peak_bytes), "stand_in_parts": parted[:8]}
 
 
 def _plan_runs(subject: Model, predicted: int, nondeterministic: list[int], emit) -> None:
