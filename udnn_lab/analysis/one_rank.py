@@ -19,9 +19,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from udnn_lab.analysis._fake.attention import CudaAttentionKernels
-from udnn_lab.analysis._fake.autocast import CudaAutocastLists
-from udnn_lab.analysis._fake.dropout import CudaDropoutKernel
 from udnn_lab.analysis._fake.tensors import fake_inputs, fake_replica, meta_replica
 from udnn_lab.analysis._fake.values import KnownValues
 from udnn_lab.analysis._fake_group import CompletedCollectives, fake_process_group, rebuild_buckets
@@ -30,7 +27,7 @@ from udnn_lab.analysis._host import HostCopies, PinnedCopies, offloaded_shards, 
 from udnn_lab.analysis._local_shards import LocalShardSteps, steps_on_shards
 from udnn_lab.analysis._recorder import StepRecorder
 from udnn_lab.analysis._recording import graph_from_recording, raise_explained, record_step
-from udnn_lab.analysis._substitution import substitution_notes
+from udnn_lab.analysis._substitution import CudaStandIns
 from udnn_lab.analysis.step import grad_scaler, run_step, same_optimizer, split_input
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.parallel import DDP, FSDP, Parallel, check_spec, describe
@@ -63,10 +60,8 @@ def trace_one_rank(work: Workload, parallel: Parallel, counted_as: str, fast_pat
         recorder.known = values = KnownValues()  # NOTE [known values]
         values.know((work.example_input, work.target), (example, target))
         options = work.step_options
-        attention = CudaAttentionKernels(fake_mode) if substituted else nullcontext()
-        dropout = CudaDropoutKernel(fake_mode) if substituted else nullcontext()  # NOTE [stand-in dropout]
-        casts = CudaAutocastLists(fake_mode) if substituted and options.mixed else nullcontext()  # [stand-in autocast]
-        with fake_mode, attention, dropout, casts, values:
+        stand_ins = CudaStandIns(fake_mode, substituted, options)
+        with fake_mode, stand_ins, values:
             scaler = grad_scaler(options, device)
             _warm_up(recorder, model, args, kwargs, target, work, optimizer, scaler)
             if isinstance(spec, FSDP) and optimizer is not None and not isinstance(optimizer, LocalShardSteps):
@@ -76,7 +71,7 @@ def trace_one_rank(work: Workload, parallel: Parallel, counted_as: str, fast_pat
                         options=options, scaler=scaler, runtime=copies)
             holders = forward_releases(model, args, kwargs, target, work.loss_fn, recorder.run_op,  # [forward holders]
                                        options, scaler, runtime=copies)
-            notes = [describe(spec), STREAMS_NOTE, *substitution_notes(substituted, options, attention, dropout, casts)]
+            notes = [describe(spec), STREAMS_NOTE, *stand_ins.notes()]
             graph = graph_from_recording(recorder, work.name, counted_as, fake=True, notes=notes,
                                          cpu_stands_for_device=substituted, holders=holders)
     return with_host_note(graph) if offloads and substituted else graph

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from itertools import chain
 from typing import TYPE_CHECKING, Any
 
@@ -19,15 +19,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
-from udnn_lab.analysis._fake.attention import CudaAttentionKernels
-from udnn_lab.analysis._fake.autocast import CudaAutocastLists
-from udnn_lab.analysis._fake.dropout import CudaDropoutKernel
 from udnn_lab.analysis._fake.tensors import FAKE_LIMITS, fake_initial_state, fake_inputs, fake_optimizer, fake_state
 from udnn_lab.analysis._fake.values import KnownValues
 from udnn_lab.analysis._holders import forward_releases
 from udnn_lab.analysis._recorder import StepRecorder
 from udnn_lab.analysis._recording import graph_from_recording, record_step
-from udnn_lab.analysis._substitution import substitution_notes
+from udnn_lab.analysis._substitution import CudaStandIns
 from udnn_lab.analysis.step import (
     grad_scaler,
     input_tensors,
@@ -124,20 +121,17 @@ def _trace_fake(work: Workload, device: torch.device, counted_as: str, fast_path
     recorder = StepRecorder(fake_mode=fake_mode, fast_paths=fast_paths)
     recorder.known = values
     substituted = counted_as != device.type
-    attention = CudaAttentionKernels(fake_mode) if substituted else nullcontext()
-    dropout = CudaDropoutKernel(fake_mode) if substituted else nullcontext()  # NOTE [stand-in dropout]
-    casts = CudaAutocastLists(fake_mode) if substituted and options.mixed else nullcontext()  # [stand-in autocast]
+    stand_ins = CudaStandIns(fake_mode, substituted, options)
     # the optimizer's state is made as it first steps (NOTE [optimizer state of a traced step])
     state = state_at_first_step(optimizer, fake_initial_state(fake_mode, device))
-    with _reparametrize_module(model, fakes, tie_weights=True), fake_mode, attention, dropout, casts, state, \
-            values:
+    with _reparametrize_module(model, fakes, tie_weights=True), fake_mode, stand_ins, state, values:
         scaler = grad_scaler(options, device)  # on the device whose kernels run the step
         record_step(recorder, model, args, kwargs, target, work.loss_fn, optimizer, track_saved=True,
                     options=options, scaler=scaler)
         holders = forward_releases(model, args, kwargs, target, work.loss_fn, recorder.run_op,  # [forward holders]
                                    options, scaler)
         return graph_from_recording(recorder, work.name, counted_as, fake=True,
-                                    notes=substitution_notes(substituted, options, attention, dropout, casts),
+                                    notes=stand_ins.notes(),
                                     cpu_stands_for_device=substituted, holders=holders)
 
 

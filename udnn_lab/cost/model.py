@@ -265,12 +265,12 @@ class CostModel:
 
 
 _HALF = {"bfloat16": "bf16", "float16": "fp16"}  # the names Hardware.peak_flops_per_s takes
+_TENSOR_CORE_KINDS = ("conv", "conv_backward", "matmul", "attention")
 
 
 def _precision_tag(dtype: str) -> str:
     """A rate curve key's suffix for ops computing in ``dtype``: none for float32 (and what is not half)."""
     return f"@{dtype}" if dtype in _HALF else ""
-_TENSOR_CORE_KINDS = ("conv", "conv_backward", "matmul", "attention")
 
 
 def _compute_dtype(graph: Graph, op) -> str:

@@ -49,7 +49,6 @@ class TrainingPanel:
         self.thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._view = 0  # bumped when the view is cleared: a run's late steps no longer draw into it
-        self._counted = ""  # what the budget counted, where it is not what the app's counts say
 
     @property
     def running(self) -> bool:
@@ -90,12 +89,12 @@ class TrainingPanel:
         batch = (_repeated(work.example_input, copies), _repeated(work.target, copies))
         batches = (batch for _ in range(steps))
         # said when the run ends too: the step reports replace this line
-        self._counted = "" if counted == counts else (f"; the budget counted allocated bytes: the step runs on "
-                                                      f"{graphs[0].device}, where no caching allocator reserves more")
-        self.report(f"step 1/{steps} running{self._counted}")
+        said = "" if counted == counts else (f"; the budget counted allocated bytes: the step runs on "
+                                             f"{graphs[0].device}, where no caching allocator reserves more")
+        self.report(f"step 1/{steps} running{said}")
         self.thread = threading.Thread(target=self._train, daemon=True, name="udnn_lab MemoryLab training",
                                        args=(work, batches, chosen, steps, budget_bytes, predicted, self._view,
-                                             parallel))
+                                             parallel, said))
         self.thread.start()
         return self.thread
 
@@ -117,7 +116,7 @@ class TrainingPanel:
         self.chart.chart = None
 
     def _train(self, work, batches, chosen, steps: int, budget_bytes, predicted: int, view: int,
-               parallel: Parallel | None) -> None:
+               parallel: Parallel | None, said: str = "") -> None:
         def step_done(row: dict) -> bool:
             if view != self._view:
                 return False  # the view was cleared: this run is over
@@ -137,7 +136,7 @@ class TrainingPanel:
                 ended = f"stopped after step {len(run.steps)} as asked" if run.stopped == "stop requested" \
                     else f"stopped: {run.stopped}"
                 ranks = f" on {parallel.world_size} ranks" if parallel is not None else ""
-                self.report(f"trained {len(run.steps)} steps{ranks} under {policy_of(chosen)} ({ended}){self._counted}")
+                self.report(f"trained {len(run.steps)} steps{ranks} under {policy_of(chosen)} ({ended}){said}")
         except Exception as error:  # shown in the app; the model stays as the last finished step left it
             self.report(error)
         finally:
