@@ -6,8 +6,10 @@ Steps (each a child process with its own time limit, so one hang or crash does n
                (peak against budget and simulation, gradients against eager with an eager control, step time,
                allocator snapshots and kernel times where a run is off; reserved bytes against the allocator
                model's, for benchmarks/gpu_errors.py)
-    tests      pytest -m gpu, one record per test (outcome, seconds, failure text); among them NCCL ranks
-               trained with ul.train(..., parallel=...) against their traces (one rank per GPU)
+    tests      pytest -m gpu, one record per test (outcome, seconds, failure text) as each ends
+               (<out>/pytest-gpu.jsonl, the whole output in <out>/pytest-gpu.log); a test that kills the
+               process is recorded as crashed and the rest run on; among them NCCL ranks trained with
+               ul.train(..., parallel=...) against their traces (one rank per GPU)
     hardware   Hardware.measure("cuda"): copy sweeps both ways, pinned and pageable, FLOP rates
     peaks      benchmarks/cuda_peaks_probe.py: measured against simulated peaks per policy
     peers      benchmarks/offload_vs_peers.py --device cuda --models resnet50 transformer
@@ -35,7 +37,6 @@ import platform
 import subprocess
 import sys
 import time
-import xml.etree.ElementTree as ET
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -76,19 +77,25 @@ def _meminfo() -> dict:
     return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in lines) if k in wanted}
 
 
-def _run(command: list[str], limit_s: int) -> dict:
+def _run(command: list[str], limit_s: int, env: dict[str, str] | None = None, log: Path | None = None) -> dict:
+    """``command`` as a child with ``env`` added (a PYTHONPATH beside the checkout's); ``log``: its whole output
+    appended there."""
     print(f"\n$ {' '.join(command)}  (limit {limit_s} s)", flush=True)
     started = time.perf_counter()
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "PYTHONUNBUFFERED": "1"}
+    added = dict(env or {})
+    paths = [str(ROOT), added.pop("PYTHONPATH", ""), os.environ.get("PYTHONPATH", "")]
+    child_env = {**os.environ, **added, "PYTHONPATH": os.pathsep.join(p for p in paths if p), "PYTHONUNBUFFERED": "1"}
     try:
-        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit_s)
+        done = subprocess.run(command, cwd=ROOT, env=child_env, capture_output=True, text=True, timeout=limit_s)
         status, out = done.returncode, done.stdout + done.stderr
     except subprocess.TimeoutExpired as stopped:
         status = "timeout"
         out = "".join(part.decode() if isinstance(part, bytes) else (part or "")
                       for part in (stopped.stdout, stopped.stderr))
     seconds = time.perf_counter() - started
+    if log is not None:
+        with log.open("a") as whole:
+            whole.write(f"$ {' '.join(command)}\n{out}\n-> exit {status} after {seconds:.1f} s\n")
     print(out[-6000:], flush=True)
     print(f"-> exit {status} after {seconds:.1f} s", flush=True)
     return {"command": command, "exit": status, "seconds": seconds, "output_tail": out[-20000:]}
@@ -106,26 +113,61 @@ def _extras() -> dict:
     return {"missing": missing, "installed": result["exit"] == 0, **result}
 
 
-def _tests(out: Path, limit_s: int) -> dict:
-    report = out / "pytest-gpu.xml"
-    result = _run([sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-q", "-rfEs",
-                   *(["--timeout=90"] if importlib.util.find_spec("pytest_timeout") else []),
-                   "--continue-on-collection-errors",
-                   f"--junitxml={report}"], limit_s)
-    if report.exists():
-        result["tests"] = [_case(case) for case in ET.parse(report).getroot().iter("testcase")]
-        report.unlink()
-    return result
+def _tests(out: Path, limit_s: int, selection: tuple[str, ...] = ("-m", "gpu")) -> dict:
+    """pytest -m gpu; where a test kills the process (a segmentation fault in a kernel), it is recorded as crashed and
+    the tests not yet run go on in a new process, while the step's time lasts."""
+    lines = out / "pytest-gpu.jsonl"
+    lines.unlink(missing_ok=True)
+    deadline = time.perf_counter() + limit_s
+    runs: list[dict] = []
+    crashed: dict[str, str] = {}
+    while (left := int(deadline - time.perf_counter())) >= 30:
+        started = {record["test"] for record in _lines(lines) if record["event"] == "start"}
+        result = _run([sys.executable, "-m", "pytest", *selection, "-p", "no:cacheprovider", "-p", "pytest_lines",
+                       "-q", "-rfEs", *(["--timeout=90"] if importlib.util.find_spec("pytest_timeout") else []),
+                       "--continue-on-collection-errors", *(f"--deselect={test}" for test in sorted(started))],
+                      left, {"UDNN_TEST_LINES": str(lines), "PYTHONPATH": str(ROOT / "benchmarks")},
+                      out / "pytest-gpu.log")
+        runs.append({key: value for key, value in result.items() if key != "output_tail"})
+        records = _lines(lines)
+        ended = {record["test"] for record in records if record["event"] != "start"}
+        dying = [record["test"] for record in records if record["event"] == "start" and record["test"] not in ended]
+        if not (isinstance(result["exit"], int) and result["exit"] < 0 and dying):
+            break
+        crashed[dying[-1]] = result["output_tail"][-4000:]
+    return {"runs": runs, "exit": _exit(runs, crashed), "seconds": sum(run["seconds"] for run in runs),
+            "output_tail": result["output_tail"] if runs else "", "tests": _cases(_lines(lines), crashed)}
 
 
-def _case(case: ET.Element) -> dict:
-    outcome, message = "passed", ""
-    for child in case:
-        if child.tag in ("failure", "error", "skipped"):
-            outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[child.tag]
-            message = (child.get("message") or "") + "\n" + (child.text or "")
-    return {"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
-            "seconds": float(case.get("time", 0)), "message": message[-4000:]}
+def _lines(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _cases(records: list[dict], crashed: dict[str, str]) -> list[dict]:
+    """One record per test: its outcome (a failed setup or teardown counts as an error), seconds and failure text."""
+    cases: dict[str, dict] = {}
+    for record in records:
+        if record["event"] == "start":
+            cases.setdefault(record["test"], {"test": record["test"], "outcome": "passed", "seconds": 0.0,
+                                              "message": ""})
+            continue
+        case = cases[record["test"]]
+        case["seconds"] += record["seconds"]
+        if record["outcome"] != "passed" and case["outcome"] == "passed":
+            case["outcome"] = {"skipped": "skipped"}.get(record["outcome"],
+                                                         "failed" if record["event"] == "call" else "error")
+            case["message"] = record["message"]
+    for test, output in crashed.items():
+        cases[test].update(outcome="crashed", message=output)
+    return list(cases.values())
+
+
+def _exit(runs: list[dict], crashed: dict[str, str]) -> int | str:
+    if crashed:
+        return "crashed"
+    return runs[-1]["exit"] if runs else "no time"
 
 
 def _hardware(out: Path, limit_s: int) -> dict:

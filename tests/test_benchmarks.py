@@ -87,6 +87,28 @@ def test_gpu_check_without_cuda_says_each_step_skipped():
     assert "corpus: skipped" in done.stdout and "tests: skipped" in done.stdout
 
 
+def test_gpu_check_records_a_test_that_kills_pytest_and_runs_the_rest(tmp_path):
+    # a CUDA kernel's segmentation fault ended the H200's test step, and the results before it with it
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+
+    cases = tmp_path / "test_cases.py"
+    cases.write_text("import os, signal\n\n"
+                     "def test_a():\n    pass\n\n"
+                     "def test_b():\n    assert 1 == 2, 'one is not two'\n\n"
+                     "def test_c():\n    os.kill(os.getpid(), signal.SIGSEGV)\n\n"
+                     "def test_d():\n    pass\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    result = gpu_check._tests(out, 120, (str(cases),))
+    outcomes = {case["test"].split("::")[-1]: case["outcome"] for case in result["tests"]}
+    assert outcomes == {"test_a": "passed", "test_b": "failed", "test_c": "crashed", "test_d": "passed"}
+    assert "one is not two" in next(case["message"] for case in result["tests"] if case["outcome"] == "failed")
+    assert result["exit"] == "crashed" and len(result["runs"]) == 2
+    log = (out / "pytest-gpu.log").read_text()
+    assert "Segmentation fault" in log and "1 passed, 3 deselected" in log
+
+
 def _threads() -> dict:
     import os
 

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 import udnn_lab as ul
@@ -120,3 +122,17 @@ def test_a_step_is_the_same_whichever_fused_attention_kernel_or_batch_norm_backe
         "fused_attention_backward"}
     assert op_family("aten.cudnn_batch_norm.default") == op_family("aten.native_batch_norm.default")
     assert op_family("aten._scaled_dot_product_flash_attention_for_cpu.default") != "fused_attention"  # the CPU's
+
+
+def test_a_saved_tensor_in_host_memory_is_refused(graph):
+    # a fused attention kernel's dropout seed: saved for backward, but on the host, where its backward reads it
+    t = _feature_map(graph)
+    seed = dataclasses.replace(t, device="cpu")
+    on_cuda = dataclasses.replace(graph, device="cuda", tensors=tuple(
+        seed if other.id == t.id else dataclasses.replace(other, device="cuda") for other in graph.tensors))
+    plan = Plan("p", on_cuda.fingerprint, offloads=(Offload(t.id, t.last_forward_use, t.first_backward_use - 1),))
+    with pytest.raises(PlanError, match=f"{t.name} lives on cpu, not on this step's cuda"):
+        plan.validate(on_cuda)
+    with pytest.raises(PlanError, match="lives on cpu"):
+        Plan("p", on_cuda.fingerprint, recomputes=(Recompute((t.id,), (t.producer,), t.first_backward_use),)
+             ).validate(on_cuda)

@@ -6,7 +6,7 @@ import re
 import pytest
 
 import udnn_lab as ul
-from udnn_lab.planning.reserved import reserved_peak_bytes
+from udnn_lab.planning.reserved import _Search, reserved_peak_bytes
 
 H100 = "h100-sxm"
 
@@ -56,3 +56,14 @@ def test_the_error_names_the_last_plan_made_with_its_own_reserved_peak(graph):
     chosen = ul.plan(graph, allocated + 2**20, "vdnn++", hardware=H100)  # that plan again (the figure is rounded)
     reserved = reserved_peak_bytes(graph, chosen, ul.simulate(graph, chosen, hardware=H100))
     assert reserved + outside > budget and abs(reserved - ul.parse_bytes(said.group(2).replace(" ", ""))) < 2**24
+
+
+def test_a_reserved_peak_that_does_not_come_down_ends_the_search_above_zero():
+    # on an H200 VGG-16's reserved peak stayed over as the allocated budget fell, and the doubling steps planned
+    # for a negative budget (ValueError) instead of saying no plan fits
+    search = _Search(room=1000, resolution=4)
+    tried = []
+    while search.next is not None and len(tried) < 20:
+        tried.append(search.next)
+        search.made(search.next, None, reserved=1500)
+    assert tried and min(tried) >= 4 and search.best is None and search.plans == len(tried)

@@ -377,6 +377,10 @@ def _check_tensor(graph: Graph, tensor_id: int) -> None:
                         "or recomputed")
     if not tensor.saved or tensor.first_backward_use is None:
         raise PlanError(f"{tensor.name} is not saved for backward, so there is nothing to offload or recompute")
+    if not graph.on_device(tensor):
+        # a fused attention kernel's dropout seed lives in host memory, and its backward reads it there
+        raise PlanError(f"{tensor.name} lives on {tensor.device}, not on this step's {graph.device}: only the "
+                        "device's tensors are offloaded or recomputed")
 
 
 def _check_offload(graph: Graph, offload: Offload) -> None:

@@ -70,8 +70,9 @@ def plan_in_reserved(graph: Graph, budget: int, outside: int, cost: CostModel,
         search.made(allocated, chosen, reserved_peak_bytes(graph, chosen, simulate_with(graph, chosen, cost)))
     if search.best is None:
         assert search.over is not None  # every plan made was over the room
-        raise PlanInfeasible(_infeasible(graph, budget, outside, search.over, f"after {TRIES} plans the reserved "
-                                         "peak is still over it"), search.over[0], None)
+        raise PlanInfeasible(_infeasible(graph, budget, outside, search.over, f"after {search.plans} plans, down "
+                                         f"to {format_bytes(search.over[0])} allocated, the reserved peak is still "
+                                         "over it"), search.over[0], None)
     allocated, chosen, reserved = search.best
     said = (f"planned for {format_bytes(allocated)} allocated: the caching allocator is predicted to reserve "
             f"{format_bytes(reserved)}, which with {format_bytes(outside)} outside it fits {format_bytes(budget)}")
@@ -91,6 +92,7 @@ class _Search:
         self.best: tuple[int, Plan, int] | None = None  # (allocated, plan, reserved): fits, the most allocated
         self.over: tuple[int, int] | None = None  # (allocated, reserved): over the room, the least allocated
         self._took_minimum = False
+        self.plans = 0
 
     def below_policy(self, minimum: int | None) -> bool:
         """The policy meets no plan for ``next``: try the policy's least once, when below every plan over the
@@ -103,6 +105,7 @@ class _Search:
         return True
 
     def made(self, allocated: int, chosen: Plan, reserved: int) -> None:
+        self.plans += 1
         if reserved <= self.room:
             if self.best is None or allocated > self.best[0]:
                 self.best = (allocated, chosen, reserved)
@@ -114,7 +117,10 @@ class _Search:
         if self.best is None:
             assert self.over is not None
             self.step = max(self.over[1] - self.room, 2 * self.step, self.resolution)
-            return self.over[0] - self.step
+            lower = self.over[0] - self.step
+            # a reserved peak that does not come down with the allocated budget (a library's workspace beside a
+            # step that fits) steps past zero: there is no plan left to try
+            return lower if lower >= self.resolution else None
         if self.over is None or self.over[0] - self.best[0] <= self.resolution:
             return None
         return (self.over[0] + self.best[0]) // 2

@@ -209,6 +209,10 @@ class Step:
         slot.key = id(tensor.untyped_storage())
         if self.copies is None:
             self.copies = Copies(tensor.device)
+        elif tensor.device != self.copies.device:  # a fused attention kernel's dropout seed stays on the host
+            raise PlanMismatch(f"the step saved the plan's tensor made by op {producer} on {tensor.device}, where the "
+                               f"plan's other tensors are on {self.copies.device}: it would come back on the wrong "
+                               "device; plan again from a trace of this step (ul.plan(ul.trace(...), ...))")
         if isinstance(slot.action, Offload):
             slot.device_data = bytes_of(tensor)
         else:
