@@ -6,7 +6,8 @@ limit (one hang or crash loses one model):
 
 1. trace the step and simulate it on the profile this machine resolves to (``hardware=None``);
 2. two eager steps from the same state: the control (gradients that differ between them name the
-   nondeterministic kernels, and excuse the same differences under a plan), the keep-all peak against the
+   nondeterministic kernels, and excuse differences under a plan no larger than the largest between them),
+   the keep-all peak against the
    trace, the keep-all step time (the fastest of the steps after the first) against the simulator;
 3. ``ul.profile`` of the step (each op timed alone, and the scratch each takes: cuDNN's workspaces, NOTE
    [simulated streams] 8); the plans below are made and simulated with it where its ops are the trace's
@@ -52,6 +53,7 @@ import copy
 import gc
 import gzip
 import json
+import math
 import os
 import pickle
 import subprocess
@@ -296,6 +298,9 @@ class Model:
         if self.device.type != "cuda":
             return {}
         frame = replay(events_from_simulation(self.graph, plan, simulation)).frame
+        # what the model hands out beyond the requests (free blocks too little larger to split, handed out whole):
+        # torch.cuda.max_memory_allocated counts it, the simulated peak of live bytes does not
+        whole_blocks = int((frame["allocated_bytes"] - frame["live_bytes"]).max()) if len(frame) else 0
         before_step = frame.loc[frame["op"] < 0, "reserved_bytes"]
         predicted = int(frame["reserved_bytes"].max()) - (int(before_step.iloc[-1]) if len(before_step) else 0)
         measured = outcome.reserved_growth[0] if outcome.reserved_growth else None
@@ -303,7 +308,9 @@ class Model:
                 "predicted_reserved_growth_bytes": predicted, "measured_reserved_growth_bytes": measured,
                 "measured_reserved_growths": outcome.reserved_growth,
                 "reserved_growth_error": _ratio(measured, predicted),
-                "outside_allocator_bytes": outcome.outside_allocator_bytes}
+                "outside_allocator_bytes": outcome.outside_allocator_bytes,
+                "whole_blocks_bytes": whole_blocks,
+                "allocated_peak_with_whole_blocks_bytes": simulation.peak_bytes + whole_blocks}
 
     def _reset_peak(self) -> None:
         if self.device.type == "cuda":
@@ -398,6 +405,35 @@ def _differing(a: list, b: list) -> set[int]:
     return {i for i, (x, y) in enumerate(zip(a, b)) if not _same(x, y)}
 
 
+def _relative(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    """The largest difference between two gradients over the largest magnitude of the first (inf: one is None)."""
+    if a is None or b is None:
+        return math.inf
+    scale = float(a.abs().max()) if a.numel() else 0.0
+    return float((a.float() - b.float()).abs().max()) / scale if scale else math.inf
+
+
+@dataclass(frozen=True)
+class Control:
+    """What two eager steps from the same state differ in: the nondeterministic kernels' reach and size."""
+
+    differing: frozenset[int]
+    largest: float  # the largest relative difference between them (0: none)
+
+    @classmethod
+    def of(cls, eager: list, control: list) -> Control:
+        differing = _differing(eager, control)
+        return cls(frozenset(differing), max((_relative(eager[i], control[i]) for i in differing), default=0.0))
+
+    def unexplained(self, eager: list, other: list) -> tuple[set[int], float]:
+        """(the gradients a plan's step differs in beyond what these kernels explain, its largest relative
+        difference): where the control differs, no larger a difference is theirs (atomic sums in another
+        order spread to every layer before), else any difference is the plan's."""
+        differing = _differing(eager, other)
+        relative = {i: _relative(eager[i], other[i]) for i in differing}
+        return {i for i in differing if relative[i] > self.largest}, max(relative.values(), default=0.0)
+
+
 def _ratio(measured: float | None, predicted: float | None) -> float | None:
     return None if not measured or predicted is None else predicted / measured - 1
 
@@ -417,7 +453,7 @@ def run_model(case: Case, device: torch.device, small: bool, out: Path, emit) ->
     phases = {"build": subject.build_s, "trace": subject.trace_s, "eager": subject.eager_s,
               "control": time.perf_counter() - phase_started}
     eager = subject.eager
-    nondeterministic = sorted(_differing(eager.grads, control.grads))
+    nondeterministic = Control.of(eager.grads, control.grads)
     measured = eager.steady_peak
     predicted = subject.graph.cuda_peak_bytes if device.type == "cuda" else subject.graph.peak_bytes
     step_s = min(eager.seconds[1:]) if len(eager.seconds) > 1 else None
@@ -428,8 +464,9 @@ def run_model(case: Case, device: torch.device, small: bool, out: Path, emit) ->
                       peak_error=_ratio(measured, predicted),
                       simulated_step_s=subject.keep_all_sim.step_time_s, measured_step_s=step_s,
                       measured_steps_s=eager.seconds, step_error=_ratio(step_s, subject.keep_all_sim.step_time_s),
-                      nondeterministic_grads=len(nondeterministic),
-                      nondeterministic_names=subject.parameter_names(nondeterministic), parameters=len(eager.grads),
+                      nondeterministic_grads=len(nondeterministic.differing),
+                      nondeterministic_names=subject.parameter_names(sorted(nondeterministic.differing)),
+                      nondeterministic_largest=nondeterministic.largest, parameters=len(eager.grads),
                       left_behind_bytes=eager.left_behind)
     if eager.error:
         row.update(status="eager error", traceback=eager.traceback)
@@ -479,7 +516,7 @@ def _stand_in(case: Case, small: bool, on_cuda) -> dict:
             "stand_in_peak_error": _ratio(on_cuda.cuda_peak_bytes, graph.cuda_peak_bytes), "stand_in_parts": parted[:8]}
 
 
-def _plan_runs(subject: Model, predicted: int, nondeterministic: list[int], emit) -> None:
+def _plan_runs(subject: Model, predicted: int, nondeterministic: Control, emit) -> None:
     """Every policy at every budget kind, compared with eager; then each on a device of its budget's size.
 
     The plans are made in planner processes, all at once, while this one runs them on the device: finding a
@@ -608,7 +645,7 @@ def _run_capped(subject: Model, policy: str, kind: str | None, made: Any, emit) 
 
 
 def _run_plan(subject: Model, policy: str, kind: str, budget: int | None, low: int, made: dict, eager: Outcome,
-              nondeterministic: list[int], emit, profile: bool, min_budget_s: float = 0.0):
+              nondeterministic: Control, emit, profile: bool, min_budget_s: float = 0.0):
     import udnn_lab as ul
 
     started = time.perf_counter()
@@ -639,9 +676,11 @@ def _run_plan(subject: Model, policy: str, kind: str, budget: int | None, low: i
 
 
 def _measure_plan(subject: Model, row: dict, plan, runtime, sim, keep_all, budget: int | None, eager: Outcome,
-                  nondeterministic: list[int], profile: bool) -> None:
+                  nondeterministic: Control, profile: bool) -> None:
     outcome = subject.steps(runtime)
     differing = _differing(eager.grads, outcome.grads) if not outcome.error else set()
+    unexplained, largest = nondeterministic.unexplained(eager.grads, outcome.grads) if not outcome.error \
+        else (set(), 0.0)
     measured = outcome.steady_peak
     step_s = min(outcome.seconds[1:]) if len(outcome.seconds) > 1 else None
     row.update(offloads=len(plan.offloads), recomputes=len(plan.recomputes), followed_by=runtime.follows,
@@ -651,8 +690,8 @@ def _measure_plan(subject: Model, row: dict, plan, runtime, sim, keep_all, budge
                measured_step_s=step_s, measured_steps_s=outcome.seconds,
                step_error=_ratio(step_s, sim.step_time_s), simulated_slowdown=sim.step_time_s /
                keep_all.step_time_s, grads_differ=len(differing),
-               grads_differ_unexplained=len(differing - set(nondeterministic)),
-               grads_differ_names=subject.parameter_names(sorted(differing - set(nondeterministic))),
+               grads_differ_unexplained=len(unexplained), grads_differ_largest=largest,
+               grads_differ_names=subject.parameter_names(sorted(unexplained)),
                error=outcome.error, traceback=outcome.traceback, runtime=_stats(runtime),
                left_behind_bytes=outcome.left_behind)
     kinds = _judged(row, outcome, budget)

@@ -18,7 +18,8 @@ import statistics
 from pathlib import Path
 
 MIB = 2**20
-MEASURES = {"allocated peak": "peak_error", "reserved growth": "reserved_growth_error"}
+MEASURES = {"allocated peak": "peak_error", "with whole blocks": "whole_blocks_error",
+            "reserved growth": "reserved_growth_error"}
 
 
 def records(sources: list[Path]) -> list[dict]:
@@ -28,7 +29,12 @@ def records(sources: list[Path]) -> list[dict]:
         raise SystemExit(f"no gpu_corpus*.jsonl in {', '.join(map(str, sources))}: give the folder a GPU run wrote")
     # a second call with --resume appends to the first call's file: a row copied into both counts once
     lines = dict.fromkeys(line for f in files for line in f.read_text().splitlines() if line.strip())
-    return [json.loads(line) for line in lines]
+    rows = [json.loads(line) for line in lines]
+    for row in rows:  # the simulated peak with the allocator model's whole blocks (NOTE [whole blocks])
+        predicted, measured = row.get("allocated_peak_with_whole_blocks_bytes"), row.get("measured_peak_bytes")
+        if isinstance(predicted, int) and measured:
+            row["whole_blocks_error"] = predicted / measured - 1
+    return rows
 
 
 def distribution(values: list[float]) -> dict:
@@ -58,6 +64,15 @@ def summary(rows: list[dict]) -> dict:
                    and r.get("left_behind_bytes") and isinstance(r["left_behind_bytes"][0], int))
     found["left behind"] = {"runs": len(first), "min_bytes": first[0], "max_bytes": first[-1]} if first \
         else {"runs": 0}
+    planned = [r for r in rows if r.get("budget_kind") and r.get("check") != "capped"
+               and isinstance(r.get("measured_peak_bytes"), int) and isinstance(r.get("budget_bytes"), int)]
+    over = [r for r in planned if r["measured_peak_bytes"] > r["budget_bytes"]]
+    found["over budget"] = {
+        "runs": len(planned), "over": len(over),
+        "most_bytes": max((r["measured_peak_bytes"] - r["budget_bytes"] for r in over), default=0),
+        "flagged_by_whole_blocks": sum(r.get("allocated_peak_with_whole_blocks_bytes", 0) > r["budget_bytes"]
+                                       for r in over),
+        "with_whole_blocks": sum("allocated_peak_with_whole_blocks_bytes" in r for r in over)}
     return found
 
 
@@ -77,6 +92,12 @@ def main() -> None:
             continue
         print(f"{name:18s} {d['runs']:5d} " + " ".join(f"{d[k]:+8.2%}" for k in ("min", "p10", "median", "p90", "max"))
               + f" {d['underestimates']:6d} {d['margin_for_none_short']:8.2%}")
+    over = found["over budget"]
+    if over["runs"]:
+        print(f"over budget: {over['over']} of {over['runs']} plan runs, by up to {over['most_bytes'] / MIB:,.1f} MiB"
+              + (f"; the simulated peak with the allocator model's whole blocks is over the budget in "
+                 f"{over['flagged_by_whole_blocks']} of the {over['with_whole_blocks']} that record it"
+                 if over["with_whole_blocks"] else ""))
     outside = found["outside allocator"]
     if outside["runs"]:
         print(f"outside the allocator: {outside['min_bytes'] / MIB:,.0f} to {outside['max_bytes'] / MIB:,.0f} MiB "
