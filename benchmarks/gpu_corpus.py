@@ -294,13 +294,14 @@ class Model:
     def reserved_fields(self, plan, simulation, outcome: Outcome) -> dict:
         """The caching allocator model's reserved bytes for the step against what the first step reserved."""
         from udnn_lab.allocator import events_from_simulation, replay
+        from udnn_lab.planning.reserved import allocated_peak_bytes
 
         if self.device.type != "cuda":
             return {}
         frame = replay(events_from_simulation(self.graph, plan, simulation)).frame
-        # what the model hands out beyond the requests (free blocks too little larger to split, handed out whole):
-        # torch.cuda.max_memory_allocated counts it, the simulated peak of live bytes does not
-        whole_blocks = int((frame["allocated_bytes"] - frame["live_bytes"]).max()) if len(frame) else 0
+        # the peak as torch.cuda.max_memory_allocated counts it, with the blocks handed out whole (NOTE [whole
+        # blocks]): what ul.plan holds a plan that moves tensors to
+        counted = allocated_peak_bytes(self.graph, plan, simulation)
         before_step = frame.loc[frame["op"] < 0, "reserved_bytes"]
         predicted = int(frame["reserved_bytes"].max()) - (int(before_step.iloc[-1]) if len(before_step) else 0)
         measured = outcome.reserved_growth[0] if outcome.reserved_growth else None
@@ -309,8 +310,8 @@ class Model:
                 "measured_reserved_growths": outcome.reserved_growth,
                 "reserved_growth_error": _ratio(measured, predicted),
                 "outside_allocator_bytes": outcome.outside_allocator_bytes,
-                "whole_blocks_bytes": whole_blocks,
-                "allocated_peak_with_whole_blocks_bytes": simulation.peak_bytes + whole_blocks}
+                "whole_blocks_bytes": counted - simulation.peak_bytes,
+                "allocated_peak_with_whole_blocks_bytes": counted}
 
     def _reset_peak(self) -> None:
         if self.device.type == "cuda":

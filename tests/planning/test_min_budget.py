@@ -1,6 +1,8 @@
-"""ul.min_budget(graph, "auto") is the least budget of the joint problem: the exact planner fits nothing lower.
+"""auto's least budget (in live bytes: ``least_live_budget``, what ``ul.min_budget`` is on a CPU step, and on
+CUDA less the caching allocator's whole blocks) is the least of the joint problem: the exact planner fits nothing
+lower.
 
-min_budget searches to a resolution of 1/512 of the keep-all peak; the exact planner is asked for a plan one
+It searches to a resolution of 1/512 of the keep-all peak; the exact planner is asked for a plan one
 resolution step under auto's least budget, and must find none that fits (a plan that fits there would be a
 budget auto misses), while at auto's own least budget it finds one.
 """
@@ -9,7 +11,7 @@ import pytest
 
 import udnn_lab as ul
 from udnn_lab import zoo
-from udnn_lab.planning import min_budget
+from udnn_lab.planning import least_live_budget
 from udnn_lab.planning.optimal import exact_plan
 from udnn_lab.simulation.simulator import cost_model, simulate_with
 
@@ -25,7 +27,7 @@ RESOLUTION = 1 / 512
 def test_auto_reaches_the_exact_planner_s_least_budget(name, batch):
     graph = ul.trace(zoo.get(name, batch=batch, device="meta"), device="cuda")
     cost = cost_model(graph, HARDWARE)
-    auto_least = min_budget(graph, "auto", cost=cost)
+    auto_least = least_live_budget(graph, "auto", cost)
     below = auto_least - int(graph.cuda_peak_bytes * RESOLUTION) - 1
     assert graph.cuda_baseline_bytes < below < auto_least
     def fits(budget: int) -> bool:

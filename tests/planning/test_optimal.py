@@ -15,9 +15,10 @@ import udnn_lab as ul
 from tests.planning.random_dag import RandomDAG
 from udnn_lab import zoo
 from udnn_lab.errors import MissingDependency, SolverLimit
-from udnn_lab.planning import POLICIES, min_budget, plan
+from udnn_lab.planning import POLICIES, least_live_budget, min_budget, plan
 from udnn_lab.planning import optimal as optimal_module
 from udnn_lab.planning.optimal import exact_plan
+from udnn_lab.planning.reserved import allocated_peak_bytes
 from udnn_lab.simulation.simulator import cost_model, simulate, simulate_with
 
 pytest.importorskip("highspy")
@@ -35,7 +36,7 @@ def cnn():
 
 
 def _budgets(graph, cost, count):
-    low, high = min_budget(graph, "auto", cost=cost), graph.cuda_peak_bytes
+    low, high = least_live_budget(graph, "auto", cost), graph.cuda_peak_bytes
     return [low + (high - low) * i // count for i in range(count)]
 
 
@@ -58,7 +59,7 @@ def _check_against_the_others(graph, cost, budget):
 def test_on_random_dags_no_policy_is_faster_and_the_plan_fits(edges, batch, fraction):
     graph = ul.trace(RandomDAG(64, edges), torch.randn(batch, 64), device="cuda")
     cost = cost_model(graph, HARDWARE)
-    low = min_budget(graph, "auto", cost=cost)
+    low = least_live_budget(graph, "auto", cost)
     budget = low + int((graph.cuda_peak_bytes - low) * fraction)
     _check_against_the_others(graph, cost, budget)
 
@@ -80,10 +81,20 @@ def test_at_the_keep_all_peak_it_keeps_everything(cnn):
 
 def test_under_the_peak_it_acts_and_ul_plan_returns_a_plan_that_fits(cnn):
     graph, cost = cnn
-    budget = _budgets(graph, cost, 2)[1]  # halfway from the least auto reaches to the peak
-    chosen = plan(graph, budget, "optimal", hardware=HARDWARE)
-    assert chosen.offloads or chosen.recomputes
-    assert simulate(graph, chosen, hardware=HARDWARE).peak_bytes <= budget
+    budget = _budgets(graph, cost, 2)[1]  # halfway from the least auto reaches (live bytes) to the peak
+    solved = exact_plan(graph, cost, budget, time_limit_s=TIME_LIMIT_S).plan
+    assert solved.offloads or solved.recomputes
+    assert simulate(graph, solved, hardware=HARDWARE).peak_bytes <= budget
+    # ul.plan holds it to the whole blocks the caching allocator counts (NOTE [whole blocks]): here, where
+    # weights are 98% of the step, those take more than the room under the peak, and it says the least that fits
+    least = min_budget(graph, "optimal", hardware=HARDWARE)
+    if least <= budget:
+        chosen = plan(graph, budget, "optimal", hardware=HARDWARE)
+        assert allocated_peak_bytes(graph, chosen, simulate(graph, chosen, hardware=HARDWARE)) <= budget
+    else:
+        with pytest.raises(ul.PlanInfeasible) as raised:
+            plan(graph, budget, "optimal", hardware=HARDWARE)
+        assert raised.value.minimum_bytes == least
 
 
 def test_a_budget_below_what_any_choice_reaches_is_reported_infeasible(cnn):

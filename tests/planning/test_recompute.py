@@ -4,7 +4,7 @@ import pytest
 
 import udnn_lab as ul
 from udnn_lab import zoo
-from udnn_lab.planning import POLICIES, min_budget
+from udnn_lab.planning import POLICIES, least_live_budget, min_budget
 from udnn_lab.simulation.simulator import cost_model, simulate_with
 
 HARDWARE = "h100-sxm"
@@ -65,4 +65,4 @@ def test_without_a_budget_recompute_reaches_as_low_as_segment_checkpointing(grap
     least = simulate_with(graph, POLICIES["recompute"](graph, cost, None), cost)
     segments = simulate_with(graph, POLICIES["checkpoint-segments"](graph, cost, None), cost)
     assert least.peak_bytes <= segments.peak_bytes < graph.cuda_peak_bytes
-    assert min_budget(graph, "recompute", cost=cost) <= min_budget(graph, "checkpoint-segments", cost=cost)
+    assert least_live_budget(graph, "recompute", cost) <= least_live_budget(graph, "checkpoint-segments", cost)

@@ -12,9 +12,18 @@ the allocator model (a budget counted in reserved bytes), units and errors.
 from udnn_lab.planning import vdnn, pinning, segments, recompute, auto, optimal  # noqa: F401, I001
 from udnn_lab.graph.plan_ir import Offload, Plan, PlanError, Recompute
 from udnn_lab.planning import host
-from udnn_lab.planning.budget import PlanInfeasible, check_within_device, floor_bytes, min_budget, plan, sweep
+from udnn_lab.planning.budget import (
+    PlanInfeasible,
+    check_within_device,
+    floor_bytes,
+    least_live_budget,
+    min_budget,
+    plan,
+    sweep,
+)
 from udnn_lab.planning.floors import unlowered
 from udnn_lab.planning.registry import POLICIES, policy, quick_policies
 
 __all__ = ["Offload", "Plan", "PlanError", "PlanInfeasible", "Recompute", "POLICIES", "check_within_device",
-           "floor_bytes", "host", "min_budget", "plan", "policy", "quick_policies", "sweep", "unlowered"]
+           "floor_bytes", "host", "least_live_budget", "min_budget", "plan", "policy", "quick_policies", "sweep",
+           "unlowered"]

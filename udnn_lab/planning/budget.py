@@ -19,7 +19,13 @@ from udnn_lab.planning.auto import auto_within_host
 from udnn_lab.planning.floors import fixed_floor, one_op_floor, unlowered_note
 from udnn_lab.planning.host import LOCAL, host_budget_bytes, plan_host_bytes
 from udnn_lab.planning.registry import POLICIES, quick_policies
-from udnn_lab.planning.reserved import check_counts, plan_in_reserved
+from udnn_lab.planning.reserved import (
+    allocated_peak_bytes,
+    check_counts,
+    counts_whole_blocks,
+    plan_in_allocated,
+    plan_in_reserved,
+)
 from udnn_lab.simulation.simulator import cost_model, simulate_with
 from udnn_lab.units import Bytes, format_bytes, parse_bytes
 
@@ -33,10 +39,12 @@ def plan(graph: Graph, budget: int | str | None = None, policy: str = "auto", ha
          outside_bytes: int | str = 0) -> Plan:
     """A plan of ``policy`` for ``graph`` whose simulated peak fits ``budget`` ("6 GiB", bytes, or None).
 
-    ``counts``: what the budget counts: 'allocated' bytes (live tensors, as the simulation's peak), or, for a CUDA
-    step, 'reserved' bytes (what the caching allocator is predicted to reserve, as torch.cuda.max_memory_reserved,
-    plus ``outside_bytes``: what the process holds outside the allocator, the CUDA context and libraries'
-    workspaces; NCCL's buffers on a rank), the number an out-of-memory error is about (planning/reserved.py).
+    ``counts``: what the budget counts: 'allocated' bytes (live tensors, as the simulation's peak; on a CUDA step
+    as torch.cuda.max_memory_allocated counts them, with the whole blocks the caching allocator hands out: NOTE
+    [whole blocks] in planning/reserved.py), or, for a CUDA step, 'reserved' bytes (what the caching allocator is
+    predicted to reserve, as torch.cuda.max_memory_reserved, plus ``outside_bytes``: what the process holds outside
+    the allocator, the CUDA context and libraries' workspaces; NCCL's buffers on a rank), the number an
+    out-of-memory error is about (planning/reserved.py).
 
     ``ranks_per_node``: for a graph of one rank of several, the ranks sharing a node (default: the profile's
     ``gpus_per_node``), as for ``simulate``: a collective whose group spans more crosses the nodes' network
@@ -51,15 +59,37 @@ def plan(graph: Graph, budget: int | str | None = None, policy: str = "auto", ha
     budget_bytes = None if budget is None else parse_bytes(budget)
     check_within_device(budget_bytes, cost.hardware)
     check_counts(counts, graph)
-    if counts == "reserved" and budget_bytes is not None:
-        return plan_in_reserved(graph, budget_bytes, parse_bytes(outside_bytes), cost,
-                                lambda allocated: plan(graph, allocated, policy, hardware, profile, rates,
-                                                       ranks_per_node=ranks_per_node, host_budget=host_budget))
+
+    def planned(live: int | None) -> Plan:  # within a search of live bytes: the policy's least in live bytes
+        return _plan_live(graph, cost, policy, live, host_budget, whole_blocks=False)
+
+    if budget_bytes is None:
+        return planned(None)
+    if counts == "reserved":
+        return plan_in_reserved(graph, budget_bytes, parse_bytes(outside_bytes), cost, planned)
+    result = _plan_live(graph, cost, policy, budget_bytes, host_budget, whole_blocks=True)
+    if _counts_whole_blocks(graph, policy, result) and \
+            allocated_peak_bytes(graph, result, simulate_with(graph, result, cost)) > budget_bytes:
+        return plan_in_allocated(graph, budget_bytes, cost, planned)  # NOTE [whole blocks]
+    return result
+
+
+def _counts_whole_blocks(graph: Graph, policy: str, chosen: Plan) -> bool:
+    """Whether ``chosen`` is held to its budget in whole blocks (NOTE [whole blocks] in planning/reserved.py): a plan
+    that moves tensors on a CUDA step, of a policy that plans for a budget. Keeping everything is the step as it
+    runs without udnn_lab, whose peak is the graph's; vDNN's fixed policies offload what they offload."""
+    return counts_whole_blocks(graph) and policy not in _BUDGET_FREE and bool(chosen.offloads or chosen.recomputes)
+
+
+def _plan_live(graph: Graph, cost: CostModel, policy: str, budget_bytes: int | None,
+               host_budget: int | str | None, whole_blocks: bool) -> Plan:
+    """The policy's plan whose simulated peak of live bytes fits ``budget_bytes`` (plan's errors, whose smallest
+    budget counts ``whole_blocks`` on CUDA or live bytes alone)."""
     host_bytes = host_budget_bytes(host_budget, graph.device, budget_bytes)
     result = _planned(graph, cost, policy, budget_bytes, host_bytes)
     simulation = simulate_with(graph, result, cost)
     if budget_bytes is not None and not simulation.fits:
-        minimum = min_budget(graph, policy, cost=cost, within_device=False)
+        minimum = _smallest_budget(graph, cost, policy, whole_blocks)
         other = None if policy == "auto" else _fitting_policy(graph, cost, budget_bytes, host_bytes)
         hint = f"; {other!r} fits {format_bytes(budget_bytes)}" if other else \
             (fixed_floor(graph, minimum) or one_op_floor(graph, minimum)
@@ -130,7 +160,7 @@ def min_budget(graph: Graph, policy: str = "auto", hardware: Hardware | str | No
         raise ValueError("a cost model carries its own ranks_per_node: give min_budget either cost or "
                          "ranks_per_node, or make the cost model with it (simulation.cost_model(..., ranks_per_node))")
     cost = cost or cost_model(graph, hardware, profile, rates, ranks_per_node)
-    minimum = _smallest_budget(graph, cost, policy)
+    minimum = _smallest_budget(graph, cost, policy, whole_blocks=True)
     if within_device and minimum > cost.hardware.memory_bytes:
         memory = cost.hardware.memory_bytes
         raise BudgetOverDevice(
@@ -140,8 +170,28 @@ def min_budget(graph: Graph, policy: str = "auto", hardware: Hardware | str | No
     return minimum
 
 
-def _smallest_budget(graph: Graph, cost: CostModel, policy: str) -> Bytes:
+def _smallest_budget(graph: Graph, cost: CostModel, policy: str, whole_blocks: bool) -> Bytes:
+    """min_budget's figure: the least budget of live bytes whose plan simulates within it; with ``whole_blocks``,
+    on CUDA, that plan's peak as the caching allocator counts allocated bytes where it is more (NOTE [whole
+    blocks] in planning/reserved.py): plan() reaches it, searching down to the least budget of live bytes."""
     choose = _policy(policy)
+    least = _least_live(graph, cost, policy, choose)
+    if not whole_blocks:
+        return least
+    chosen = _plan_live(graph, cost, policy, least, None, whole_blocks=False)  # as plan() returns it
+    if not _counts_whole_blocks(graph, policy, chosen):
+        return least
+    return Bytes(max(least, allocated_peak_bytes(graph, chosen, simulate_with(graph, chosen, cost))))
+
+
+def least_live_budget(graph: Graph, policy: str, cost: CostModel) -> Bytes:
+    """The least budget of live bytes (the simulated peak, the planners' own measure) whose plan of ``policy`` fits
+    it: ``min_budget`` less the whole blocks the caching allocator counts on CUDA (NOTE [whole blocks] in
+    planning/reserved.py). What compares planners with one another."""
+    return _least_live(graph, cost, policy, _policy(policy))
+
+
+def _least_live(graph: Graph, cost: CostModel, policy: str, choose) -> Bytes:
     high = simulate_with(graph, Plan.keep_all(graph), cost).peak_bytes
     if policy in _BUDGET_FREE:
         fixed = choose(graph, cost, None)

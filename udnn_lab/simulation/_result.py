@@ -6,9 +6,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
 import pandas as pd
 
-from udnn_lab.simulation._tables import StepRecord, curve_frame, timeline_frame
+from udnn_lab.simulation._tables import StepRecord, counted_by_op, curve_frame, timeline_frame
 from udnn_lab.units import format_bytes, format_seconds
 
 
@@ -43,6 +44,7 @@ class Simulation:
     exposed_communication_s: float = 0.0
     communication_bytes: int = 0
     hardware: str = ""  # the name of the profile it was simulated on
+    scratch_by_op: np.ndarray | None = field(default=None, compare=False)  # each op's scratch, where any was priced
 
     def __repr__(self) -> str:
         budget = format_bytes(self.budget_bytes) if self.budget_bytes is not None else "none"
@@ -53,6 +55,10 @@ class Simulation:
     @property
     def fits(self) -> bool:
         return self.budget_bytes is None or self.peak_bytes <= self.budget_bytes
+
+    def counted_by_op(self) -> tuple[np.ndarray, int]:
+        """(the bytes the budget counts while each op runs, its scratch with it; those before the first op)."""
+        return counted_by_op(self.record.graph, self.device_changes, self.scratch_by_op)
 
     @cached_property
     def timeline(self) -> pd.DataFrame:

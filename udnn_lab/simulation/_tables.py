@@ -45,6 +45,12 @@ def compute_time_s(rows: Sequence[tuple]) -> float:
 def counted_peak_bytes(graph: Graph, changes: Sequence[Change], scratch: np.ndarray | None = None) -> int:
     """The most bytes the budget counts at any op (512-byte blocks on CUDA, exact on CPU), before the first op too;
     ``scratch``: bytes each op holds only while it runs (NOTE [simulated streams] 8)."""
+    counted, base = counted_by_op(graph, changes, scratch)
+    return int(max(base, counted.max() if len(counted) else 0))
+
+
+def counted_by_op(graph: Graph, changes: Sequence[Change], scratch: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+    """(the bytes the budget counts while each op runs, those before the first op)."""
     live, table = live_bytes(graph), op_table(graph)
     cuda = graph.device == "cuda"
     size = table.block if cuda else table.exact
@@ -54,8 +60,7 @@ def counted_peak_bytes(graph: Graph, changes: Sequence[Change], scratch: np.ndar
     counted = (live.cuda_total if cuda else live.total) + np.cumsum(delta[:len(graph.ops)])
     if scratch is not None:
         counted = counted + scratch
-    base = live.baseline_cuda if cuda else live.baseline_bytes
-    return int(max(base, counted.max() if len(counted) else 0))
+    return counted, int(live.baseline_cuda if cuda else live.baseline_bytes)
 
 
 def curve_frame(record: StepRecord) -> pd.DataFrame:

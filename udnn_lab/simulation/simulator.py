@@ -517,11 +517,12 @@ class _Run:
                     comm.busy_s if comm is not None else 0.0)
         step = max(clock, self.d2h_free, self.h2d_free, comm.end_s() if comm is not None else 0.0)
         changes = tuple(self.changes)
+        scratch = self._scratch_by_op()
         return Simulation(
             model_name=graph.model_name, policy=self.plan.policy, device=graph.device,
             budget_bytes=self.budget, step_time_s=step, compute_time_s=compute,
             stall_time_s=self.stall, d2h_bytes=d2h, h2d_bytes=h2d, lower_bound_s=bound,
-            peak_bytes=Bytes(counted_peak_bytes(graph, changes, self._scratch_by_op())),
+            peak_bytes=Bytes(counted_peak_bytes(graph, changes, scratch)), scratch_by_op=scratch,
             record=StepRecord(graph, tuple(self.timeline), tuple(spans), changes),
             released_before=dict(self.released), device_changes=changes,
             communication_time_s=comm.busy_s if comm is not None else 0.0,
