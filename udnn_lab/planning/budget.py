@@ -15,7 +15,7 @@ from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware.profiles import Hardware
 from udnn_lab.planning._candidates import candidates
 from udnn_lab.planning._curve_estimate import CurveEstimate
-from udnn_lab.planning.auto import auto_within_host
+from udnn_lab.planning.auto import auto_fits, auto_within_host
 from udnn_lab.planning.floors import fixed_floor, one_op_floor, unlowered_note
 from udnn_lab.planning.host import LOCAL, host_budget_bytes, plan_host_bytes
 from udnn_lab.planning.registry import POLICIES, quick_policies
@@ -197,12 +197,15 @@ def _least_live(graph: Graph, cost: CostModel, policy: str, choose) -> Bytes:
         fixed = choose(graph, cost, None)
         floor = simulate_with(graph, replace(fixed, budget_bytes=0), cost).peak_bytes
         return Bytes(floor if simulate_with(graph, replace(fixed, budget_bytes=floor), cost).fits else high)
-    if not _fits(graph, cost, choose, high):
+    def fits(budget: int) -> bool:
+        return auto_fits(graph, cost, budget) if policy == "auto" else _fits(graph, cost, choose, budget)
+
+    if not fits(high):
         return Bytes(simulate_with(graph, choose(graph, cost, None), cost).peak_bytes)
     low, step = max(0, floor_bytes(graph) - 1), max(1, int(high * _RESOLUTION))
     while high - low > step:
         middle = (low + high) // 2
-        if _fits(graph, cost, choose, middle):
+        if fits(middle):
             high = middle
         else:
             low = middle
