@@ -68,9 +68,11 @@ def plan(graph: Graph, budget: int | str | None = None, policy: str = "auto", ha
     if counts == "reserved":
         return plan_in_reserved(graph, budget_bytes, parse_bytes(outside_bytes), cost, planned)
     result = _plan_live(graph, cost, policy, budget_bytes, host_budget, whole_blocks=True)
-    if _counts_whole_blocks(graph, policy, result) and \
-            allocated_peak_bytes(graph, result, simulate_with(graph, result, cost)) > budget_bytes:
-        return plan_in_allocated(graph, budget_bytes, cost, planned)  # NOTE [whole blocks]
+    if not _counts_whole_blocks(graph, policy, result):
+        return result
+    counted = allocated_peak_bytes(graph, result, simulate_with(graph, result, cost))
+    if counted > budget_bytes:  # NOTE [whole blocks]
+        return plan_in_allocated(graph, budget_bytes, cost, planned, (result, counted))
     return result
 
 

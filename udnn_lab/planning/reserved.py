@@ -4,10 +4,10 @@
   NOTE [whole blocks]: a free block whose remainder after a request is too small to split (up to 1 MiB in the
   large pool) is handed out whole, and the allocator counts all of it: on an H200 ConvNeXt-T's and
   MobileNet-V3's plans peaked 4 to 17 MiB above their simulated peaks, by about what the allocator model hands
-  out beyond the requests, and went over budgets they met in live bytes. A plan's counted peak is its
-  simulated peak plus the most the model hands out beyond the requests at any point of the step (an upper
-  bound: that most need not come at the peak). It holds a plan that moves tensors, of a policy that plans for
-  a budget; keeping everything is the step as it runs without udnn_lab, whose peak is the graph's.
+  out beyond the requests, and went over budgets they met in live bytes. A plan's counted peak is the most,
+  over its ops, of the simulated bytes while the op runs (its scratch with them) plus the most the model hands
+  out beyond the requests meanwhile. It holds a plan that moves tensors, of a policy that plans for a budget;
+  keeping everything is the step as it runs without udnn_lab, whose peak is the graph's.
 - counted as 'reserved': what the allocator reserves from the device (segments it keeps, free or not), plus
   what the process holds outside it (the CUDA context, library workspaces, NCCL's buffers per rank), the
   number an out-of-memory error is about.
@@ -56,18 +56,15 @@ def allocated_peak_bytes(graph: Graph, plan: Plan, simulation: Simulation) -> in
         return simulation.peak_bytes
     whole = (frame["allocated_bytes"] - frame["live_bytes"]).to_numpy()
     ops = frame["op"].to_numpy()
-    by_op = np.zeros(len(counted), dtype=np.int64)  # the most handed out whole while each op runs
     inside = (ops >= 0) & (ops < len(counted))
-    np.maximum.at(by_op, ops[inside], whole[inside])
-    # an op without events of its own runs with the blocks as the last event left them
-    carried = np.zeros(len(counted), dtype=np.int64)
-    last = int(whole[ops < 0][-1]) if (ops < 0).any() else 0
-    order = np.argsort(ops[inside], kind="stable")
-    final = dict(zip(ops[inside][order], whole[inside][order]))  # each op's last event's figure
-    for index in range(len(counted)):
-        carried[index] = max(by_op[index], last)
-        last = int(final.get(index, last))
-    return int(max(before, simulation.peak_bytes, (counted + carried).max()))
+    most = np.zeros(len(counted), dtype=np.int64)  # the most handed out whole by each op's own events
+    np.maximum.at(most, ops[inside], whole[inside])
+    left = dict(zip(ops[inside], whole[inside]))  # what each op's last event leaves handed out whole
+    entering = int(whole[ops < 0][-1]) if (ops < 0).any() else 0
+    for index in range(len(counted)):  # an op runs at least with what the events before it left
+        most[index] = max(most[index], entering)
+        entering = int(left.get(index, entering))
+    return int(max(before, simulation.peak_bytes, (counted + most).max()))
 
 
 def counts_whole_blocks(graph: Graph) -> bool:
@@ -97,14 +94,16 @@ def plan_in_reserved(graph: Graph, budget: int, outside: int, cost: CostModel,
     return _plan_counted(graph, budget, outside, cost, planned, "reserved")
 
 
-def plan_in_allocated(graph: Graph, budget: int, cost: CostModel, planned: Callable[[int], Plan]) -> Plan:
+def plan_in_allocated(graph: Graph, budget: int, cost: CostModel, planned: Callable[[int], Plan],
+                      first: tuple[Plan, int]) -> Plan:
     """A plan whose peak as the caching allocator counts allocated bytes fits ``budget`` (NOTE [whole blocks]): made
-    by ``planned`` for fewer live bytes until it does. Raises PlanInfeasible otherwise."""
-    return _plan_counted(graph, budget, 0, cost, planned, "allocated")
+    by ``planned`` for fewer live bytes until it does, after ``first`` (the plan for ``budget`` itself, its counted
+    peak). Raises PlanInfeasible otherwise."""
+    return _plan_counted(graph, budget, 0, cost, planned, "allocated", first)
 
 
 def _plan_counted(graph: Graph, budget: int, outside: int, cost: CostModel, planned: Callable[[int], Plan],
-                  counts: str) -> Plan:
+                  counts: str, first: tuple[Plan, int] | None = None) -> Plan:
     peak_of = reserved_peak_bytes if counts == "reserved" else allocated_peak_bytes
     room = budget - outside
     if room <= 0:
@@ -112,7 +111,9 @@ def _plan_counted(graph: Graph, budget: int, outside: int, cost: CostModel, plan
                              "for the step: give a larger budget, or measure what the process holds outside the "
                              "allocator (the device's used memory less torch.cuda.memory_reserved())", budget, None)
     search = _Search(room, max(1, int(budget * _STEP)))
-    for _ in range(TRIES):
+    if first is not None:  # the plan for the whole room, made and counted already
+        search.made(room, *first)
+    for _ in range(TRIES - search.plans):
         if search.next is None:
             break
         allocated = search.next
