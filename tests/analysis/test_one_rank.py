@@ -194,3 +194,21 @@ def test_a_rank_stepped_through_dtensor_traces_the_same_whatever_ran_before_it(o
     warm = ul.trace(work, device="cuda", parallel=ul.FSDP(2))
     assert [op.name for op in cold.ops] == [op.name for op in warm.ops]
     assert cold.cuda_peak_bytes == warm.cuda_peak_bytes
+
+
+@pytest.mark.compat
+def test_dtensor_s_propagation_missing_its_cache_records_nothing_of_its_own(monkeypatch):
+    """NOTE [local shard steps] 7: on a torch whose propagation cache misses every step (torch 2.11 keys Adam's
+    ``addcdiv_`` by its step size), the ops it reasons with are not the step's. Here its caches miss every lookup;
+    newer torch caches DTensor's dispatch above them too, so this fails without the fix on the oldest torch only."""
+    work = zoo.get("mlp3", batch=4, optimizer="adamw")
+    work = replace(work, clip_grad_norm=1.0)  # the DTensor optimizer steps ([local shard steps] 5)
+    cached = ul.trace(work, parallel=ul.FSDP(4))
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    monkeypatch.setattr(propagator, "propagate_op_sharding", propagator.propagate_op_sharding_non_cached)
+    monkeypatch.setattr(propagator, "_propagate_tensor_meta",
+                        lambda schema: propagator._propagate_tensor_meta_non_cached(schema))
+    missing = ul.trace(work, parallel=ul.FSDP(4))
+    assert [op.name for op in missing.ops] == [op.name for op in cached.ops]
+    assert missing.peak_bytes == cached.peak_bytes
+    assert "_propagate_tensor_meta_non_cached" not in vars(propagator)  # the class's own again

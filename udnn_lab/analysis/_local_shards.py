@@ -23,14 +23,25 @@ NOTE [local shard steps]
      meets in the recorded step would bring its propagation's own ops into the trace. After two steps every op
      of the steady step has been met, and the trace is the same whatever ran before it in the process
      (checked with clipping and a GradScaler in tests/analysis/test_one_rank.py).
+  7. Warm caches are not enough on every torch: where the propagation's cache keys an op by its scalar
+     arguments too (torch 2.11), Adam's ``addcdiv_`` by a step size that changes every step misses it every
+     step, and its propagation ran three parameter-sized temporaries and the op again in the trace's fake mode,
+     recorded as the step's (a rank of an MLP under AdamW: 21.1 MB where the shards' step peaks at 17.3). A
+     real step's propagation makes a fake mode of its own for them, which a measurement's recorder saw as well.
+     So every recorded step, traced or measured, runs them in a fake mode of its own beneath no recorder
+     (``propagation_unrecorded``): they hold no memory of the step's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import cast
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import _disable_current_modes
 
 from udnn_lab.analysis.step import same_optimizer
 
@@ -94,3 +105,29 @@ def _shard(tensor: torch.Tensor) -> torch.Tensor:
 def _sharded_on_first_dim(tensor: torch.Tensor) -> bool:
     placements = getattr(tensor, "placements", None)
     return placements is not None and all(getattr(p, "dim", None) == 0 or p.is_replicate() for p in placements)
+
+
+@contextmanager
+def propagation_unrecorded() -> Iterator[None]:
+    """DTensor's sharding propagation runs the ops it reasons with in a fake mode of its own, beneath no dispatch
+    mode of the trace's or a measurement's (NOTE [local shard steps] 7); as it was on the way out."""
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor in the step
+    propagator = dtensor.DTensor._op_dispatcher.sharding_propagator if dtensor is not None else None
+    original = getattr(propagator, "_propagate_tensor_meta_non_cached", None)
+    if propagator is None or original is None:  # a torch that propagates otherwise: nothing to keep out
+        yield
+        return
+
+    def unrecorded(op_schema):
+        with _disable_current_modes(), FakeTensorMode():
+            return original(op_schema)
+
+    own = vars(propagator).get("_propagate_tensor_meta_non_cached")  # set on the instance before: kept
+    propagator._propagate_tensor_meta_non_cached = unrecorded
+    try:
+        yield
+    finally:
+        if own is None:
+            del propagator._propagate_tensor_meta_non_cached  # the class's method again
+        else:
+            propagator._propagate_tensor_meta_non_cached = own

@@ -10,6 +10,7 @@ from typing import Any, NoReturn, cast
 import torch
 
 from udnn_lab.analysis._fake.tensors import FAKE_LIMITS
+from udnn_lab.analysis._local_shards import propagation_unrecorded
 from udnn_lab.analysis._recorder import StepRecorder, StorageRecord
 from udnn_lab.analysis._sharded import resized_storages, resizes_seen
 from udnn_lab.analysis.step import input_tensors, run_step, scaler_state
@@ -56,7 +57,7 @@ def record_step(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwa
         runtime.observer = recorder
     modules = recorder.logging_modules() if track_saved else nullcontext()
     with no_gc(), recorder.watching(model), modules, recorder, saved_hooks, runtime or nullcontext(), \
-            resizes_seen() as resized:
+            resizes_seen() as resized, propagation_unrecorded():  # NOTE [local shard steps] 7
         recorder.recording, recorder.resized = True, resized
         try:
             run_step(model, args, kwargs, loss_fn=loss_fn, target=target, optimizer=optimizer, options=options,
