@@ -439,3 +439,74 @@ def test_module_calls_in_another_thread_do_not_disturb_a_step():
     finally:
         stop.set()
         thread.join()
+
+
+class _PendingCopies:
+    """CUDA's copy semantics on the CPU: each copy returns a token that stays pending until the host waits on it
+    (as a copy queued behind the GPU would), and the compute stream's waits are noted, not made."""
+
+    def __init__(self, device):
+        from udnn_lab.runtime._copies import Copies
+
+        self.inner, self.device, self.cuda = Copies(device), device, True
+        self.wait_s, self.host_waits, self.stream_waits = 0.0, [], 0
+        self.compute = self
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def wait_event(self, token):
+        self.stream_waits += 1
+
+    def to_host(self, source, host):
+        self.inner.to_host(source, host)
+        return _Pending(self)
+
+    def to_device(self, host):
+        target, _ = self.inner.to_device(host)
+        return target, _Pending(self)
+
+    def done(self, token):
+        return token is None or token.query()
+
+    def use(self, token):
+        if token is not None and not token.query():
+            self.wait_event(token)
+
+    def finish(self, token):
+        if token is not None and not token.query():
+            token.synchronize()
+
+
+class _Pending:
+    def __init__(self, copies):
+        self.copies, self.completed = copies, False
+
+    def query(self):
+        return self.completed
+
+    def synchronize(self):
+        self.copies.host_waits.append(self.copies.inner.device)
+        self.completed = True
+
+
+@pytest.mark.parametrize("policy", ["vdnn-all", "vdnn-conv"])
+def test_the_host_never_waits_for_a_copy_inside_the_step(monkeypatch, policy):
+    """NOTE [offload runtime] 7: on a GPU a host wait inside the step drains the device's queue, and the device
+    idles while the host issues the next ops; with every copy still pending, only the step's end waits."""
+    import udnn_lab.runtime._step as step_module
+
+    made = []
+    monkeypatch.setattr(step_module, "Copies", lambda device: made.append(_PendingCopies(device)) or made[-1])
+    work = zoo.get("resnet18", batch=8, image_size=64)
+    graph = ul.trace(work)
+    chosen = plan(graph, None, policy, hardware=CPU)
+    assert len(chosen.offloads) > 5
+    runtime = OffloadRuntime(chosen)
+    args, kwargs = split_input(work.example_input)
+    model = copy.deepcopy(work.model)
+    with runtime:
+        work.loss_fn(model(*args, **kwargs), work.target).backward()
+        waits_in_step = len(made[0].host_waits)
+    runtime.release()
+    assert waits_in_step == 0 and made[0].stream_waits >= len(chosen.offloads)

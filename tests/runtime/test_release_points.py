@@ -69,9 +69,9 @@ def test_every_policy_is_exact_while_the_gpu_lags_behind_the_host(policy):
 
 
 @pytest.mark.gpu
-def test_a_handle_dropped_before_its_prefetch_finished_waits_for_the_copy():
+def test_a_handle_dropped_before_its_prefetch_finished_has_compute_wait_for_the_copy_not_the_host():
     """NOTE [offload runtime] 7: when autograd lets go of a handle it never unpacked, the block and the host slice
-    may still be in use by the prefetch: dropping them must wait for it."""
+    may still be in use by the prefetch: compute waits for it before anything reuses them, and the host goes on."""
     from udnn_lab.runtime._by_ops import OpByOpStep
     from udnn_lab.runtime._copies import Copies
 
@@ -88,4 +88,8 @@ def test_a_handle_dropped_before_its_prefetch_finished_waits_for_the_copy():
     done = slot.prefetch_done
     assert not done.query()
     step._drop(slot)
-    assert done.query() and slot.restored is None
+    assert slot.restored is None and not done.query()  # the host did not wait
+    after = torch.cuda.Event()
+    after.record(step.copies.compute)  # the next compute work: the block's next user
+    after.synchronize()
+    assert done.query()

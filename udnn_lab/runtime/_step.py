@@ -354,7 +354,7 @@ class Step:
 
     def _drop(self, slot: Slot) -> None:
         assert self.copies is not None
-        self.copies.finish(slot.prefetch_done)  # NOTE [offload runtime] 7: a copy may still use block and slice
+        self.copies.use(slot.prefetch_done)  # NOTE [offload runtime] 7: a copy may still use block and slice
         slot.restored = slot.rebuilt = slot.device_data = slot.prefetch_done = slot.offload_done = None
         self._give_back(slot)
 

@@ -56,9 +56,13 @@ NOTE [offload runtime]
      collective is never recorded: every rank calls it together, so a plan whose
      recomputation would re-run one raises ReplayError before it runs.
   7. Release. A slot's restored storage is dropped when the last handle of it is
-     collected: autograd frees saved variables as their backward node finishes. A handle
-     collected before its prefetch completed (never unpacked) first waits for that copy, so
-     neither the block nor the host slice is reused while the copy still uses it.
+     collected: autograd frees saved variables as their backward node finishes. The compute
+     stream first waits for its prefetch (as an unpack made it wait: a stream wait, never the
+     host's), and the block and the host slice go back at once: the block to later compute
+     work only, and the slice to a later offload, whose copy waits for compute; so neither
+     is reused while the copy still uses it. The host never blocks in the step: a wait there
+     would drain the GPU's queue at every offloaded tensor, and the GPU would then idle while
+     the host issued the next ops.
   8. Unseen. The runtime's own tensor work (pool slices, copies, views over restored
      storage, replays) runs with Python dispatch disabled: it is not an op of the step, and
      a recorder watching the step counts the same ops as without the runtime.
