@@ -71,3 +71,35 @@ def test_a_float32_step_is_left_as_it_is():
     graph = ul.trace(model, torch.randn(64, 32), loss_fn=lambda out, _: out, target=torch.zeros(()), device="cuda")
     assert not any(note.startswith("autocast:") for note in graph.notes)
     assert "aten._to_copy.default" not in {op.name for op in graph.ops}
+
+
+class Cache(nn.Module):
+    """A key and value cache as transformers' DynamicCache grows it: the cat of an empty float32 tensor made for the
+    keys (float32 after the rotary embedding) and the bf16 values, then addcmul's promotion."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, x):
+        values = self.proj(x)  # bf16 under autocast
+        empty = torch.tensor([], dtype=torch.float32)
+        cached = torch.cat([empty, values], dim=-1)
+        stacked = torch.stack([x, values])
+        return (cached.sum() + stacked.sum()) + torch.addcmul(x, values, values).sum()
+
+
+def test_cat_and_stack_leave_promotion_to_the_op_as_on_cuda_and_promote_types_is_no_op_of_the_step():
+    """On an H200, a Llama cache's cat of float32 and bf16 tensors is one op with a float32 result: CUDA's autocast
+    casts nothing before it, where the CPU's casts the bf16 one; addcmul's arguments CUDA's promotes."""
+    cpu, cuda = _trace(Cache(), "cpu"), _trace(Cache(), "cuda")
+    for graph, casts_before_cat in ((cpu, True), (cuda, False)):
+        names = [op.name for op in graph.ops if op.phase == "forward"]
+        cat = names.index("aten.cat.default")
+        assert (names[cat - 1] == "aten._to_copy.default") is casts_before_cat, names[:cat + 1]
+        assert _dtypes_made_by(graph, "aten.cat.default") == ["float32"]
+        assert _dtypes_made_by(graph, "aten.stack.default") == ["float32"]
+        assert "aten.promote_types.default" not in names
+    names = [op.name for op in cuda.ops if op.phase == "forward"]
+    addcmul = names.index("aten.addcmul.default")
+    assert names[addcmul - 1] == "aten._to_copy.default"  # CUDA's autocast promotes addcmul's bf16 arguments

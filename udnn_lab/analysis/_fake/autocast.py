@@ -9,7 +9,9 @@ what autograd saves of them, are then twice the bytes on CUDA: GPT-2's tanh GELU
 power, and on CUDA everything after that pow in the MLP is float32. While the CPU's autocast is on, a stand-in
 trace casts these ops' arguments as CUDA's autocast would (torch/csrc/autograd autocast_mode's CUDA lists), at the
 torch function level, above autograd, as autocast does. What CPU's autocast casts to float32 and CUDA's does not
-(3D pooling, padding, fft) is not undone: no model of the corpus calls them under autocast.
+(3D pooling, padding, fft) is not undone: no model of the corpus calls them under autocast. What the CPU's promotes
+and CUDA's leaves to the op's own type promotion (cat, stack, index_copy: a Llama cache's cat) runs with the CPU's
+autocast off, as one op with no cast before it.
 """
 
 from __future__ import annotations
@@ -33,7 +35,12 @@ FLOAT32_RESULT = frozenset({"prod", "softmax", "log_softmax", "cumprod", "cumsum
                             "linalg_matrix_norm", "sum"})
 # CUDA's "promote" list: every floating argument cast to the widest floating type among them
 PROMOTE = frozenset({"addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "grid_sampler", "index_put",
-                     "scatter_add", "tensordot", "stack", "cat", "index_copy"})
+                     "scatter_add", "tensordot"})
+# the CPU's promote list has these too, CUDA's not: there the op's own type promotion makes the widest, with no cast
+# before it (on an H200, a Llama cache's cat of an empty float32 tensor and bfloat16 values is one op, a float32 result)
+NATIVE_PROMOTION = frozenset({"stack", "cat", "index_copy"})
+# widths for the widest floating type without torch.promote_types, which is an op a trace would record
+_WIDTH = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 _DUNDERS = {"__pow__": "pow", "__rpow__": "pow"}
 LOW = (torch.float16, torch.bfloat16)
 STAND_IN_AUTOCAST_NOTE = ("autocast: CUDA's lists were followed where they differ from the CPU's (float32 for pow, "
@@ -54,7 +61,7 @@ class CudaAutocastLists:
 
     def __enter__(self) -> CudaAutocastLists:
         for owner in (torch, torch.Tensor, F):
-            for name in sorted(FLOAT32 | FLOAT32_RESULT | PROMOTE | set(_DUNDERS)):
+            for name in sorted(FLOAT32 | FLOAT32_RESULT | PROMOTE | NATIVE_PROMOTION | set(_DUNDERS)):
                 original = getattr(owner, name, None)
                 if original is None or not callable(original):
                     continue
@@ -75,6 +82,10 @@ class CudaAutocastLists:
     def _casting(self, original, name: str):
         def call(*args, **kwargs):
             if torch.is_autocast_enabled("cpu") and self._ours(args, kwargs):
+                if name in NATIVE_PROMOTION:
+                    self.cast += _widest(args, kwargs) is not None
+                    with torch.autocast("cpu", enabled=False):
+                        return original(*args, **kwargs)
                 args, kwargs = self._as_cuda(name, args, kwargs)
             return original(*args, **kwargs)
         return functools.wraps(original)(call)
@@ -121,10 +132,9 @@ def _widest(args, kwargs) -> torch.dtype | None:
     floating = {t.dtype for t in _tensors((args, kwargs)) if t.is_floating_point()}
     if len(floating) < 2:
         return None
-    widest = floating.pop()
-    for dtype in floating:
-        widest = torch.promote_types(widest, dtype)
-    return widest
+    if floating == {torch.float16, torch.bfloat16}:
+        return torch.float32
+    return max(floating, key=lambda dtype: _WIDTH.get(dtype, 2))
 
 
 def _cast(value, dtype: torch.dtype):
