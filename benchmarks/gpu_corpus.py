@@ -37,7 +37,9 @@ over budget or off by more than 1% (peak) the allocator's history of one more st
 (``torch.cuda.memory._snapshot()``, gzip'd pickle, stacks included: memory_viz reads it); the keep-all step's
 per-op measured curve beside the predicted one when its peak is off by more than 1%; kernel times by op and
 input shapes (``torch.profiler``) of the keep-all step and of one recompute plan's step; ``ul.profile`` of the
-keep-all step (every op timed alone), which ``benchmarks/fit_rates.py`` turns into the machine's rate curve.
+keep-all step (every op timed alone, the host's time to issue each op too), which ``benchmarks/fit_rates.py`` turns
+into the machine's rate curve; the traced graph and each plan's file, from which ``benchmarks/gpu_resimulate.py``
+simulates every run again on a machine without a GPU, with the simulator of its day.
 
 Rows go to ``<out>/gpu_corpus.jsonl`` one line per run as they finish. Without a CUDA device it says so and
 exits 0 unless ``--device cpu`` asks for a dry run of the same code on small sizes (no peaks there).
@@ -327,6 +329,18 @@ class Model:
 
     # --- diagnostics ---
 
+    def save_graph(self) -> str:
+        """The traced graph (gzip'd pickle of ul.Graph), which with the profile and each plan's file lets a machine
+        without a GPU simulate every run again (``benchmarks/gpu_resimulate.py``)."""
+        path = self.diagnostics / f"{self.case.name}-graph.pickle.gz"
+        with gzip.open(path, "wb", compresslevel=9) as file:
+            pickle.dump(self.graph, file)
+        return path.name
+
+    def save_plan(self, plan, label: str) -> str:
+        path = plan.save(self.diagnostics / f"{self.case.name}-{label}-plan.json")
+        return path.name
+
     def snapshot(self, runtime, label: str) -> str | None:
         """One more step with the allocator's history recorded; the gzip'd snapshot's file name."""
         if self.device.type != "cuda" or self.snapshots_left <= 0:
@@ -480,6 +494,7 @@ def run_model(case: Case, device: torch.device, small: bool, out: Path, emit) ->
             phase_started = time.perf_counter()
             row["profile"] = subject.op_profile()
             phases["profile"] = time.perf_counter() - phase_started
+            row["graph"] = subject.save_graph()
             if row["peak_error"] is not None and abs(row["peak_error"]) > PEAK_TOLERANCE:
                 row["curve"] = subject.measured_curve()
         except Exception as err:
@@ -704,6 +719,7 @@ def _measure_plan(subject: Model, row: dict, plan, runtime, sim, keep_all, budge
     row["status"] = ", ".join(kinds) or "ok"
     label = f"{row['policy']}-{row['budget_kind']}"
     try:
+        row["plan"] = subject.save_plan(plan, label)
         if measured is not None and ("over budget" in kinds or "peak off" in kinds):
             row["snapshot"] = subject.snapshot(runtime, label)
         if profile:

@@ -77,6 +77,16 @@ def test_gpu_corpus_dry_run_on_cpu_holds_every_plan_to_eager(tmp_path):
                             timeout=300)
     assert fitted.returncode == 0, fitted.stderr[-2000:]
     assert "gpt2" in fitted.stdout and ul.RateCurve.load(curve).points
+    # the graph and every plan saved: this machine simulates each run again, as it did then when nothing changed
+    resimulated = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_resimulate.py"), str(tmp_path),
+                                  "--out", str(tmp_path / "resimulated.json")], capture_output=True, text=True,
+                                 timeout=300, env=_threads())
+    assert resimulated.returncode == 0, resimulated.stderr[-2000:]
+    again_rows = json.loads((tmp_path / "resimulated.json").read_text())["rows"]
+    assert {r["policy"] for r in again_rows} == {"keep-all", "auto", "vdnn++", "recompute"}
+    planned_again = [r for r in again_rows if r["policy"] != "keep-all"]  # keep-all's row was simulated unprofiled
+    assert all(r["simulated_now_s"] == pytest.approx(r["simulated_then_s"], rel=1e-9) for r in planned_again), \
+        [(r["policy"], r["simulated_now_s"], r["simulated_then_s"]) for r in planned_again]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the check runs for real (make gpu-check)")

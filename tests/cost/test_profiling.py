@@ -68,3 +68,7 @@ def test_on_cuda_the_ops_time_their_kernels_not_the_host_s_pace():
     views = [t for t, r, w in zip(prof.time_s, prof.bytes_read, prof.bytes_written) if r + w == 0]
     assert prof.op_time_s <= prof.step_time_s, prof
     assert views and sorted(views)[len(views) // 2] < 10e-6  # a view runs no kernel
+    # the host's time to issue each op (NOTE [simulated streams] 9): every op takes some, and a plain step, which
+    # issues them all and waits for the device, takes no less than they do together
+    assert prof.host_time_s is not None and len(prof.host_time_s) == len(prof.ops) and min(prof.host_time_s) > 0
+    assert sum(prof.host_time_s) <= prof.step_time_s * 1.1, (sum(prof.host_time_s), prof.step_time_s)

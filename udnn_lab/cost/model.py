@@ -185,6 +185,21 @@ class CostModel:
         return np.array([self.roofline_s(op.name, op.flops, op.bytes_read + op.bytes_written, _compute_dtype(graph, op))
                          for op in graph.ops])
 
+    def host_op_times_s(self, graph: Graph) -> np.ndarray:
+        """Host seconds each op of ``graph`` takes to be issued on CUDA (NOTE [simulated streams] 9): the profile's
+        ``host_time_s``; zeros where not measured."""
+        key = ("host_op_times", id(graph), graph.fingerprint)
+        if key not in self.memo:
+            self.memo[key] = self._host_op_times_s(graph)
+        return self.memo[key]
+
+    def _host_op_times_s(self, graph: Graph) -> np.ndarray:
+        profile = self.profile
+        if profile is None or profile.device != "cuda" or profile.host_time_s is None:
+            return np.zeros(len(graph.ops))
+        profile.check_matches(graph)
+        return np.asarray(profile.host_time_s)
+
     @property
     def dispatch_mode_op_s(self) -> float:
         """Host seconds a step followed op by op pays per op (NOTE [simulated streams] 6): the profiled step's own

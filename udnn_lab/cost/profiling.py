@@ -2,7 +2,8 @@
 
 FLOPs come from torch.utils.flop_counter's formulas, bytes from the tensors each op
 reads and writes. Times are CUDA events around each op on a GPU (the device kept busy while the host issues
-the op: ``_DEVICE_LEAD_S``), and perf_counter around each op on a CPU (where ops run synchronously), taken over
+the op: ``_DEVICE_LEAD_S``; perf_counter around the call times the host's issuing it, ``host_time_s``), and
+perf_counter around each op on a CPU (where ops run synchronously), taken over
 ``repeats`` steps
 after ``warmup`` steps; the median of each op is kept. Plain steps are also timed,
 so the framework's cost between ops (Python, autograd) is known: ``overhead_per_op_s``; and steps under a
@@ -86,6 +87,9 @@ class Profile:
     # (a library's scratch: cuDNN's convolution workspaces), the largest over the timed steps; CUDA only, None
     # elsewhere (NOTE [op scratch])
     scratch_bytes: tuple[int, ...] | None = None
+    # CUDA: host seconds each op takes to be issued (its dispatch and kernel launches, the device kept busy), the
+    # median over the timed steps (NOTE [simulated streams] 9); None on a CPU, where the host runs the op
+    host_time_s: tuple[float, ...] | None = None
 
     def __repr__(self) -> str:
         return (f"Profile({self.model_name!r} on {self.device_name}, ops={len(self.ops)}, "
@@ -146,6 +150,7 @@ class _OpTimer(TorchDispatchMode):
         self.names: list[str] = []
         self.times: list = []
         self.scratch: list[int] = []  # CUDA: each op's scratch bytes (Profile.scratch_bytes)
+        self.host: list[float] = []  # CUDA: each op's host seconds to issue it (Profile.host_time_s)
         self.lead_cycles = _lead_cycles() if cuda else 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -158,7 +163,9 @@ class _OpTimer(TorchDispatchMode):
             torch.cuda.reset_peak_memory_stats()
             torch.cuda._sleep(self.lead_cycles)
             start.record()
+            issued = time.perf_counter()
             out = func(*args, **kwargs)
+            self.host.append(time.perf_counter() - issued)
             end.record()
             self.times.append((start, end))
             self.scratch.append(max(0, torch.cuda.max_memory_allocated() - max(before, torch.cuda.memory_allocated())))
@@ -209,9 +216,10 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
                                  optimizer=work.optimizer, name=work.name, device_type=where.type,
                                  options=work.step_options, scaler=scaler, track_saved=True)  # for the probes
         timed = [_timed_step(work.model, args, kwargs, step, where, graph) for _ in range(repeats)]
-        per_op = [seconds for seconds, _ in timed]
-        scratch = tuple(int(max(column)) for column in zip(*(bytes_ for _, bytes_ in timed))) \
-            if where.type == "cuda" else None
+        per_op = [seconds for seconds, _, _ in timed]
+        cuda = where.type == "cuda"
+        scratch = tuple(int(max(column)) for column in zip(*(bytes_ for _, bytes_, _ in timed))) if cuda else None
+        host_time = tuple(float(v) for v in np.median([host for _, _, host in timed], axis=0)) if cuda else None
         plain = [_plain_step(work.model, args, kwargs, step, where) for _ in range(repeats)]
         host, moded = [], []
         for _ in range(repeats):  # in turn, so that a change in the machine's load hits both alike
@@ -233,7 +241,7 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         dispatch_mode_op_s=max(0.0, statistics.median(moded) - statistics.median(host)) / max(len(graph.ops), 1),
         replay_op_s=stepped.get("replay_op_s"), hook_call_s=stepped.get("hook_call_s"),
         offload_action_s=stepped.get("offload_action_s"), runtime_step_s=stepped.get("runtime_step_s"),
-        scratch_bytes=scratch,
+        scratch_bytes=scratch, host_time_s=host_time,
     )
 
 
@@ -255,15 +263,16 @@ def _step_figures(step: ProbedStep, repeats: int) -> dict[str, float]:
     return figures
 
 
-def _timed_step(model, args, kwargs, step: dict, where: torch.device, graph: Graph) -> tuple[list[float], list[int]]:
-    """Each op's seconds, and on CUDA its scratch bytes (Profile.scratch_bytes)."""
+def _timed_step(model, args, kwargs, step: dict, where: torch.device,
+                graph: Graph) -> tuple[list[float], list[int], list[float]]:
+    """Each op's seconds, and on CUDA its scratch bytes (Profile.scratch_bytes) and host seconds to issue it."""
     timer = _OpTimer(cuda=where.type == "cuda")
     with timer:
         run_step(model, args, kwargs, **step)
     if timer.names != [op.name for op in graph.ops]:
         raise TraceMismatch(f"the timed step ran {len(timer.names)} ops, the recorded one {len(graph.ops)}: the "
                             "model does not run the same ops every step (data-dependent control flow?)")
-    return timer.seconds(), timer.scratch
+    return timer.seconds(), timer.scratch, timer.host
 
 
 def _host_step(model, args, kwargs, step: dict, where: torch.device, mode: PassThroughMode | None) -> float:

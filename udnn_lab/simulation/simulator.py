@@ -46,7 +46,8 @@ NOTE [simulated streams]
      forward, but the host work is the same); a recomputation that re-runs a module call (NOTE [hook points]
      7) pays its ops' own host work, as eager does, and a hook call for each pack inside it (the
      runtime's global module hooks are off while it runs, so its module calls cost what eager's do).
-     That clock counts the runtime's work alone, not the host's own work per op: a lower bound.
+     That clock counts the runtime's work alone, not the host's own work per op, unless that was
+     measured (9): a lower bound.
   7. On a CPU the device is the host: a copy to or from the host pool is a memcpy the runtime
      makes while compute waits, so compute's clock runs through it (a sync stall for a copy to
      the host, a prefetch stall for one back).
@@ -55,6 +56,13 @@ NOTE [simulated streams]
      only while the op runs: it counts at that op on top of what is live there, in the memory the
      op waits for and in the peak, and a recomputation's ops' largest counts at the op it runs
      before. Only a profile taken on CUDA measures it: a plan simulated without one does not see it.
+  9. The host's own pace. Where a profile taken on CUDA measured how long the host takes to issue each
+     op (``Profile.host_time_s``: its dispatch and kernel launches), each op takes that on the host clock
+     of 6 as well, the runtime's work on top, and the device starts an op no earlier than the host has
+     issued it; an op whose value the host reads (``.item()``) brings the host clock to the op's end. A
+     step whose host barely keeps up with the device (many small ops: GPT-2 on an H200) has little slack
+     for the runtime's host work and pays most of it, where a step of long kernels (ResNet-50 at batch
+     256) hides it. The Python between ops is not in it: still a lower bound, a closer one.
 """
 
 from __future__ import annotations
@@ -77,6 +85,7 @@ from udnn_lab.simulation._result import Simulation
 from udnn_lab.simulation._tables import StepRecord, compute_time_s, counted_peak_bytes
 from udnn_lab.units import Bytes
 
+HOST_READ = "aten._local_scalar_dense.default"  # Tensor.item(): the host waits for the op (NOTE [simulated streams] 9)
 _KEPT_SIMULATIONS = 48  # per cost model: enough for one plan() or one budget of a sweep
 
 
@@ -173,6 +182,8 @@ class _Run:
         # NOTE [simulated streams] 1: a replay followed op by op holds what it restores from the op before
         self.restored_early = 1 if plan.recomputes and windows is None else 0
         self.host_work = _runtime_host_work(graph, plan, cost, windows)  # NOTE [simulated streams] 6
+        # NOTE [simulated streams] 9: each op's host seconds (zeros off CUDA, where the host is the device)
+        self.host_pace: list[float] = cost.host_op_times_s(graph).tolist() if self.cuda else [0.0] * len(graph.ops)
         self.scratch = _op_scratch(graph, cost)  # NOTE [simulated streams] 8
         self.replay_scratch: dict[int, int] = {}  # the op a recomputation runs before -> its ops' largest scratch
         self.host_clock = 0.0
@@ -413,6 +424,8 @@ class _Run:
     def _run_op(self, op, start: float) -> float:
         i = op.index
         if self.comm is not None and i in self.comm.off_compute:  # on its own stream: compute goes on
+            if self.cuda:
+                self.host_clock += self.host_pace[i]  # NOTE [simulated streams] 9: the host issues it all the same
             self.timeline.append(self.comm.run_off_compute(op, start, self._fed(op)))
             self.counted += self.own[i] - self.gone[i]
             return start
@@ -428,11 +441,13 @@ class _Run:
             start = ready
         end = start + self.times[i]
         work = self.host_work.get(i)
-        if work and self.cuda:  # NOTE [simulated streams] 6
-            self.host_clock += work
+        if self.cuda and (work or self.host_pace[i]):  # NOTE [simulated streams] 6, 9
+            self.host_clock += (work or 0.0) + self.host_pace[i]
             self._stall(start, self.host_clock, i, "stall_host")
             start = max(start, self.host_clock)
             end = start + self.times[i]
+            if op.name == HOST_READ:  # the host waits for the value: it goes on from the op's end
+                self.host_clock = end
         elif work:
             end += work
         self.timeline.append(("compute", "op", start, end, i, op.name, op.module, "", 0))
