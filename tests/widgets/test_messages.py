@@ -127,3 +127,20 @@ def test_creating_an_app_leaves_altairs_renderer_and_chart_class_as_they_were():
     finally:
         alt.renderers.enable(active, **options)
         alt.JupyterChart.enable_offline(offline)
+
+
+def test_on_a_cuda_step_the_fit_line_says_the_peak_as_max_memory_allocated_counts_it(lab):
+    """NOTE [whole blocks]: a plan is held to its budget with the caching allocator's whole blocks counted, so the
+    line says that figure, and the live tensors' beside it, where the two differ."""
+    from udnn_lab.widgets._texts import fit_line
+
+    simulation = lab.simulation
+    counted = lab.session.counted_peak(lab.setting, lab.plan, simulation)
+    assert counted is not None and counted >= simulation.peak_bytes  # a CUDA step: the allocator's count
+    whole = simulation.peak_bytes + (1 << 20)  # one block handed out whole beyond its request
+    said = text_of(type(lab.fit_status)(value=fit_line(simulation, budget_bytes=whole, counted_bytes=whole)))
+    assert said == (f"fits: peak {format_bytes(whole)} as torch.cuda.max_memory_allocated counts it (live tensors "
+                    f"{format_bytes(simulation.peak_bytes)}, the rest the caching allocator's whole blocks) within the "
+                    "budget")
+    said = text_of(type(lab.fit_status)(value=fit_line(simulation, budget_bytes=whole - 1, counted_bytes=whole)))
+    assert said.startswith("does not fit: peak") and said.endswith("over the budget")

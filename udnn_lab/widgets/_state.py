@@ -23,7 +23,7 @@ from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware.profiles import Hardware
 from udnn_lab.measurement.measuring import Measurement, measure
 from udnn_lab.planning.budget import min_budget, plan
-from udnn_lab.planning.reserved import reserved_peak_bytes
+from udnn_lab.planning.reserved import allocated_peak_bytes, counts_whole_blocks, reserved_peak_bytes
 from udnn_lab.simulation.simulator import Simulation, resolve_hardware, simulate
 from udnn_lab.units import format_bytes
 from udnn_lab.vocabulary import AttentionImplementation, Precision
@@ -138,6 +138,12 @@ class LabSession:
     def reserved_peak(self, setting: Setting, chosen: Plan, simulation: Simulation) -> int:
         """What the caching allocator model reserves at most over the step under ``chosen``."""
         return reserved_peak_bytes(self.graph(setting), chosen, simulation)
+
+    def counted_peak(self, setting: Setting, chosen: Plan, simulation: Simulation) -> int | None:
+        """The peak as torch.cuda.max_memory_allocated counts it under ``chosen`` (NOTE [whole blocks] in
+        planning/reserved.py), where it differs from the live peak: a CUDA step; None elsewhere."""
+        graph = self.graph(setting)
+        return allocated_peak_bytes(graph, chosen, simulation) if counts_whole_blocks(graph) else None
 
     def baseline(self, setting: Setting, budget_bytes: int | None, hardware: str) -> tuple[Plan, Simulation]:
         """Every tensor kept, under the budget (it may not fit): what the app shows when no plan fits."""

@@ -34,10 +34,12 @@ def error_text(error: Exception, *more: str) -> str:
 
 
 def fit_line(simulation: Simulation, error: Exception | None = None, *, reserved_bytes: int | None = None,
-             budget_bytes: int | None = None) -> str:
+             budget_bytes: int | None = None, counted_bytes: int | None = None) -> str:
     """The line under the budget: whether the plan on screen fits it, and when no plan does, why (``error``); with
     ``reserved_bytes``, the budget (``budget_bytes``, the user's: the plan's own is what it was made for in
-    allocated bytes) counts what the caching allocator reserves, and the line says that peak."""
+    allocated bytes) counts what the caching allocator reserves, and the line says that peak; with
+    ``counted_bytes`` (a CUDA step), the allocated peak as torch.cuda.max_memory_allocated counts it, whole blocks
+    and all (NOTE [whole blocks]), is the one held to the budget and said, beside the live peak."""
     if error is not None:
         return wrapping(f"<b style='color:{RED}'>does not fit</b> · "
                         + error_text(error, "The chart shows every tensor kept"))
@@ -47,6 +49,12 @@ def fit_line(simulation: Simulation, error: Exception | None = None, *, reserved
         return wrapping(f"{verdict}: reserved peak <b>{format_bytes(reserved_bytes)}</b> (allocator model; "
                         f"allocated {format_bytes(simulation.peak_bytes)}) "
                         f"{'within' if fits else 'over'} the budget")
+    if counted_bytes is not None and counted_bytes != simulation.peak_bytes:
+        fits = budget_bytes is None or counted_bytes <= budget_bytes
+        verdict = f"<b style='color:{GREEN}'>fits</b>" if fits else f"<b style='color:{RED}'>does not fit</b>"
+        return wrapping(f"{verdict}: peak <b>{format_bytes(counted_bytes)}</b> as torch.cuda.max_memory_allocated "
+                        f"counts it (live tensors {format_bytes(simulation.peak_bytes)}, the rest the caching "
+                        f"allocator's whole blocks) {'within' if fits else 'over'} the budget")
     if simulation.fits:
         return wrapping(f"<b style='color:{GREEN}'>fits</b>: peak <b>{format_bytes(simulation.peak_bytes)}</b> "
                         f"within the budget")

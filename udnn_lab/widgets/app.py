@@ -270,7 +270,8 @@ class MemoryLab(widgets.AppLayout):
         try:
             self.plan, sim = self.session.planned(setting, policy, budget, hardware, counts)
             reserved = self.session.reserved_peak(setting, self.plan, sim) if counts == "reserved" else None
-            self.fit_status.value = fit_line(sim, reserved_bytes=reserved, budget_bytes=budget)
+            counted = self.session.counted_peak(setting, self.plan, sim) if counts == "allocated" else None
+            self.fit_status.value = fit_line(sim, reserved_bytes=reserved, budget_bytes=budget, counted_bytes=counted)
         except PlanInfeasible as error:
             self.plan, sim = self.session.baseline(setting, budget, hardware)
             self.fit_status.value = fit_line(sim, error)
