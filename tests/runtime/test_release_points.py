@@ -89,6 +89,7 @@ def test_a_handle_dropped_before_its_prefetch_finished_has_compute_wait_for_the_
     assert not done.query()
     step._drop(slot)
     assert slot.restored is None and not done.query()  # the host did not wait
+    assert step.dropped_in_flight == [done]  # the step's end will (NOTE [offload runtime] 9)
     after = torch.cuda.Event()
     after.record(step.copies.compute)  # the next compute work: the block's next user
     after.synchronize()

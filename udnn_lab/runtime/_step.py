@@ -87,6 +87,7 @@ class Step:
             self.replay_at.setdefault(recompute.at_op - 1, []).append(replay)
         self.expected = plan.op_families  # NOTE [offload runtime] 1: the step must be the plan's step
         self.copying_in: deque[Slot] = deque()  # prefetches in flight
+        self.dropped_in_flight: list = []  # tokens of prefetches their slot let go of, waited for at the end (7, 9)
         self.recomputed = self.on_demand = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks_on = False
@@ -149,6 +150,10 @@ class Step:
                 self._hooks_on = False
             self._views.__exit__(None, None, None)
         copies = self.copies
+        if copies is not None:
+            for token in self.dropped_in_flight:
+                copies.finish(token)
+        self.dropped_in_flight.clear()
         for slot in self.slots.values():
             if copies is not None:
                 copies.finish(slot.offload_done)
@@ -354,7 +359,10 @@ class Step:
 
     def _drop(self, slot: Slot) -> None:
         assert self.copies is not None
-        self.copies.use(slot.prefetch_done)  # NOTE [offload runtime] 7: a copy may still use block and slice
+        token = slot.prefetch_done
+        if not self.copies.done(token):  # NOTE [offload runtime] 7: a copy may still use block and slice
+            self.copies.use(token)
+            self.dropped_in_flight.append(token)  # NOTE [offload runtime] 9: waited for at the step's end
         slot.restored = slot.rebuilt = slot.device_data = slot.prefetch_done = slot.offload_done = None
         self._give_back(slot)
 

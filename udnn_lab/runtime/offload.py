@@ -62,7 +62,7 @@ NOTE [offload runtime]
      work only, and the slice to a later offload, whose copy waits for compute; so neither
      is reused while the copy still uses it. The host never blocks in the step: a wait there
      would drain the GPU's queue at every offloaded tensor, and the GPU would then idle while
-     the host issued the next ops.
+     the host issued the next ops. The step's end waits for such a copy still in flight (9).
   8. Unseen. The runtime's own tensor work (pool slices, copies, views over restored
      storage, replays) runs with Python dispatch disabled: it is not an op of the step, and
      a recorder watching the step counts the same ops as without the runtime.
