@@ -212,3 +212,17 @@ def test_dtensor_s_propagation_missing_its_cache_records_nothing_of_its_own(monk
     assert [op.name for op in missing.ops] == [op.name for op in cached.ops]
     assert missing.peak_bytes == cached.peak_bytes
     assert "_propagate_tensor_meta_non_cached" not in vars(propagator)  # the class's own again
+
+
+def test_nested_and_overlapping_recorded_steps_leave_dtensor_s_propagation_as_it_was():
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    before = vars(propagator).get("_propagate_tensor_meta_non_cached")
+    outer, inner = local_shards.propagation_unrecorded(), local_shards.propagation_unrecorded()
+    outer.__enter__()
+    wrapped = propagator._propagate_tensor_meta_non_cached
+    inner.__enter__()
+    assert propagator._propagate_tensor_meta_non_cached is wrapped  # wrapped once, however many steps record
+    outer.__exit__(None, None, None)  # the first to start ends first (another thread's trace)
+    assert propagator._propagate_tensor_meta_non_cached is wrapped  # the other step still records
+    inner.__exit__(None, None, None)
+    assert vars(propagator).get("_propagate_tensor_meta_non_cached") is before

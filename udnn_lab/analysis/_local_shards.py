@@ -35,6 +35,7 @@ NOTE [local shard steps]
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import cast
@@ -107,27 +108,48 @@ def _sharded_on_first_dim(tensor: torch.Tensor) -> bool:
     return placements is not None and all(getattr(p, "dim", None) == 0 or p.is_replicate() for p in placements)
 
 
+_PROPAGATION = threading.Lock()
+_unrecorded_steps = 0  # recorded steps under way (threads, nested traces): the wrapper goes when the last ends
+_kept: list = []  # what the propagator had on the instance before the wrapper, if anything
+
+
 @contextmanager
 def propagation_unrecorded() -> Iterator[None]:
     """DTensor's sharding propagation runs the ops it reasons with in a fake mode of its own, beneath no dispatch
-    mode of the trace's or a measurement's (NOTE [local shard steps] 7); as it was on the way out."""
+    mode of the trace's or a measurement's (NOTE [local shard steps] 7); as it was once the last such step ends."""
+    global _unrecorded_steps
     dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor in the step
     propagator = dtensor.DTensor._op_dispatcher.sharding_propagator if dtensor is not None else None
-    original = getattr(propagator, "_propagate_tensor_meta_non_cached", None)
-    if propagator is None or original is None:  # a torch that propagates otherwise: nothing to keep out
-        yield
+    if propagator is None or not hasattr(propagator, "_propagate_tensor_meta_non_cached"):
+        yield  # a torch that propagates otherwise: nothing to keep out
         return
+    with _PROPAGATION:
+        if _unrecorded_steps == 0:
+            _wrap(propagator)
+        _unrecorded_steps += 1
+    try:
+        yield
+    finally:
+        with _PROPAGATION:
+            _unrecorded_steps -= 1
+            if _unrecorded_steps == 0:
+                _unwrap(propagator)
+
+
+def _wrap(propagator) -> None:
+    original = propagator._propagate_tensor_meta_non_cached
+    _kept[:] = [vars(propagator).get("_propagate_tensor_meta_non_cached")]  # one set on the instance before: kept
 
     def unrecorded(op_schema):
         with _disable_current_modes(), FakeTensorMode():
             return original(op_schema)
 
-    own = vars(propagator).get("_propagate_tensor_meta_non_cached")  # set on the instance before: kept
     propagator._propagate_tensor_meta_non_cached = unrecorded
-    try:
-        yield
-    finally:
-        if own is None:
-            del propagator._propagate_tensor_meta_non_cached  # the class's method again
-        else:
-            propagator._propagate_tensor_meta_non_cached = own
+
+
+def _unwrap(propagator) -> None:
+    own = _kept.pop() if _kept else None
+    if own is None:
+        del propagator._propagate_tensor_meta_non_cached  # the class's method again
+    else:
+        propagator._propagate_tensor_meta_non_cached = own
