@@ -487,7 +487,6 @@ def run_model(case: Case, device: torch.device, small: bool, out: Path, emit) ->
         row.update(status="eager error", traceback=eager.traceback)
     else:
         try:
-            row.update(subject.reserved_fields(ul.Plan.keep_all(subject.graph), subject.keep_all_sim, eager))
             phase_started = time.perf_counter()
             row["kernels"] = subject.kernel_times(None, "keep-all")
             phases["kernels"] = time.perf_counter() - phase_started
@@ -495,6 +494,10 @@ def run_model(case: Case, device: torch.device, small: bool, out: Path, emit) ->
             row["profile"] = subject.op_profile()
             phases["profile"] = time.perf_counter() - phase_started
             row["graph"] = subject.save_graph()
+            # with the profile's op scratch (cuDNN's workspaces), where its ops are the trace's
+            profiled = ul.simulate(subject.graph, None, profile=subject.profile) if subject.profile is not None \
+                else subject.keep_all_sim
+            row.update(subject.reserved_fields(ul.Plan.keep_all(subject.graph), profiled, eager))
             if row["peak_error"] is not None and abs(row["peak_error"]) > PEAK_TOLERANCE:
                 row["curve"] = subject.measured_curve()
         except Exception as err:

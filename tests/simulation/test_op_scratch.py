@@ -86,3 +86,22 @@ def test_cuda_profiles_measure_convolution_workspaces():
     convs = np.array([name.startswith("aten.convolution") for name in profile.ops])
     assert scratch.shape == (len(profile.ops),) and (scratch >= 0).all()
     assert scratch[convs].max() > 0  # cuDNN takes a workspace for some convolution at this size
+
+
+def test_the_caching_allocator_model_reserves_for_an_op_s_scratch_too(graph):
+    """NOTE [event order of a step] 5: a workspace is a block the allocator must find while its op runs: what it
+    reserves holds the live tensors and the workspace at that op (the simulated peak with scratch), where it held
+    far less without it."""
+    from udnn_lab.allocator import events_from_simulation
+    from udnn_lab.planning.reserved import reserved_peak_bytes
+
+    conv = _first(graph, "aten.convolution_backward.default", "backward")
+    workspace = 3 * 2**30
+    keep_all = ul.Plan.keep_all(graph)
+    plain = simulate_with(graph, keep_all, CostModel(H100, _profile(graph, {})))
+    with_it = simulate_with(graph, keep_all, CostModel(H100, _profile(graph, {conv: workspace})))
+    events = [e for e in events_from_simulation(graph, keep_all, with_it) if e.block.startswith("scratch@")]
+    assert [(e.action, e.block, e.nbytes, e.op) for e in events] == [("alloc", f"scratch@{conv}", workspace, conv),
+                                                                      ("free", f"scratch@{conv}", workspace, conv)]
+    assert reserved_peak_bytes(graph, keep_all, with_it) >= with_it.peak_bytes > reserved_peak_bytes(graph, keep_all,
+                                                                                                      plain)

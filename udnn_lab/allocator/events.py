@@ -19,6 +19,9 @@ NOTE [event order of a step]
   4. Each block life is classed by when it lives: 'persistent' (exists before the step
      or outlives it), 'forward-to-backward' (allocated in forward, freed in backward or
      the optimizer step), else 'temporary'. Plan-aware heuristics use the class.
+  5. An op's scratch, where the simulation priced one (a profile taken on CUDA measured it: cuDNN's
+     workspaces, NOTE [simulated streams] 8), is a block of its own, ``scratch@<op>``, allocated after
+     the op's outputs and freed before what is released after it.
 """
 
 from __future__ import annotations
@@ -128,6 +131,8 @@ class _PlannedStep:
         self.cancelled = {graph.tensor(name).id for name in cancelled}
         self.current = {t.id: t.name for t in graph.tensors}  # block name of each tensor's current life
         self.pending: list[tuple[float, int, int]] = []  # (copy end, order, tensor) of offloads in flight
+        scratch = simulation.scratch_by_op
+        self.scratch = [int(b) for b in scratch] if scratch is not None else [0] * len(graph.ops)  # 5
         self.out: list[AllocEvent] = []
 
     def events(self) -> list[AllocEvent]:
@@ -144,6 +149,9 @@ class _PlannedStep:
                 self._new_life(tensor, i, "recompute")
             self._flush(self.op_start[i], i)
             events += [_alloc(graph, t, i, self.current[t]) for t in op.allocated if _counted(graph, t)]
+            if self.scratch[i]:  # NOTE [event order of a step] 5
+                events += [AllocEvent("alloc", f"scratch@{i}", self.scratch[i], i),
+                           AllocEvent("free", f"scratch@{i}", self.scratch[i], i)]
             events += [_free(graph, t, i, self.current[t]) for t in op.released if _counted(graph, t)]
             events += [_free(graph, t, i, self.current[t]) for t in drops_after.get(i, [])]
             for tensor in offloads_after.get(i, []):
