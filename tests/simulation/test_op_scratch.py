@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import udnn_lab as ul
+from tests.simulation.profiles import roofline_profile
 from udnn_lab import zoo
 from udnn_lab.cost.model import CostModel
 from udnn_lab.cost.profiling import Profile
@@ -21,16 +22,7 @@ def graph():
 
 def _profile(graph, scratch: dict[int, int]) -> Profile:
     """A CUDA profile of ``graph``'s step with the roofline's op times and ``scratch`` bytes at the ops named."""
-    times = tuple(float(t) for t in CostModel(H100).op_times_s(graph))
-    n = len(graph.ops)
-    return Profile(
-        model_name=graph.model_name, device="cuda", device_name=H100.device_names[0], torch_version="test",
-        measured_at="2026-11-26T00:00:00+00:00", graph_fingerprint=graph.fingerprint,
-        ops=tuple(op.name for op in graph.ops), phases=tuple(op.phase for op in graph.ops),
-        modules=tuple(op.module for op in graph.ops), flops=tuple(op.flops for op in graph.ops),
-        bytes_read=tuple(op.bytes_read for op in graph.ops), bytes_written=tuple(op.bytes_written for op in graph.ops),
-        time_s=times, time_min_s=times, repeats=1, step_time_s=sum(times), threads=1,
-        scratch_bytes=tuple(scratch.get(i, 0) for i in range(n)))
+    return roofline_profile(graph, H100, scratch_bytes=tuple(scratch.get(i, 0) for i in range(len(graph.ops))))
 
 
 def _first(graph, name: str, phase: str) -> int:
