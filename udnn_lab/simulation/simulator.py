@@ -184,6 +184,9 @@ class _Run:
         self.host_work = _runtime_host_work(graph, plan, cost, windows)  # NOTE [simulated streams] 6
         # NOTE [simulated streams] 9: each op's host seconds (zeros off CUDA, where the host is the device)
         self.host_pace: list[float] = cost.host_op_times_s(graph).tolist() if self.cuda else [0.0] * len(graph.ops)
+        for op in graph.ops:  # a read's measured host time is mostly its wait for the device, which 9 models
+            if op.name == HOST_READ:
+                self.host_pace[op.index] = 0.0
         self.scratch = _op_scratch(graph, cost)  # NOTE [simulated streams] 8
         self.replay_scratch: dict[int, int] = {}  # the op a recomputation runs before -> its ops' largest scratch
         self.host_clock = 0.0
@@ -441,11 +444,12 @@ class _Run:
             start = ready
         end = start + self.times[i]
         work = self.host_work.get(i)
-        if self.cuda and (work or self.host_pace[i]):  # NOTE [simulated streams] 6, 9
-            self.host_clock += (work or 0.0) + self.host_pace[i]
-            self._stall(start, self.host_clock, i, "stall_host")
-            start = max(start, self.host_clock)
-            end = start + self.times[i]
+        if self.cuda:  # NOTE [simulated streams] 6, 9
+            if work or self.host_pace[i]:
+                self.host_clock += (work or 0.0) + self.host_pace[i]
+                self._stall(start, self.host_clock, i, "stall_host")
+                start = max(start, self.host_clock)
+                end = start + self.times[i]
             if op.name == HOST_READ:  # the host waits for the value: it goes on from the op's end
                 self.host_clock = end
         elif work:
