@@ -227,7 +227,9 @@ def the_fit_line_sits_under_the_budget(app) -> None:
     line, box = fit_line(app), budget_entry(app).bounding_box()
     slider = app.locator(".widget-hslider").first.bounding_box()  # the budget's: the app's one slider
     said = line.bounding_box()
-    assert re.match(r"fits: peak [\d,.]+ MiB within the budget", line.inner_text()), line.inner_text()
+    # on a CUDA step: the peak as torch.cuda.max_memory_allocated counts it, the live tensors' beside it
+    counted = r"(as torch\.cuda\.max_memory_allocated counts it \(live tensors [\d,.]+ MiB, [^)]*\) )?"
+    assert re.match(rf"fits: peak [\d,.]+ MiB {counted}within the budget", line.inner_text()), line.inner_text()
     assert 0 <= said["y"] - (slider["y"] + slider["height"]) < 24, (said, slider)  # directly under the slider
     assert said["y"] - (box["y"] + box["height"]) < 60, (said, box)
     assert said["x"] < box["x"] + box["width"] and said["x"] + said["width"] > box["x"]  # the same column
