@@ -2,7 +2,8 @@
 allocated peak (the simulation against torch.cuda.max_memory_allocated) and of the caching allocator's reserved
 bytes (its model against max_memory_reserved, as the first step from an emptied cache added them), with the
 underestimates counted and the margin that would have left none; and what the process held outside the
-allocator (the CUDA context, libraries' workspaces), which a budget counted in reserved bytes adds.
+allocator (the CUDA context, libraries' workspaces), which a budget counted in reserved bytes adds; and how many
+plan runs, and models, had their step simulated within 10% (the promise on step time), the runs off the most first.
 
 An error is predicted / measured - 1: below zero the prediction was short, the case that runs out of memory.
 Reads ``gpu_corpus*.jsonl`` (``benchmarks/gpu_corpus.py``'s records) from files or folders; runs anywhere.
@@ -18,6 +19,7 @@ import statistics
 from pathlib import Path
 
 MIB = 2**20
+STEP_TOLERANCE = 0.10  # a plan's simulated step against its measured one (the GPU check's promise)
 MEASURES = {"allocated peak": "peak_error", "with whole blocks": "whole_blocks_error",
             "reserved growth": "reserved_growth_error"}
 
@@ -73,7 +75,22 @@ def summary(rows: list[dict]) -> dict:
         "flagged_by_whole_blocks": sum(r.get("allocated_peak_with_whole_blocks_bytes", 0) > r["budget_bytes"]
                                        for r in over),
         "with_whole_blocks": sum("allocated_peak_with_whole_blocks_bytes" in r for r in over)}
+    found["plan steps"] = _steps([r for r in rows if r.get("budget_kind") and r.get("check") != "capped"
+                                  and isinstance(r.get("step_error"), (int, float))])
     return found
+
+
+def _steps(rows: list[dict]) -> dict:
+    """Plan runs whose simulated step is within STEP_TOLERANCE of the measured one, the models all of whose plan runs
+    are (the GPU check's target: at least 12 architectures), and the runs off the most."""
+    within = lambda r: abs(r["step_error"]) <= STEP_TOLERANCE  # noqa: E731
+    models: dict[str, bool] = {}
+    for r in rows:
+        models[r["model"]] = models.get(r["model"], True) and within(r)
+    off = sorted((r for r in rows if not within(r)), key=lambda r: -abs(r["step_error"]))
+    return {"runs": len(rows), "within": sum(map(within, rows)), "models": len(models),
+            "models_within": sum(models.values()),
+            "largest": [f"{r['model']} {r['policy']} {r['budget_kind']} {r['step_error']:+.1%}" for r in off[:8]]}
 
 
 def main() -> None:
@@ -106,6 +123,11 @@ def main() -> None:
     if capped["runs"]:
         print(f"on a device of the budget's size: {capped['ran']} of {capped['runs']} ran"
               + (f"; out of memory: {', '.join(capped['out_of_memory'])}" if capped["out_of_memory"] else ""))
+    steps = found["plan steps"]
+    if steps["runs"]:
+        print(f"plan steps within {STEP_TOLERANCE:.0%} of simulated: {steps['within']} of {steps['runs']} runs; "
+              f"every plan of a model within it: {steps['models_within']} of {steps['models']} models"
+              + (f"; off most: {', '.join(steps['largest'])}" if steps["largest"] else ""))
     left = found["left behind"]
     if left["runs"]:
         print(f"left allocated by a process's first step beyond its gradients: {left['min_bytes'] / MIB:,.1f} to "

@@ -167,6 +167,8 @@ def test_gpu_errors_counts_the_short_predictions_and_the_margin_that_leaves_none
     rows += [{"model": "vgg16", "policy": "keep-all", "left_behind_bytes": [64 * 2**20, 0, 0]},
              {"model": "vgg16", "policy": "keep-all", "check": "capped", "capped_runs": True},
              {"model": "vgg16", "policy": "auto", "budget_kind": "midway", "check": "capped", "capped_runs": False}]
+    rows += [{"model": model, "policy": "auto", "budget_kind": kind, "step_error": error}  # the plan runs' steps
+             for model, kind, error in (("vgg16", "midway", 0.02), ("gpt2", "midway", -0.25), ("gpt2", "50%", 0.05))]
     (tmp_path / "gpu_corpus-1.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     (tmp_path / "gpu_corpus-2.jsonl").write_text(json.dumps(rows[0]))  # a resumed call's copy of the first's rows
     out = tmp_path / "errors.json"
@@ -181,6 +183,9 @@ def test_gpu_errors_counts_the_short_predictions_and_the_margin_that_leaves_none
     assert "reserved growth" in done.stdout and "500 to 520 MiB" in done.stdout
     assert found["capped"] == {"runs": 2, "ran": 1, "out_of_memory": ["vgg16 auto midway"]}
     assert "1 of 2 ran; out of memory: vgg16 auto midway" in done.stdout and "64.0 to 64.0 MiB over 1" in done.stdout
+    assert found["plan steps"] == {"runs": 3, "within": 2, "models": 2, "models_within": 1,
+                                   "largest": ["gpt2 auto midway -25.0%"]}
+    assert "2 of 3 runs; every plan of a model within it: 1 of 2 models" in done.stdout
 
 
 def test_trainer_callbacks_runs_one_setup_of_each_trainer(tmp_path):
