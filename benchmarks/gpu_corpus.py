@@ -194,7 +194,7 @@ class Model:
 
     def steps(self, runtime, count: int = 1 + TIMED_STEPS, cap_bytes: int | None = None, compared: bool = True,
               after_step: Callable[[], Any] | None = None) -> Outcome:
-        """``count`` steps on a fresh copy from the same state; the first step's gradients kept.
+        """``count`` steps on a fresh copy from the same state; the first step's gradients kept where ``compared``.
 
         The first step runs with deterministic kernels where PyTorch has them (``warn_only``), so that its
         gradients can be held to eager's bit for bit (``compared``); the others run as users run them, and
@@ -242,7 +242,7 @@ class Model:
                     outcome.reserved_growth.append(torch.cuda.max_memory_reserved(self.device) - reserved_before)
                 del loss
                 outcome.left_behind.append(self._left_behind(model, before))
-                if index == 0:
+                if index == 0 and compared:  # else no copy of the gradients takes room from the steps after
                     outcome.grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
                 if after_step is not None:
                     after_step()
@@ -469,6 +469,7 @@ def run_model(case: Case, device: torch.device, small: bool, out: Path, emit) ->
               "control": time.perf_counter() - phase_started}
     eager = subject.eager
     nondeterministic = Control.of(eager.grads, control.grads)
+    control.grads = []  # compared: its copy of the gradients would stay on the device through every run below
     measured = eager.steady_peak
     predicted = subject.graph.cuda_peak_bytes if device.type == "cuda" else subject.graph.peak_bytes
     step_s = min(eager.seconds[1:]) if len(eager.seconds) > 1 else None
@@ -576,6 +577,9 @@ def _plan_runs(subject: Model, predicted: int, nondeterministic: Control, emit) 
             profiled_recompute |= policy == "recompute" and plan is not None
             if plan is not None and budget is not None and on_cuda:
                 capped.append((policy, kind, made))
+    # every comparison is made: eager's copy of the gradients leaves the device, as a training job would not hold it
+    subject.eager.grads = []
+    gc.collect()
     for capped_policy, capped_kind, capped_made in capped:
         _run_capped(subject, capped_policy, capped_kind, capped_made, emit)
 
@@ -651,7 +655,8 @@ def _run_capped(subject: Model, policy: str, kind: str | None, made: Any, emit) 
         emit(row)
         return
     try:
-        capped = subject.steps(runtime, count=2, cap_bytes=budget)
+        # not compared: a copy of the first step's gradients would hold its bytes through the second, beyond the cap
+        capped = subject.steps(runtime, count=2, cap_bytes=budget, compared=False)
     finally:
         if runtime is not None:
             runtime.release()
