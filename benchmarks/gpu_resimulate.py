@@ -14,7 +14,6 @@ The graphs are pickles: read only those the GPU check wrote into this repository
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gzip
 import json
 import pickle
@@ -24,8 +23,9 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from fit_rates import profiles
+
 import udnn_lab as ul
-from udnn_lab.cost.profiling import Profile
 
 
 def _rows(run: Path) -> list[dict]:
@@ -55,26 +55,20 @@ def _diagnostics(run: Path, into: Path) -> Path:
     return found[0] if found else into
 
 
-def load_profile(path: Path) -> Profile:
-    """A profile the corpus wrote (``dataclasses.asdict`` as JSON); fields this udnn_lab does not know are left out,
-    ones it has since added take their defaults."""
-    with gzip.open(path, "rt") as file:
-        raw = json.load(file)
-    known = {f.name for f in dataclasses.fields(Profile)}
-    return Profile(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in known})
-
-
 def resimulated(run: Path, folder: Path) -> list[dict]:
     out = []
+    profiled = dict(profiles(folder))  # model -> its ul.profile (fit_rates.py reads them alike)
+    graphs: dict[str, ul.Graph] = {}
     for row in _rows(run):
         name = row.get("model")
         graph_file = folder / f"{name}-graph.pickle.gz"
         if row.get("check") or not row.get("measured_step_s") or not graph_file.exists():
             continue
-        with gzip.open(graph_file, "rb") as file:
-            graph = pickle.load(file)
-        profile_file = folder / f"{name}-profile.json.gz"
-        profile = load_profile(profile_file) if profile_file.exists() else None
+        if name not in graphs:
+            with gzip.open(graph_file, "rb") as file:
+                graphs[name] = pickle.load(file)
+        graph = graphs[name]
+        profile = profiled[name].profile if name in profiled else None
         if profile is not None and profile.ops != tuple(op.name for op in graph.ops):
             profile = None
         if row["policy"] == "keep-all":

@@ -72,7 +72,7 @@ from collections import Counter
 
 import numpy as np
 
-from udnn_lab.cost.model import CostModel, RateCurve
+from udnn_lab.cost.model import HOST_READ, CostModel, RateCurve
 from udnn_lab.cost.profiling import Profile
 from udnn_lab.graph.hook_points import window_ops
 from udnn_lab.graph.liveness import op_table
@@ -85,7 +85,6 @@ from udnn_lab.simulation._result import Simulation
 from udnn_lab.simulation._tables import StepRecord, compute_time_s, counted_peak_bytes
 from udnn_lab.units import Bytes
 
-HOST_READ = "aten._local_scalar_dense.default"  # Tensor.item(): the host waits for the op (NOTE [simulated streams] 9)
 _KEPT_SIMULATIONS = 48  # per cost model: enough for one plan() or one budget of a sweep
 
 
@@ -184,9 +183,6 @@ class _Run:
         self.host_work = _runtime_host_work(graph, plan, cost, windows)  # NOTE [simulated streams] 6
         # NOTE [simulated streams] 9: each op's host seconds (zeros off CUDA, where the host is the device)
         self.host_pace: list[float] = cost.host_op_times_s(graph).tolist() if self.cuda else [0.0] * len(graph.ops)
-        for op in graph.ops:  # a read's measured host time is mostly its wait for the device, which 9 models
-            if op.name == HOST_READ:
-                self.host_pace[op.index] = 0.0
         self.scratch = _op_scratch(graph, cost)  # NOTE [simulated streams] 8
         self.replay_scratch: dict[int, int] = {}  # the op a recomputation runs before -> its ops' largest scratch
         self.host_clock = 0.0
