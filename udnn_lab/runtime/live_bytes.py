@@ -3,7 +3,9 @@
 A lighter cousin of the recorder (NOTE [storage lifetimes] in analysis/_recorder.py): it keeps no
 op records, only the bytes alive now and the most seen at once. As the recorder does (NOTE [wrapper tensors]),
 it lets a DTensor run its own dispatch and counts the plain tensors inside, and it reads the size of the
-storages FSDP2 empties and refills in place (NOTE [resized storages]) again before each op.
+storages FSDP2 empties and refills in place (NOTE [resized storages]) again before each op. A storage first met as
+an op's out= tensor is taken to have been alive since the count began, so the peak so far held it too: DDP's
+gradient buckets, kept between steps, are first written (``mul(..., out=)``) in backward, after a step's peak.
 """
 
 from __future__ import annotations
@@ -35,21 +37,25 @@ class LiveBytes(TorchDispatchMode):
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented  # a DTensor runs its own dispatch first: its inner tensors come here
         self._poll()
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         for tensor in flat_tensors(args) if self._unseen_inputs(args) else ():
             self._see(tensor)
+        for tensor in flat_tensors((kwargs.get("out"),)):  # written by the op, made before it
+            self._see(tensor, held_since_the_start=True)
         for tensor in flat_tensors((out,)):
             self._see(tensor)
         return out
 
-    def adopt(self, tensor: torch.Tensor) -> None:
-        """A storage made by something other than an op (an offload runtime's prefetch)."""
-        self._see(tensor)
+    def adopt(self, tensor: torch.Tensor, held_since_the_start: bool = False) -> None:
+        """A storage made by something other than an op (an offload runtime's prefetch); ``held_since_the_start``:
+        one the step had from its start that the count learns of only now (a later micro-batch)."""
+        self._see(tensor, held_since_the_start)
 
     def _unseen_inputs(self, args) -> bool:
         return any(id(t.untyped_storage()) not in self._refs for t in flat_tensors(args))
 
-    def _see(self, tensor: torch.Tensor) -> None:
+    def _see(self, tensor: torch.Tensor, held_since_the_start: bool = False) -> None:
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):
@@ -59,7 +65,10 @@ class LiveBytes(TorchDispatchMode):
             return
         self._refs[key] = weakref.ref(storage, partial(self._gone, key))
         self._counted[key] = 0
+        peak_so_far = self.peak
         self._count(key, storage.nbytes())
+        if held_since_the_start:
+            self.peak = max(self.peak, peak_so_far + storage.nbytes())
 
     def _count(self, key: int, nbytes: int) -> None:
         self.live += nbytes - self._counted[key]
