@@ -125,9 +125,37 @@ def test_what_a_parallel_trace_cannot_do_is_refused_with_what_to_do_instead(mlp)
         ul.trace(mlp, parallel=ul.DDP(2), fake=False)
     with pytest.raises(TypeError, match="parallel is ul.DDP"):
         ul.trace(mlp, parallel=2)
+    with pytest.raises(ValueError, match="find_unused_parameters=False") as error:
+        ul.trace(mlp, parallel=ul.DDP(2, find_unused_parameters=True))
+    assert "\n" not in str(error.value)
     with fake_process_group(2):
         with pytest.raises(RuntimeError, match="already has a process group"):
             ul.trace(mlp, parallel=ul.FSDP(2))
+    assert not dist.is_initialized()
+
+
+def test_a_ddp_rank_all_reduces_once_a_step_in_its_last_micro_batch(mlp):
+    one = ul.trace(mlp, parallel=ul.DDP(2))
+    two = ul.trace(mlp, parallel=ul.DDP(2), grad_accumulation=2)
+
+    def all_reduces(graph):
+        return [op.index for op in graph.ops if "allreduce" in op.name]
+
+    assert len(all_reduces(two)) == len(all_reduces(one)) > 0
+    second_forward = [op.index for op in two.ops if op.phase == "forward"][-1]
+    assert min(all_reduces(two)) > second_forward  # none in the first micro-batch's backward (no_sync)
+
+
+@pytest.mark.compat
+def test_a_ddp_rank_is_traced_inside_the_job_that_runs_it(mlp):
+    """NOTE [one rank of N] 5: a trainer's callback traces its own rank beside the job's process group."""
+    alone = ul.trace(mlp, parallel=ul.DDP(2, rank=1))
+    with fake_process_group(2, rank=1):  # the job's group
+        inside = ul.trace(mlp, parallel=ul.DDP(2, rank=1))
+        with pytest.raises(RuntimeError, match="rank 1 of 2, the trace was asked for rank 0 of 4"):
+            ul.trace(mlp, parallel=ul.DDP(4))
+        assert dist.get_world_size() == 2 and dist.get_backend() == "fake"  # the job's group as it was
+    assert inside.fingerprint == alone.fingerprint and inside.peak_bytes == alone.peak_bytes
     assert not dist.is_initialized()
 
 

@@ -19,6 +19,10 @@ NOTE [one rank of N]
      second forward; on the way rank 0 broadcasts the new bucket layout in two small int tensors it
      writes and reads on the host. ``rebuild_buckets`` runs that rebuild after the trace's warm-up step,
      the ops on those host tensors (no fake tensor among their arguments) running for real.
+  5. A DDP rank can also be traced inside the job that runs it (a trainer's callback on each rank): the
+     process's own group stays as it is, and the fake group is a new group of all its ranks with the fake
+     backend. ``new_group`` must be called by every rank in the same order, which holds where each rank
+     traces its step at the same point of the job. The trace is then of this process's rank in its world.
 """
 
 from __future__ import annotations
@@ -42,13 +46,28 @@ _INT_DTYPES = (torch.int32, torch.int64)
 
 @contextmanager
 def fake_process_group(world_size: int, rank: int = 0, mesh_shape: tuple[int, ...] | None = None,
-                       mesh_dim_names: tuple[str, ...] | None = None) -> Iterator[DeviceMesh]:
+                       mesh_dim_names: tuple[str, ...] | None = None,
+                       in_a_job: bool = False) -> Iterator[DeviceMesh]:
     """This process as ``rank`` of ``world_size`` in a fake process group; yields its CPU mesh, 1-D unless
-    ``mesh_shape`` says otherwise (NOTE [one rank of N] 2). The group is destroyed on exit, whatever happened."""
+    ``mesh_shape`` says otherwise (NOTE [one rank of N] 2). The group is destroyed on exit, whatever happened.
+    ``in_a_job``: in a process that has a process group, the fake one is made beside it (NOTE [one rank of N] 5)."""
     if dist.is_initialized():
-        raise RuntimeError(
-            "a parallel trace runs one rank of a fake process group of its own, and this process already has a "
-            "process group: trace before torch.distributed.init_process_group, or in a process without one")
+        if not in_a_job or mesh_shape is not None:
+            raise RuntimeError(
+                "a parallel trace runs one rank of a fake process group of its own, and this process already has a "
+                "process group: trace before torch.distributed.init_process_group, or in a process without one "
+                "(a DDP rank can be traced in its job)")
+        job = (dist.get_world_size(), dist.get_rank())
+        if job != (world_size, rank):
+            raise RuntimeError(f"a trace inside a job is of this process's rank: it is rank {job[1]} of {job[0]}, "
+                               f"the trace was asked for rank {rank} of {world_size}")
+        group = dist.new_group(backend="fake")
+        assert isinstance(group, dist.ProcessGroup)  # every rank is in it
+        try:
+            yield DeviceMesh.from_group(group, "cpu", mesh_dim_names=mesh_dim_names)
+        finally:
+            dist.destroy_process_group(group)
+        return
     hook = sys.excepthook  # init_process_group wraps it to prefix "[rank0]: " and destroying the group leaves it
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:

@@ -41,12 +41,18 @@ STREAMS_NOTE = ("one rank's memory as its tensors hold it (memory_allocated): on
 def trace_one_rank(work: Workload, parallel: Parallel, counted_as: str, fast_paths: bool) -> Graph:
     """The Graph of rank ``parallel.rank`` of ``parallel.world_size`` running ``work``'s step (the module's doc)."""
     spec = check_spec(parallel)
+    if isinstance(spec, DDP) and spec.find_unused_parameters:
+        raise ValueError("a DDP rank with find_unused_parameters=True cannot be traced: its reducer reads from tensor "
+                         "values which parameters the step used; where every parameter gets a gradient, trace and "
+                         "train with find_unused_parameters=False (Hugging Face: "
+                         "TrainingArguments(ddp_find_unused_parameters=False))")
     device = torch.device("cpu")  # the fake group's mesh is a CPU one; counted as ``counted_as``
     substituted = counted_as != device.type
     offloads = isinstance(spec, FSDP) and spec.offload_params
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     shape, names = (spec.mesh_shape, spec.mesh_dim_names) if isinstance(spec, FSDP) else (None, None)
-    with fake_process_group(spec.world_size, spec.rank, shape, names) as mesh, CompletedCollectives(), \
+    in_a_job = isinstance(spec, DDP)  # NOTE [one rank of N] 5
+    with fake_process_group(spec.world_size, spec.rank, shape, names, in_a_job) as mesh, CompletedCollectives(), \
             PinnedCopies() if offloads else nullcontext():  # NOTE [host storages] 4
         model = _wrapped(work.model, spec, mesh, fake_mode, device)
         recorder = StepRecorder(fake_mode=fake_mode, fast_paths=fast_paths)

@@ -177,13 +177,15 @@ def run_step(model: torch.nn.Module, args: tuple, kwargs: dict, *, loss_fn: Call
     model.zero_grad(set_to_none=True)
     output = loss = None
     with view_replay():  # NOTE [view replay] 2
-        for micro_args, micro_kwargs, micro_target in [(args, kwargs, target), *later]:
+        every = [(args, kwargs, target), *later]
+        for number, (micro_args, micro_kwargs, micro_target) in enumerate(every, 1):
             output = loss = None  # a training loop lets the previous micro-batch's output and loss go
-            output, loss, start = forward_loss(model, micro_args, micro_kwargs, loss_fn=loss_fn,
-                                               target=micro_target, options=options, scaler=scaler, mark=mark)
-            mark("backward", LOSS_SCOPE)
-            start.backward()
-            del start
+            with _gradients_kept_on_the_rank(model, last=number == len(every)):
+                output, loss, start = forward_loss(model, micro_args, micro_kwargs, loss_fn=loss_fn,
+                                                   target=micro_target, options=options, scaler=scaler, mark=mark)
+                mark("backward", LOSS_SCOPE)
+                start.backward()
+                del start
     if optimizer is not None:
         _optimizer_step(optimizer, options, scaler, mark)
     elif options.clip_grad_norm is not None:
@@ -192,6 +194,14 @@ def run_step(model: torch.nn.Module, args: tuple, kwargs: dict, *, loss_fn: Call
     mark("end", None)
     assert loss is not None  # at least one micro-batch ran
     return output, loss
+
+
+def _gradients_kept_on_the_rank(model: torch.nn.Module, last: bool) -> AbstractContextManager:
+    """DDP all-reduces a step's gradients once, in its last micro-batch's backward: the earlier ones run under
+    ``no_sync``, as Lightning, accelerate and PyTorch's own advice for gradient accumulation have it."""
+    if last or not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return nullcontext()
+    return model.no_sync()
 
 
 def _later_micro_batches(options: StepOptions, first: MicroBatch, given: Sequence[MicroBatch]) -> list[MicroBatch]:
