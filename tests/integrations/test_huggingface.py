@@ -156,3 +156,39 @@ def test_a_window_that_reaches_the_loss_counts_the_accelerators_division():
     planned, eager = trained(callback), trained(None)
     assert callback.plan.recomputes and all(report.planned for report in callback.reports)
     assert all(torch.equal(ours, theirs) for ours, theirs in zip(planned.parameters(), eager.parameters()))
+
+
+def _ddp_rank(rank: int, folder: str, port: int) -> None:
+    """One of two Trainer processes over gloo, as torchrun starts them: the step under the callback, then without."""
+    import os
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    callback = HFPlanCallback("4 MiB", policy="recompute", hardware="cpu-amd-epyc-2cpu")  # gloo's links
+    options = dict(ddp_backend="gloo", gradient_accumulation_steps=2, ddp_find_unused_parameters=False)
+    planned, _ = _train([callback], dataset=Tokens(count=32), **options)  # each rank: 2 steps of 2 an epoch
+    eager, _ = _train([], dataset=Tokens(count=32), **options)
+    measured = [r for r in callback.reports if r.measured_peak_bytes is not None]
+    if rank == 0:
+        torch.save({"planned": planned.state_dict(), "eager": eager.state_dict(), "reports": callback.frame(),
+                    "recomputes": len(callback.plan.recomputes),
+                    "measured": measured[0].measured_peak_bytes if measured else None,
+                    "predicted": callback.steps.predicted_peak_bytes}, f"{folder}/rank0.pt")
+
+
+def test_a_ddp_rank_is_planned_and_trains_as_ddp_does_without_the_callback(tmp_path):
+    """Each process traces its rank of the step (the Trainer's DDP, no_sync before the last micro-batch)."""
+    import socket
+
+    from ..spawned_ranks import spawned
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    spawned(_ddp_rank, (str(tmp_path), port), 2)
+    result = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert all(torch.equal(result["planned"][name], result["eager"][name]) for name in result["eager"])
+    assert result["recomputes"] > 0 and result["reports"].planned.all()
+    assert result["predicted"] <= ul.parse_bytes("4 MiB")
+    assert result["measured"] == pytest.approx(result["predicted"], rel=0.01)

@@ -48,20 +48,20 @@ def quiet():
         logging.getLogger("lightning.pytorch").setLevel(level)
 
 
-def _data(short_last: bool = True):
+def _data(short_last: bool = True, batches: int = BATCHES):
     generator = torch.Generator().manual_seed(0)
-    count = BATCH * BATCHES + (40 if short_last else 0)
+    count = BATCH * batches + (40 if short_last else 0)
     x = torch.randn(count, FEATURES, generator=generator)
     y = torch.randint(0, 10, (count,), generator=generator)
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
 
 
-def _fit(callbacks, module=None, epochs=1, **options):
+def _fit(callbacks, module=None, epochs=1, data=None, **options):
     torch.manual_seed(0)
     module = module or Classifier()
     trainer = L.Trainer(max_epochs=epochs, callbacks=callbacks, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", **options)
-    trainer.fit(module, _data())
+    trainer.fit(module, data or _data())
     return module, trainer
 
 
@@ -89,9 +89,11 @@ def test_parameters_equal_training_without_the_callback(options, budget):
     assert "udnn/predicted_peak_bytes" in trainer.logged_metrics and _no_runtime_left()
 
 
-def test_a_steady_step_measures_the_predicted_peak():
+@pytest.mark.parametrize("options", [{}, {"accumulate_grad_batches": 2}], ids=["one-micro-batch", "accumulate"])
+def test_a_steady_step_measures_the_predicted_peak(options):
+    """The count leaves out the data set, which the trainer reads between micro-batches (NOTE [trainer steps] 6)."""
     callback = LightningPlanCallback("760 KiB", policy="recompute")
-    _fit([callback], epochs=2)
+    _fit([callback], epochs=2, data=_data(short_last=False, batches=4), **options)
     measured = [r for r in callback.reports if r.measured_peak_bytes is not None]
     assert len(measured) == 1 and measured[0].step > 0  # the first step makes the optimizer's state: not steady
     assert measured[0].measured_peak_bytes == pytest.approx(measured[0].predicted_peak_bytes, rel=0.01)
@@ -124,3 +126,36 @@ def test_manual_optimization_is_refused_in_one_line():
     with pytest.raises(ValueError, match="automatic_optimization") as error:
         _fit([LightningPlanCallback("1 MiB")], module=Classifier(manual=True))
     assert "\n" not in str(error.value)
+
+
+class _Reported(L.Callback):
+    """Each rank's callback reports, as the trainer's metrics rank 0 sends back to the launching process."""
+
+    def __init__(self, planned: LightningPlanCallback):
+        self.planned = planned
+
+    def on_train_end(self, trainer, pl_module):
+        measured = [r for r in self.planned.reports if r.measured_peak_bytes is not None]
+        trainer.callback_metrics.update({
+            "plan/recomputes": torch.tensor(float(len(self.planned.plan.recomputes))),
+            "plan/planned_steps": torch.tensor(float(sum(r.planned for r in self.planned.reports))),
+            "plan/measured_peak": torch.tensor(float(measured[0].measured_peak_bytes if measured else -1)),
+            "plan/predicted_peak": torch.tensor(float(self.planned.steps.predicted_peak_bytes))})
+
+
+@pytest.mark.parametrize("options", [{}, {"accumulate_grad_batches": 2}], ids=["one-micro-batch", "accumulate"])
+def test_a_ddp_rank_is_planned_and_trains_as_ddp_does_without_the_callback(options):
+    """Two CPU processes over gloo: each traces its rank of the step as Lightning's DDP runs it (DDP's forward,
+    no_sync before the last micro-batch), and counts one steady step's bytes against the prediction."""
+    callback = LightningPlanCallback("900 KiB", policy="recompute", hardware="cpu-amd-epyc-2cpu")  # gloo's links
+    options = dict(devices=2, strategy="ddp_spawn", **options)
+    data = _data(short_last=False, batches=4)  # each rank: two whole batches an epoch
+    planned, trainer = _fit([callback, _Reported(callback)], epochs=2, data=data, **options)
+    eager, _ = _fit([], epochs=2, data=data, **options)
+    for ours, theirs in zip(planned.parameters(), eager.parameters()):
+        assert torch.equal(ours, theirs)
+    metrics = trainer.callback_metrics
+    steps = 4 // options.get("accumulate_grad_batches", 1)
+    assert metrics["plan/recomputes"] > 0 and metrics["plan/planned_steps"] == steps
+    assert metrics["plan/predicted_peak"] <= parse_bytes("900 KiB")
+    assert metrics["plan/measured_peak"] == pytest.approx(float(metrics["plan/predicted_peak"]), rel=0.01)

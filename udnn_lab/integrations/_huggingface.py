@@ -9,11 +9,13 @@ from typing import Any
 
 import torch
 from accelerate.utils import DistributedType
+from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from udnn_lab.graph import Plan
 from udnn_lab.hardware import Hardware
 from udnn_lab.integrations._planned import PlannedSteps, StepsShown
+from udnn_lab.parallel import DDP
 from udnn_lab.workload import StepLoss, Workload, precision_of, weights_dtype
 
 
@@ -36,15 +38,12 @@ class HFPlanCallback(StepsShown, TrainerCallback):
         self.trainer = trainer
         self._micro_batch = 0
         self._planned_micro_batches = 1
+        self._micro_batches = 1  # the current step's
         self._guarded: list[tuple[object, str]] = []  # (object, method name): guarded while training runs
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
         trainer = self.trainer or _calling_trainer()
-        if args.world_size > 1:
-            raise ValueError(f"HFPlanCallback plans one process's step; this Trainer runs {args.world_size} "
-                             "processes: plan one rank with ul.trace(..., parallel=ul.DDP(n) or ul.FSDP(n)) and "
-                             "ul.plan, and train with ul.train(..., parallel=...)")
         self.trainer = trainer
         self._let_go()  # anything still ours from a train() that an interrupt ended
         trainer.training_step = partial(_followed_step, self, trainer.training_step)  # type: ignore[method-assign]
@@ -90,14 +89,21 @@ class HFPlanCallback(StepsShown, TrainerCallback):
         if not self.steps.ready:
             work = _workload(trainer, model, _on_device(trainer, example))
             self._planned_micro_batches = work.grad_accumulation
-            self.steps.prepare(work, example)
+            # a DDP rank's trace is of the Trainer's DDP over a copy of the model: its paths are the DDP's
+            self.steps.prepare(work, example, hooked=None if work.parallel is None else model)
         self._micro_batch += 1
         if self._micro_batch == 1:
-            micro_batches = getattr(trainer, "current_gradient_accumulation_steps",
-                                    trainer.args.gradient_accumulation_steps)
-            self.steps.begin(trainer.state.global_step, example, micro_batches, self._planned_micro_batches)
+            self._micro_batches = getattr(trainer, "current_gradient_accumulation_steps",
+                                          trainer.args.gradient_accumulation_steps)
+            self.steps.begin(trainer.state.global_step, example, self._micro_batches, self._planned_micro_batches)
         else:
             self.steps.check_micro_batch(example)
+
+    def micro_batch_done(self) -> None:
+        """After the Trainer's training_step: the count pauses until the next micro-batch of the step (NOTE
+        [trainer steps] 6)."""
+        if self._micro_batch < self._micro_batches:
+            self.steps.after_micro_batch()
 
 
 def _followed_step(callback: HFPlanCallback, training_step, model: torch.nn.Module, inputs: dict,
@@ -106,7 +112,9 @@ def _followed_step(callback: HFPlanCallback, training_step, model: torch.nn.Modu
     steps] 2) and let go when anything in it fails (NOTE [trainer steps] 5)."""
     try:
         callback.micro_batch(model, inputs, num_items_in_batch)
-        return training_step(model, inputs, num_items_in_batch)
+        loss = training_step(model, inputs, num_items_in_batch)
+        callback.micro_batch_done()
+        return loss
     except BaseException:
         callback.steps.abort()
         callback._let_go()  # train() ends with the error: on_train_end will not come
@@ -143,8 +151,20 @@ def _on_device(trainer: Trainer, example: tuple) -> tuple:
 
 
 def _workload(trainer: Trainer, model: torch.nn.Module, example: tuple) -> Workload:
-    """The step as this Trainer runs it (NOTE [trainer steps] 1)."""
+    """The step as this Trainer runs it (NOTE [trainer steps] 1): ``model`` as training_step gets it, under DDP
+    the Trainer's DistributedDataParallel, traced as this process's rank."""
     args = trainer.args
+    parallel = None
+    if isinstance(model, DistributedDataParallel):
+        parallel = DDP(args.world_size, bucket_cap_mb=model.bucket_bytes_cap / 2**20,
+                       gradient_as_bucket_view=model.gradient_as_bucket_view,
+                       forward_sync_buffers=model.broadcast_buffers, static_graph=model.static_graph,
+                       find_unused_parameters=model.find_unused_parameters, rank=args.process_index)
+        model = model.module
+    elif args.world_size > 1:
+        raise ValueError(f"HFPlanCallback plans the ranks of DDP; this Trainer runs {args.world_size} processes "
+                         f"with its model in {type(model).__name__}: plan one rank with ul.trace(..., "
+                         "parallel=ul.FSDP(n)) and ul.plan, and train with ul.train(..., parallel=...)")
     optimizer = trainer.optimizer
     optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the optimizer
     name = type(model).__name__
@@ -152,7 +172,8 @@ def _workload(trainer: Trainer, model: torch.nn.Module, example: tuple) -> Workl
                     loss_fn=StepLoss(partial(_trainer_loss, trainer), name=f"{type(trainer).__name__}.compute_loss",
                                      scales_for_accumulation=True),
                     precision=_precision(args, model), grad_accumulation=args.gradient_accumulation_steps,
-                    clip_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None)
+                    clip_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None,
+                    parallel=parallel)
 
 
 def _precision(args: TrainingArguments, model: torch.nn.Module):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -11,10 +11,12 @@ from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from udnn_lab.graph import Plan
 from udnn_lab.hardware import Hardware
 from udnn_lab.integrations._planned import PlannedSteps, StepsShown
+from udnn_lab.parallel import DDP
 from udnn_lab.vocabulary import PRECISIONS, Precision
 from udnn_lab.workload import StepLoss, Workload
 
@@ -26,7 +28,9 @@ class LightningPlanCallback(StepsShown, pl.Callback):
     precision, ``accumulate_grad_batches`` and ``gradient_clip_val``), plans it for ``budget`` with ``policy``
     (or checks ``plan``, a Plan or a file saved by ``plan.save``, against it), then runs every step under the
     offload runtime. Each step's predicted and measured peak and time go to the trainer's loggers under
-    ``udnn/`` (``log=False``: kept in ``reports`` only). The module and trainer stay as written.
+    ``udnn/`` (``log=False``: kept in ``reports`` only). The module and trainer stay as written. Under a DDP
+    strategy each process plans its own rank of the step, with the trainer's DDP settings (``hardware`` then needs
+    the links its collectives take: a GPU profile, or on CPUs one with gloo's figures).
     """
 
     def __init__(self, budget: int | str | None = None, *, policy: str = "auto", plan: Plan | str | Path | None = None,
@@ -39,7 +43,9 @@ class LightningPlanCallback(StepsShown, pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         if not self.steps.ready:
-            self.steps.prepare(_workload(trainer, pl_module, batch, batch_idx), (batch,))
+            work = _workload(trainer, pl_module, batch, batch_idx)
+            # a DDP rank's trace is of the trainer's DDP over a copy of the module: its paths are the DDP's
+            self.steps.prepare(work, (batch,), hooked=None if work.parallel is None else trainer.strategy.model)
         if self.steps.in_step:
             self.steps.check_micro_batch((batch,))
             return
@@ -56,7 +62,8 @@ class LightningPlanCallback(StepsShown, pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if not self._stepped:
-            return  # a micro-batch before the step's last
+            self.steps.after_micro_batch()  # a micro-batch before the step's last
+            return
         self._stepped = False
         report = self.steps.end()
         if report is not None and self.log:
@@ -75,10 +82,7 @@ def _workload(trainer: pl.Trainer, module: pl.LightningModule, batch: Any, batch
         raise ValueError("LightningPlanCallback follows Lightning's automatic optimization (one optimizer step a "
                          "batch group); this module sets automatic_optimization = False: plan its step with "
                          "ul.trace and ul.plan, and run it under ul.OffloadRuntime yourself")
-    if trainer.world_size > 1:
-        raise ValueError(f"LightningPlanCallback plans one process's step; this trainer runs {trainer.world_size} "
-                         "processes: plan one rank with ul.trace(..., parallel=ul.DDP(n) or ul.FSDP(n)) and "
-                         "ul.plan, and train with ul.train(..., parallel=...)")
+    parallel = _rank_of(trainer)
     if len(trainer.optimizers) != 1:
         raise ValueError(f"LightningPlanCallback plans a step with one optimizer; configure_optimizers gave "
                          f"{len(trainer.optimizers)}")
@@ -90,15 +94,43 @@ def _workload(trainer: pl.Trainer, module: pl.LightningModule, batch: Any, batch
         raise ValueError(f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}: udnn_lab traces clipping by "
                          "norm (the default, 'norm')")
     name = type(module).__name__
-    step = StepLoss(partial(_training_step_loss, batch_idx=batch_idx), name=f"{name}.training_step")
+    redirection = getattr(trainer.strategy, "_forward_redirection", None) if parallel is not None else None
+    step = StepLoss(partial(_training_step_loss, batch_idx=batch_idx, redirection=redirection),
+                    name=f"{name}.training_step")
     return Workload(model=module, example_input=(batch,), loss_fn=step, optimizer=trainer.optimizers[0], name=name,
                     precision=precision, grad_accumulation=trainer.accumulate_grad_batches,
-                    clip_grad_norm=float(clip) if clip else None)
+                    clip_grad_norm=float(clip) if clip else None, parallel=parallel)
 
 
-def _training_step_loss(module: pl.LightningModule, batch: Any, *, batch_idx: int) -> torch.Tensor:
-    with _not_logging(module):
-        output = module.training_step(batch, batch_idx)
+def _rank_of(trainer: pl.Trainer) -> DDP | None:
+    """This process's rank as the trainer runs it: None in a one-process fit; a DDP rank with the settings of the
+    trainer's own DistributedDataParallel; a clear error for what the callback cannot trace."""
+    if trainer.world_size == 1:
+        return None
+    wrapper = trainer.strategy.model
+    if not isinstance(wrapper, DistributedDataParallel):
+        raise ValueError(f"LightningPlanCallback plans the ranks of DDP strategies; this trainer runs "
+                         f"{trainer.world_size} processes with {type(trainer.strategy).__name__}: plan one rank with "
+                         "ul.trace(..., parallel=ul.FSDP(n)) and ul.plan, and train with ul.train(..., parallel=...)")
+    return DDP(trainer.world_size, bucket_cap_mb=wrapper.bucket_bytes_cap / 2**20,
+               gradient_as_bucket_view=wrapper.gradient_as_bucket_view, forward_sync_buffers=wrapper.broadcast_buffers,
+               static_graph=wrapper.static_graph, find_unused_parameters=wrapper.find_unused_parameters,
+               rank=trainer.global_rank)
+
+
+def _training_step_loss(model: torch.nn.Module, batch: Any, *, batch_idx: int,
+                        redirection: Callable[..., Any] | None) -> torch.Tensor:
+    if isinstance(model, DistributedDataParallel):
+        # a DDP rank's trace: training_step through DDP's forward, by the strategy's own redirection, as the trainer
+        # calls it (the module is called twice: once for training_step, once in it)
+        assert redirection is not None
+        module = cast(pl.LightningModule, model.module)
+        with _not_logging(module):
+            output = redirection(model, module, "training_step", batch, batch_idx)
+    else:
+        module = cast(pl.LightningModule, model)
+        with _not_logging(module):
+            output = module.training_step(batch, batch_idx)
     if isinstance(output, Mapping):
         output = output.get("loss")
     if not isinstance(output, torch.Tensor):

@@ -4,7 +4,9 @@ NOTE [trainer steps]
   1. A trainer's step is traced from what the trainer is about to run: its first micro-batch, its model as the
      trainer prepared it, its optimizer, precision, accumulation and clipping, with the loss computed by the
      trainer's own code (a StepLoss). The trace runs under fake tensors, so the model, its optimizer and the
-     RNG are left as they were, and a step that would not fit is planned before it runs.
+     RNG are left as they were, and a step that would not fit is planned before it runs. Under DDP each process
+     traces its own rank, beside the job's process group (NOTE [one rank of N] 5), and its plan is followed on the
+     trainer's DDP wrapper, whose module paths the rank's trace has.
   2. The runtime is on from the first micro-batch of a step to the end of its optimizer step. It follows a
      plan by module and saved-tensor hooks only (NOTE [hook points]): what the trainer does outside the model
      between micro-batches (adding up the loss, logging) saves nothing for backward, so it is not the step's
@@ -19,9 +21,14 @@ NOTE [trainer steps]
      logging) is the trainer's code, which the trace sees only in part (a logger's copies of the loss are not
      traced). Recomputing there would need a dispatch mode counting those ops, so the tensors made there are
      planned as temporaries: kept, never moved or rebuilt (``module_bound``). Offloads act at hook calls, which
-     the trainer's code does not make.
+     the trainer's code does not make. Under DDP the step's code runs inside DDP's call, and under Lightning inside
+     a call of the module itself (its forward redirected to training_step): those calls are the trainer's.
   5. An error inside a step lets the runtime go (hooks removed, host slices returned) before it reaches the
      trainer, which then handles it as it would without the callback.
+  6. On a CPU one steady step's bytes are counted as it runs. A traced step holds all its micro-batches from
+     its start; a trainer loads them as it goes (Lightning one batch ahead, Hugging Face's Trainer a step's
+     worth before it), reading its data set, which is not the step's. The count pauses between micro-batches
+     and takes each later one as held since the step began.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from torch.utils._pytree import tree_flatten
 
 from udnn_lab.analysis import trace
 from udnn_lab.errors import PlanError
-from udnn_lab.graph import Graph, Plan
+from udnn_lab.graph import Graph, ModuleCall, Plan
 from udnn_lab.hardware import Hardware
 from udnn_lab.planning import plan as make_plan
 from udnn_lab.runtime import OffloadRuntime
@@ -99,6 +106,7 @@ class PlannedSteps:
         self._in_step = False
         self._why_unplanned = ""
         self._counter: LiveBytes | None = None
+        self._counting_paused = False
         self._started = 0.0
         self._device = torch.device("cpu")
         self._model: torch.nn.Module | None = None  # not the Workload: its example batch would stay on the device
@@ -109,12 +117,13 @@ class PlannedSteps:
     def ready(self) -> bool:
         return self.runtime is not None
 
-    def prepare(self, work: Workload, batch: Any) -> None:
-        """Trace ``work`` (the trainer's step), plan it or check the saved plan against it, simulate the plan."""
+    def prepare(self, work: Workload, batch: Any, hooked: torch.nn.Module | None = None) -> None:
+        """Trace ``work`` (the trainer's step), plan it or check the saved plan against it, simulate the plan.
+        ``hooked``: the model whose module paths are the trace's, when not ``work.model`` (one DDP rank's)."""
         self.graph = module_bound(trace(work))
         self._device = torch.device(self.graph.device)
         self.plan = self._plan(self.graph)
-        runtime = OffloadRuntime(self.plan, model=work.model)
+        runtime = OffloadRuntime(self.plan, model=work.model if hooked is None else hooked)
         if runtime.enabled and runtime.hook_schedule() is None:
             raise PlanError(f"the {self.plan.policy!r} plan for this step can only be followed op by op, which would "
                             "count the trainer's own ops as the step's (NOTE [trainer steps] 2): ask for another "
@@ -173,10 +182,24 @@ class PlannedSteps:
 
     def check_micro_batch(self, batch: Any) -> None:
         """Before a later micro-batch: let the plan go for the rest of the step when the batch is not the planned
-        one (NOTE [trainer steps] 3)."""
+        one (NOTE [trainer steps] 3); count its bytes again, with the batch held since the step began."""
         if self._in_step and not self._why_unplanned and shapes_of(batch) != self._batch_shapes:
             self._why_unplanned = self.why_not(batch, 1, 1)
             self._leave_runtime(completed=False)
+        if self._counter is not None and self._counting_paused:
+            self._counter.__enter__()
+            self._counting_paused = False
+            for tensor in tree_flatten(batch)[0]:
+                if isinstance(tensor, torch.Tensor):
+                    self._counter.adopt(tensor, held_since_the_start=True)
+
+    def after_micro_batch(self) -> None:
+        """After a micro-batch before the step's last: what the trainer does until the next (loading it, and the
+        batch after it) is not the step's, whose micro-batches are all there from its start (NOTE [trainer steps]
+        6), so the count pauses."""
+        if self._counter is not None and not self._counting_paused:
+            self._counter.__exit__(None, None, None)
+            self._counting_paused = True
 
     def end(self) -> StepReport | None:
         """After the step's optimizer step: the runtime off, the step's report."""
@@ -229,7 +252,9 @@ class PlannedSteps:
     def _close_counter(self) -> None:
         if self._counter is not None:
             counter, self._counter = self._counter, None
-            counter.__exit__(None, None, None)
+            if not self._counting_paused:
+                counter.__exit__(None, None, None)
+            self._counting_paused = False
 
     def frame(self) -> pd.DataFrame:
         """Every step's report as a DataFrame, a row each."""
@@ -241,13 +266,23 @@ def module_bound(graph: Graph) -> Graph:
     plan moves or rebuilds (NOTE [trainer steps] 4); the same ops and sizes, so the same fingerprint."""
     inside: set[int] = set()
     for call in graph.module_calls:
-        inside.update(range(call.first_op, call.last_op + 1))
+        if not _the_trainer_s(call, graph.module_calls):
+            inside.update(range(call.first_op, call.last_op + 1))
     outside = {t.id for t in graph.tensors if t.category in PLANNED_CATEGORIES and t.producer is not None
                and graph.ops[t.producer].phase == "forward" and t.producer not in inside}
     if not outside:
         return graph
     return replace(graph, tensors=tuple(replace(t, category="temporary") if t.id in outside else t
                                         for t in graph.tensors))
+
+
+def _the_trainer_s(call: ModuleCall, calls: tuple[ModuleCall, ...]) -> bool:
+    """A call the trainer makes around the step's code rather than one the step makes: DDP's, and a module's call
+    whose forward the trainer redirected to a step method (Lightning's training_step under DDP), which calls the
+    module again inside itself (NOTE [trainer steps] 4)."""
+    return call.type == "DistributedDataParallel" or any(
+        other is not call and other.path == call.path and call.first_op <= other.first_op
+        and other.last_op <= call.last_op for other in calls)
 
 
 def _shapes_text(shapes: tuple) -> str:
