@@ -303,7 +303,7 @@ class Model:
         frame = replay(events_from_simulation(self.graph, plan, simulation)).frame
         # the peak as torch.cuda.max_memory_allocated counts it, with the blocks handed out whole (NOTE [whole
         # blocks]): what ul.plan holds a plan that moves tensors to
-        counted = allocated_peak_bytes(self.graph, plan, simulation)
+        counted = allocated_peak_bytes(self.graph, plan, simulation, replayed=frame)
         before_step = frame.loc[frame["op"] < 0, "reserved_bytes"]
         predicted = int(frame["reserved_bytes"].max()) - (int(before_step.iloc[-1]) if len(before_step) else 0)
         measured = outcome.reserved_growth[0] if outcome.reserved_growth else None

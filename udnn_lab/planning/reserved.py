@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
+import pandas as pd
 
 from udnn_lab.allocator import events_from_simulation, replay
 from udnn_lab.cost.model import CostModel
@@ -44,13 +45,15 @@ def reserved_peak_bytes(graph: Graph, plan: Plan, simulation: Simulation) -> int
     return replay(events_from_simulation(graph, plan, simulation)).reserved_peak_bytes
 
 
-def allocated_peak_bytes(graph: Graph, plan: Plan, simulation: Simulation) -> int:
+def allocated_peak_bytes(graph: Graph, plan: Plan, simulation: Simulation,
+                         replayed: pd.DataFrame | None = None) -> int:
     """The step's peak under ``plan`` as ``torch.cuda.max_memory_allocated`` counts it (NOTE [whole blocks]): at each
     op, the simulated bytes plus the most the caching allocator model hands out beyond the requests while it runs;
-    on a step without a caching allocator (CPU), the simulated peak."""
+    on a step without a caching allocator (CPU), the simulated peak. ``replayed``: the allocator model's frame of
+    this simulation, when the caller has replayed it already."""
     if not counts_whole_blocks(graph):
         return simulation.peak_bytes
-    frame = replay(events_from_simulation(graph, plan, simulation)).frame
+    frame = replay(events_from_simulation(graph, plan, simulation)).frame if replayed is None else replayed
     counted, before = simulation.counted_by_op()
     if not len(frame) or not len(counted):
         return simulation.peak_bytes
