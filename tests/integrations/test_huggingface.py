@@ -166,15 +166,16 @@ def _ddp_rank(rank: int, folder: str, port: int) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     callback = HFPlanCallback("4 MiB", policy="recompute", hardware="cpu-amd-epyc-2cpu")  # gloo's links
-    options = dict(ddp_backend="gloo", gradient_accumulation_steps=2, ddp_find_unused_parameters=False)
-    planned, _ = _train([callback], dataset=Tokens(count=32), **options)  # each rank: 2 steps of 2 an epoch
+    options = dict(ddp_backend="gloo", gradient_accumulation_steps=2)  # find_unused_parameters, as by default
+    planned, trainer = _train([callback], dataset=Tokens(count=32), **options)  # each rank: 2 steps of 2 an epoch
     eager, _ = _train([], dataset=Tokens(count=32), **options)
     measured = [r for r in callback.reports if r.measured_peak_bytes is not None]
     if rank == 0:
         torch.save({"planned": planned.state_dict(), "eager": eager.state_dict(), "reports": callback.frame(),
                     "recomputes": len(callback.plan.recomputes),
                     "measured": measured[0].measured_peak_bytes if measured else None,
-                    "predicted": callback.steps.predicted_peak_bytes}, f"{folder}/rank0.pt")
+                    "predicted": callback.steps.predicted_peak_bytes,
+                    "find_unused": trainer.model_wrapped.find_unused_parameters}, f"{folder}/rank0.pt")
 
 
 def test_a_ddp_rank_is_planned_and_trains_as_ddp_does_without_the_callback(tmp_path):
@@ -189,6 +190,6 @@ def test_a_ddp_rank_is_planned_and_trains_as_ddp_does_without_the_callback(tmp_p
     spawned(_ddp_rank, (str(tmp_path), port), 2)
     result = torch.load(tmp_path / "rank0.pt", weights_only=False)
     assert all(torch.equal(result["planned"][name], result["eager"][name]) for name in result["eager"])
-    assert result["recomputes"] > 0 and result["reports"].planned.all()
+    assert result["recomputes"] > 0 and result["reports"].planned.all() and result["find_unused"]
     assert result["predicted"] <= ul.parse_bytes("4 MiB")
     assert result["measured"] == pytest.approx(result["predicted"], rel=0.01)

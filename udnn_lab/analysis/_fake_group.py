@@ -23,6 +23,14 @@ NOTE [one rank of N]
      process's own group stays as it is, and the fake group is a new group of all its ranks with the fake
      backend. ``new_group`` must be called by every rank in the same order, which holds where each rank
      traces its step at the same point of the job. The trace is then of this process's rank in its world.
+  6. With ``find_unused_parameters``, DDP's reducer keeps which parameters a step used in int32 tensors it
+     makes as it is built, sets in its autograd hooks and reads (``item()``) as backward ends. The copy is
+     built under ``HostIndices`` so that those tensors are real, and the step runs with ``HostIndices(
+     made_from_nothing=False)`` above the recorder, so that ops on real int32 tensors alone run for real,
+     unrecorded: host bookkeeping of 4 bytes a parameter (an optimizer's real step counters are float and
+     still recorded). Every parameter the step reaches is marked used, as in a real
+     rank; the fake group's all-reduce of the marks moves nothing, so a parameter used on another rank only
+     is taken as unused here.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"; FakeStore on any torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_leaves
 
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -92,15 +100,24 @@ class CompletedCollectives(TorchDispatchMode):
         return out
 
 
-class _HostIndices(TorchDispatchMode):
-    """Ops on real tensors only, and int tensors made from nothing, run for real (NOTE [one rank of N] 4)."""
+class HostIndices(TorchDispatchMode):
+    """Ops on real tensors only, and (``made_from_nothing``) int tensors made from nothing, run for real (NOTE [one
+    rank of N] 4, 6)."""
+
+    def __init__(self, made_from_nothing: bool = True) -> None:
+        super().__init__()
+        self.made_from_nothing = made_from_nothing
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        made_on_host = not tensors and kwargs.get("dtype") in _INT_DTYPES
-        if made_on_host or (tensors and not any(isinstance(t, FakeTensor) for t in tensors)):
-            with unset_fake_temporarily():
+        made_on_host = self.made_from_nothing and not tensors and kwargs.get("dtype") in _INT_DTYPES
+        real = bool(tensors) and not any(isinstance(t, FakeTensor) for t in tensors)
+        if self.made_from_nothing and (made_on_host or real):
+            with unset_fake_temporarily():  # the collectives' mode below still sees it (3)
+                return func(*args, **kwargs)
+        if real and all(t.dtype == torch.int32 for t in tensors):  # the used-parameter marks (6): unrecorded
+            with _disable_current_modes():
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
 
@@ -109,5 +126,5 @@ def rebuild_buckets(model: torch.nn.Module) -> None:
     """DDP's one rebuild of its gradient buckets, as its second forward would start with it (NOTE [one rank of
     N] 4); nothing for another model."""
     if isinstance(model, DistributedDataParallel):
-        with _HostIndices():
+        with HostIndices():
             model.reducer._rebuild_buckets()

@@ -18,10 +18,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from udnn_lab.analysis._fake.tensors import fake_inputs, fake_replica, meta_replica
 from udnn_lab.analysis._fake.values import KnownValues
-from udnn_lab.analysis._fake_group import CompletedCollectives, fake_process_group, rebuild_buckets
+from udnn_lab.analysis._fake_group import CompletedCollectives, HostIndices, fake_process_group, rebuild_buckets
 from udnn_lab.analysis._holders import forward_releases
 from udnn_lab.analysis._host import HostCopies, PinnedCopies, offloaded_shards, with_host_note
 from udnn_lab.analysis._local_shards import LocalShardSteps, steps_on_shards
@@ -41,11 +42,6 @@ STREAMS_NOTE = ("one rank's memory as its tensors hold it (memory_allocated): on
 def trace_one_rank(work: Workload, parallel: Parallel, counted_as: str, fast_paths: bool) -> Graph:
     """The Graph of rank ``parallel.rank`` of ``parallel.world_size`` running ``work``'s step (the module's doc)."""
     spec = check_spec(parallel)
-    if isinstance(spec, DDP) and spec.find_unused_parameters:
-        raise ValueError("a DDP rank with find_unused_parameters=True cannot be traced: its reducer reads from tensor "
-                         "values which parameters the step used; where every parameter gets a gradient, trace and "
-                         "train with find_unused_parameters=False (Hugging Face: "
-                         "TrainingArguments(ddp_find_unused_parameters=False))")
     device = torch.device("cpu")  # the fake group's mesh is a CPU one; counted as ``counted_as``
     substituted = counted_as != device.type
     offloads = isinstance(spec, FSDP) and spec.offload_params
@@ -69,10 +65,13 @@ def trace_one_rank(work: Workload, parallel: Parallel, counted_as: str, fast_pat
         stand_ins = CudaStandIns(fake_mode, substituted, options)
         with fake_mode, stand_ins, values:
             scaler = grad_scaler(options, device)
-            _warm_up(recorder, model, args, kwargs, target, work, optimizer, scaler)
+            # above the recorder: ops on the reducer's real used-parameter marks run for real (NOTE [one rank of N] 6)
+            marks = HostIndices(made_from_nothing=False) if isinstance(spec, DDP) and spec.find_unused_parameters \
+                else None
+            _warm_up(recorder, model, args, kwargs, target, work, optimizer, scaler, marks)
             if isinstance(spec, FSDP) and optimizer is not None and not isinstance(optimizer, LocalShardSteps):
                 _warm_up(recorder, model, args, kwargs, target, work, optimizer, scaler)  # [local shard steps] 6
-            copies = _host_copies(recorder, model, optimizer) if offloads and substituted else None
+            copies = _host_copies(recorder, model, optimizer) if offloads and substituted else marks
             record_step(recorder, model, args, kwargs, target, work.loss_fn, optimizer, track_saved=True,
                         options=options, scaler=scaler, runtime=copies)
             holders = forward_releases(model, args, kwargs, target, work.loss_fn, recorder.run_op,  # [forward holders]
@@ -107,7 +106,8 @@ def _wrapped(model: torch.nn.Module, spec: Parallel, mesh: DeviceMesh, fake_mode
     """A copy of ``model`` wrapped as ``spec`` says, its parameters and buffers fake tensors on ``device``."""
     if isinstance(spec, DDP):
         replica = fake_replica(model, fake_mode, device)
-        with fake_mode:  # its buckets are made as it is built, after the parameters' kind
+        with fake_mode, HostIndices():  # its buckets are made as it is built, after the parameters' kind
+            # (the used-parameter marks of find_unused_parameters real: NOTE [one rank of N] 6)
             # no broadcast of rank 0's weights: in a fake group it moves nothing, and its check reads values
             return spec.apply(replica, process_group=mesh.get_group(), init_sync=False)
     # FSDP2's meta-device initialization: sharded on meta, where its world_size views of each parameter cost
@@ -142,7 +142,8 @@ def _optimizer_over(work: Workload, model: torch.nn.Module, counted_as: str) -> 
 
 
 def _warm_up(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwargs: dict, target, work: Workload,
-             optimizer: torch.optim.Optimizer | None, scaler: torch.amp.GradScaler | None) -> None:
+             optimizer: torch.optim.Optimizer | None, scaler: torch.amp.GradScaler | None,
+             above: TorchDispatchMode | None = None) -> None:
     """One step of one micro-batch, run as the recorded one runs (the recorder's fast paths, not recording), then
     DDP's rebuild, which a second micro-batch's forward would otherwise start with (NOTE [one rank of N] 4)."""
 
@@ -150,7 +151,7 @@ def _warm_up(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwargs
         recorder.phase, recorder.scope = phase, scope
 
     try:
-        with recorder.watching(model), recorder:
+        with recorder.watching(model), recorder, above or nullcontext():
             run_step(model, args, kwargs, loss_fn=work.loss_fn, target=target, optimizer=optimizer,
                      options=replace(work.step_options, grad_accumulation=1), scaler=scaler, mark=mark)
     except Exception as err:
