@@ -28,7 +28,9 @@ class HFPlanCallback(StepsShown, TrainerCallback):
     ``plan.save``, against it), then runs every step under the offload runtime. Each step's predicted and
     measured peak and time go through ``Trainer.log`` (so to every ``report_to`` logger) under ``udnn/`` when the
     Trainer logs, and on the first planned step (``log=False``: kept in ``reports`` only). The callback finds its
-    Trainer when training begins (``trainer=``: name it); the model and the Trainer stay as written.
+    Trainer when training begins (``trainer=``: name it); the model and the Trainer stay as written. Under DDP
+    (``torchrun``) each process plans its own rank of the step, with the Trainer's DDP settings (``hardware``
+    then needs the links its collectives take: a GPU profile, or on CPUs one with gloo's figures).
     """
 
     def __init__(self, budget: int | str | None = None, *, policy: str = "auto", plan: Plan | str | Path | None = None,
