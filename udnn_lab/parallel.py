@@ -77,6 +77,15 @@ class DDP:
         _check_flags(self, ("gradient_as_bucket_view", "forward_sync_buffers", "static_graph",
                             "find_unused_parameters"))
 
+    @classmethod
+    def of(cls, wrapper: DistributedDataParallel, world_size: int, rank: int) -> DDP:
+        """The spec of a running job's DistributedDataParallel: its settings, this process's rank."""
+        return cls(world_size, bucket_cap_mb=wrapper.bucket_bytes_cap / 2**20,
+                   gradient_as_bucket_view=wrapper.gradient_as_bucket_view,
+                   forward_sync_buffers=wrapper.broadcast_buffers,  # torch >= 2.13 keeps the old name as an alias
+                   static_graph=wrapper.static_graph, find_unused_parameters=wrapper.find_unused_parameters,
+                   rank=rank)
+
     def apply(self, model: nn.Module, *, process_group: dist.ProcessGroup | None = None,
               init_sync: bool = True) -> DistributedDataParallel:
         """``model`` wrapped in DistributedDataParallel with this spec's settings (the default process group

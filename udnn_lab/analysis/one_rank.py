@@ -71,11 +71,12 @@ def trace_one_rank(work: Workload, parallel: Parallel, counted_as: str, fast_pat
             _warm_up(recorder, model, args, kwargs, target, work, optimizer, scaler, marks)
             if isinstance(spec, FSDP) and optimizer is not None and not isinstance(optimizer, LocalShardSteps):
                 _warm_up(recorder, model, args, kwargs, target, work, optimizer, scaler)  # [local shard steps] 6
-            copies = _host_copies(recorder, model, optimizer) if offloads and substituted else marks
+            # entered inside the recorder: FSDP2's offload copies (NOTE [host storages] 2), or the marks' mode
+            under_recorder = _host_copies(recorder, model, optimizer) if offloads and substituted else marks
             record_step(recorder, model, args, kwargs, target, work.loss_fn, optimizer, track_saved=True,
-                        options=options, scaler=scaler, runtime=copies)
+                        options=options, scaler=scaler, runtime=under_recorder)
             holders = forward_releases(model, args, kwargs, target, work.loss_fn, recorder.run_op,  # [forward holders]
-                                       options, scaler, runtime=copies)
+                                       options, scaler, runtime=under_recorder)
             notes = [describe(spec), STREAMS_NOTE, *stand_ins.notes()]
             graph = graph_from_recording(recorder, work.name, counted_as, fake=True, notes=notes,
                                          cpu_stands_for_device=substituted, holders=holders)

@@ -158,10 +158,7 @@ def _workload(trainer: Trainer, model: torch.nn.Module, example: tuple) -> Workl
     args = trainer.args
     parallel = None
     if isinstance(model, DistributedDataParallel):
-        parallel = DDP(args.world_size, bucket_cap_mb=model.bucket_bytes_cap / 2**20,
-                       gradient_as_bucket_view=model.gradient_as_bucket_view,
-                       forward_sync_buffers=model.broadcast_buffers, static_graph=model.static_graph,
-                       find_unused_parameters=model.find_unused_parameters, rank=args.process_index)
+        parallel = DDP.of(model, args.world_size, args.process_index)
         model = model.module
     elif args.world_size > 1:
         raise ValueError(f"HFPlanCallback plans the ranks of DDP; this Trainer runs {args.world_size} processes "

@@ -112,10 +112,7 @@ def _rank_of(trainer: pl.Trainer) -> DDP | None:
         raise ValueError(f"LightningPlanCallback plans the ranks of DDP strategies; this trainer runs "
                          f"{trainer.world_size} processes with {type(trainer.strategy).__name__}: plan one rank with "
                          "ul.trace(..., parallel=ul.FSDP(n)) and ul.plan, and train with ul.train(..., parallel=...)")
-    return DDP(trainer.world_size, bucket_cap_mb=wrapper.bucket_bytes_cap / 2**20,
-               gradient_as_bucket_view=wrapper.gradient_as_bucket_view, forward_sync_buffers=wrapper.broadcast_buffers,
-               static_graph=wrapper.static_graph, find_unused_parameters=wrapper.find_unused_parameters,
-               rank=trainer.global_rank)
+    return DDP.of(wrapper, trainer.world_size, trainer.global_rank)
 
 
 def _training_step_loss(model: torch.nn.Module, batch: Any, *, batch_idx: int,

@@ -264,9 +264,12 @@ class PlannedSteps:
 def module_bound(graph: Graph) -> Graph:
     """``graph`` with the saved tensors made outside every forward module call planned as temporaries, which no
     plan moves or rebuilds (NOTE [trainer steps] 4); the same ops and sizes, so the same fingerprint."""
+    by_path: dict[str, list[ModuleCall]] = {}
+    for call in graph.module_calls:
+        by_path.setdefault(call.path, []).append(call)
     inside: set[int] = set()
     for call in graph.module_calls:
-        if not _the_trainer_s(call, graph.module_calls):
+        if not _the_trainer_s(call, by_path[call.path]):
             inside.update(range(call.first_op, call.last_op + 1))
     outside = {t.id for t in graph.tensors if t.category in PLANNED_CATEGORIES and t.producer is not None
                and graph.ops[t.producer].phase == "forward" and t.producer not in inside}
@@ -276,13 +279,12 @@ def module_bound(graph: Graph) -> Graph:
                                         for t in graph.tensors))
 
 
-def _the_trainer_s(call: ModuleCall, calls: tuple[ModuleCall, ...]) -> bool:
+def _the_trainer_s(call: ModuleCall, same_path: list[ModuleCall]) -> bool:
     """A call the trainer makes around the step's code rather than one the step makes: DDP's, and a module's call
     whose forward the trainer redirected to a step method (Lightning's training_step under DDP), which calls the
-    module again inside itself (NOTE [trainer steps] 4)."""
+    module again inside itself (NOTE [trainer steps] 4). ``same_path``: every call of the module at its path."""
     return call.type == "DistributedDataParallel" or any(
-        other is not call and other.path == call.path and call.first_op <= other.first_op
-        and other.last_op <= call.last_op for other in calls)
+        other is not call and call.first_op <= other.first_op and other.last_op <= call.last_op for other in same_path)
 
 
 def _shapes_text(shapes: tuple) -> str:

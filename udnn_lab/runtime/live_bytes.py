@@ -41,8 +41,9 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **kwargs)
         for tensor in flat_tensors(args) if self._unseen_inputs(args) else ():
             self._see(tensor)
-        for tensor in flat_tensors((kwargs.get("out"),)):  # written by the op, made before it
-            self._see(tensor, held_since_the_start=True)
+        if "out" in kwargs:  # written by the op, made before it
+            for tensor in flat_tensors((kwargs["out"],)):
+                self._see(tensor, held_since_the_start=True)
         for tensor in flat_tensors((out,)):
             self._see(tensor)
         return out
