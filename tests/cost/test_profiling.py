@@ -72,3 +72,34 @@ def test_on_cuda_the_ops_time_their_kernels_not_the_host_s_pace():
     # issues them all and waits for the device, takes no less than they do together
     assert prof.host_time_s is not None and len(prof.host_time_s) == len(prof.ops) and min(prof.host_time_s) > 0
     assert sum(prof.host_time_s) <= prof.step_time_s * 1.1, (sum(prof.host_time_s), prof.step_time_s)
+
+
+def test_the_step_s_own_time_is_taken_as_a_training_loop_runs_it():
+    """NOTE [view replay] 3: the ops are timed as traced, with view replay; the plain steps behind step_time_s, and
+    the step the runtime's probes time plans against, as the user's loop runs them, without it."""
+    work = zoo.get("mlp3", batch=4)
+    seen: list[bool] = []
+    handle = work.model.register_forward_pre_hook(
+        lambda module, args: seen.append(torch.autograd.is_view_replay_enabled()))
+    try:
+        ul.profile(work, repeats=3)
+    finally:
+        handle.remove()
+    assert True in seen and False in seen
+    with_replay, without = seen.count(True), seen.count(False)
+    assert without >= 3 and with_replay >= 3 + 1  # the plain steps; the timed ones, and the recorded step
+
+
+def test_run_step_can_run_without_view_replay():
+    from udnn_lab.analysis.step import run_step, split_input
+    work = zoo.get("mlp3", batch=4)
+    args, kwargs = split_input(work.example_input)
+    seen: list[bool] = []
+    handle = work.model.register_forward_pre_hook(
+        lambda module, args: seen.append(torch.autograd.is_view_replay_enabled()))
+    try:
+        run_step(work.model, args, kwargs, loss_fn=work.loss_fn, target=work.target)
+        run_step(work.model, args, kwargs, loss_fn=work.loss_fn, target=work.target, replay_views=False)
+    finally:
+        handle.remove()
+    assert seen == [True, False] and not torch.autograd.is_view_replay_enabled()

@@ -88,6 +88,10 @@ def view_replay():
          runtime's steps) turns view replay on, and runs the very ops the trace saw. The
          gradients are the same either way; only the op sequence, and AsStridedBackward's
          full-size zeros, differ.
+      3. A training loop runs its step without it, and following a plan turns it on (the
+         runtime's steps): so what it costs is the runtime's. The plain steps a profile times
+         for the step's own time (``Profile.step_time_s``), and the step its probes time a
+         plan's host work against, run without it.
     The context manager is torch's own (private) switch; it is thread-local and restored on exit.
     """
     return torch.autograd._force_original_view_tracking(True)
@@ -154,7 +158,8 @@ def forward_loss(model: torch.nn.Module, args: tuple, kwargs: dict, *, loss_fn: 
 def run_step(model: torch.nn.Module, args: tuple, kwargs: dict, *, loss_fn: Callable | None = None,
              target: Any = None, optimizer: torch.optim.Optimizer | None = None,
              options: StepOptions = DEFAULT_STEP, scaler: torch.amp.GradScaler | None = None,
-             micro_batches: Sequence[MicroBatch] = (), mark: Mark = _no_mark) -> tuple[Any, torch.Tensor]:
+             micro_batches: Sequence[MicroBatch] = (), mark: Mark = _no_mark,
+             replay_views: bool = True) -> tuple[Any, torch.Tensor]:
     """Run forward, loss and backward of each micro-batch, then (if given) the optimizer step.
 
     Return the output and loss (as ``loss_fn`` gives it) of the last micro-batch.
@@ -164,6 +169,8 @@ def run_step(model: torch.nn.Module, args: tuple, kwargs: dict, *, loss_fn: Call
     (args, kwargs, target) of micro-batches 2 to N; by default the first one again.
     Gradients start empty: ``zero_grad(set_to_none=True)`` runs before ``mark`` is first
     called, as in a training loop where the previous step's gradients are dropped.
+    ``replay_views=False``: the step as a training loop runs it, without view replay (NOTE [view replay] 3), to
+    time what the user's own step costs.
     """
     later = _later_micro_batches(options, (args, kwargs, target), micro_batches)
     if options.scales_loss and scaler is None:
@@ -176,7 +183,7 @@ def run_step(model: torch.nn.Module, args: tuple, kwargs: dict, *, loss_fn: Call
         optimizer.zero_grad(set_to_none=True)
     model.zero_grad(set_to_none=True)
     output = loss = None
-    with view_replay():  # NOTE [view replay] 2
+    with view_replay() if replay_views else nullcontext():  # NOTE [view replay] 2
         every = [(args, kwargs, target), *later]
         for number, (micro_args, micro_kwargs, micro_target) in enumerate(every, 1):
             output = loss = None  # a training loop lets the previous micro-batch's output and loss go

@@ -215,19 +215,21 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         graph = record_real_step(work.model, args, kwargs, target=target, loss_fn=work.loss_fn,
                                  optimizer=work.optimizer, name=work.name, device_type=where.type,
                                  options=work.step_options, scaler=scaler, track_saved=True)  # for the probes
-        timed = [_timed_step(work.model, args, kwargs, step, where, graph) for _ in range(repeats)]
+        timed, plain = [], []
+        for _ in range(repeats):  # in turn: the machine's pace drifts over seconds, and both see the same
+            timed.append(_timed_step(work.model, args, kwargs, step, where, graph))
+            plain.append(_plain_step(work.model, args, kwargs, step, where))
         per_op = [seconds for seconds, _, _ in timed]
         cuda = where.type == "cuda"
         scratch = tuple(int(max(column)) for column in zip(*(bytes_ for _, bytes_, _ in timed))) if cuda else None
         host_time = tuple(float(v) for v in np.median([host for _, _, host in timed], axis=0)) if cuda else None
-        plain = [_plain_step(work.model, args, kwargs, step, where) for _ in range(repeats)]
         host, moded = [], []
         for _ in range(repeats):  # in turn, so that a change in the machine's load hits both alike
             host.append(_host_step(work.model, args, kwargs, step, where, None))
             moded.append(_host_step(work.model, args, kwargs, step, where, PassThroughMode()))
         probed = ProbedStep(forward=lambda: _forward(work.model, args, kwargs, work.step_options, where),
-                            run=lambda: run_step(work.model, args, kwargs, **step), graph=graph, device=where,
-                            step_time_s=statistics.median(plain), model=work.model)
+                            run=lambda: run_step(work.model, args, kwargs, **step, replay_views=False), graph=graph,
+                            device=where, step_time_s=statistics.median(plain), model=work.model)
         stepped = _step_figures(probed, repeats)
     times = np.array(per_op)
     return Profile(
@@ -291,10 +293,11 @@ def _host_step(model, args, kwargs, step: dict, where: torch.device, mode: PassT
 
 
 def _plain_step(model, args, kwargs, step: dict, where: torch.device) -> float:
+    """Seconds of one step as the user's training loop runs it: without view replay (NOTE [view replay] 3)."""
     if where.type == "cuda":
         torch.cuda.synchronize(where)
     begin = time.perf_counter()
-    run_step(model, args, kwargs, **step)
+    run_step(model, args, kwargs, **step, replay_views=False)
     if where.type == "cuda":
         torch.cuda.synchronize(where)
     return time.perf_counter() - begin

@@ -69,7 +69,9 @@ class ProbedStep:
     """The profiled step as a step probe may run it (NOTE [host probes] 4)."""
 
     forward: Callable[[], Any]  # its forward, as the step runs it (precision included)
-    run: Callable[[], Any]  # the whole step as it was recorded: forward, loss, backward, the optimizer's step
+    # the whole step as it was recorded (forward, loss, backward, the optimizer's step), as a training loop runs it:
+    # without view replay, which a runtime around it turns on (NOTE [view replay] 3)
+    run: Callable[[], Any]
     graph: Any  # that step's Graph, recorded on real tensors with its hook events (graph/ is not imported here)
     device: torch.device
     step_time_s: float  # the whole step, as timed plainly: what a probe's figure must show above
