@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 import udnn_lab as ul  # noqa: E402
 from benchmarks.offload_vs_peers import Bench, checkpointed, on_model, ours  # noqa: E402
-from udnn_lab.analysis.step import compute_loss, split_input  # noqa: E402
+from udnn_lab.analysis.step import run_step, split_input  # noqa: E402
 from udnn_lab.devices import device_name  # noqa: E402
 from udnn_lab.errors import PlanInfeasible  # noqa: E402
 from udnn_lab.hardware.host_probes import host_probes  # noqa: E402
@@ -74,10 +74,9 @@ def _steps(work: ul.Workload, contexts: dict, repeats: int, models: dict | None 
         started = time.perf_counter()
         for name, context in contexts.items():
             model = models[name]
-            model.zero_grad(set_to_none=True)
             start = time.process_time()
-            with on_model(context(), model):
-                compute_loss(model(*args, **kwargs), work.loss_fn, work.target).backward()
+            with on_model(context(), model):  # the step as a profile times it: as a training loop runs it
+                run_step(model, args, kwargs, loss_fn=work.loss_fn, target=work.target, replay_views=False)
             if index >= 2:  # two warm-up rounds
                 times[name].append(time.process_time() - start)
         if index == 1:

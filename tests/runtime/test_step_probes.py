@@ -2,6 +2,7 @@
 
 import dataclasses
 import random
+import statistics
 import time
 
 import pytest
@@ -25,9 +26,18 @@ def probed():
     work = zoo_get("resnet18", batch=2, image_size=32, optimizer="none")
     args, kwargs = split_input(work.example_input)
     graph = ul.trace(work, fake=False)
-    return ProbedStep(lambda: work.model(*args, **kwargs),
-                      lambda: run_step(work.model, args, kwargs, loss_fn=work.loss_fn, target=work.target),
-                      graph, torch.device("cpu"), 0.01, work.model)
+
+    def step():
+        run_step(work.model, args, kwargs, loss_fn=work.loss_fn, target=work.target, replay_views=False)
+
+    # the step's own time as a profile measures it: the probe puts what it measures at that pace
+    seconds = []
+    for _ in range(7):
+        start = time.perf_counter()
+        step()
+        seconds.append(time.perf_counter() - start)
+    return ProbedStep(lambda: work.model(*args, **kwargs), step, graph, torch.device("cpu"),
+                      statistics.median(seconds[2:]), work.model)
 
 
 @pytest.mark.parametrize("every_module", [False, True], ids=["given-the-model", "every-module"])
@@ -95,3 +105,28 @@ def test_a_paired_extra_is_the_median_difference_round_by_round_with_its_error()
     assert median == 0.5 and error == 0.0  # a load that changes between rounds hits both alike
     median, error = _paired_extra([1.0, 1.2, 1.0, 1.2], [1.0, 1.0, 1.0, 1.0])
     assert median == pytest.approx(0.1) and error > 0
+
+
+@pytest.mark.parametrize("slower", [1.0, 1.5])
+def test_what_the_probe_s_rounds_took_is_put_at_the_profile_s_pace(probed, monkeypatch, slower):
+    """The machine's pace drifts over seconds: rounds taken while it ran 1.5 times slower than when the profile
+    timed the step give the figures of the profile's pace (NOTE [host probes] 4)."""
+    plans = _probe_plans(probed.graph)
+    calls = {name: sum(plan.hook_calls(probed.graph).values()) for name, plan in plans.items()}
+    offloads = {name: len(plan.offloads) for name, plan in plans.items()}
+    per_call, per_offload, per_step = 2e-5, 1e-4, 1e-3  # at the profile's pace
+
+    def rounds(step, device, contexts, count, limit_s=None):
+        alone = [probed.step_time_s * slower * (1 + 0.01 * (i % 3)) for i in range(30)]
+        taken = {"eager": alone}
+        for name in contexts:
+            if name != "eager":
+                extra = (calls[name] * per_call + offloads[name] * per_offload + per_step) * slower
+                taken[name] = [seconds + extra for seconds in alone]
+        return taken
+
+    monkeypatch.setattr(step_probes, "interleaved", rounds)
+    figures = step_hook_figures(probed, 2).figures
+    assert figures["hook_call_s"] == pytest.approx(per_call, rel=0.02)
+    assert figures["offload_action_s"] == pytest.approx(per_offload, rel=0.02)
+    assert figures["runtime_step_s"] == pytest.approx(per_step, rel=0.02)

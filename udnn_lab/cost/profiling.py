@@ -215,10 +215,10 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         graph = record_real_step(work.model, args, kwargs, target=target, loss_fn=work.loss_fn,
                                  optimizer=work.optimizer, name=work.name, device_type=where.type,
                                  options=work.step_options, scaler=scaler, track_saved=True)  # for the probes
-        timed, plain = [], []
-        for _ in range(repeats):  # in turn: the machine's pace drifts over seconds, and both see the same
-            timed.append(_timed_step(work.model, args, kwargs, step, where, graph))
-            plain.append(_plain_step(work.model, args, kwargs, step, where))
+        timed = [_timed_step(work.model, args, kwargs, step, where, graph) for _ in range(repeats)]
+        # a step right after a timed one runs slower (the timing mode's Python has taken the caches): one untimed
+        _plain_step(work.model, args, kwargs, step, where)
+        plain = [_plain_step(work.model, args, kwargs, step, where) for _ in range(repeats)]
         per_op = [seconds for seconds, _, _ in timed]
         cuda = where.type == "cuda"
         scratch = tuple(int(max(column)) for column in zip(*(bytes_ for _, bytes_, _ in timed))) if cuda else None

@@ -6,7 +6,9 @@
   plans offloading the one saved activation (of its smallest few) whose offload takes the fewest hook calls, the
   one whose offload takes the most, and all of those few, against the step alone, round by round: three
   equations in the time per hook call, per offload and per step (``offload_action_s``, ``runtime_step_s``),
-  solved where they are apart (else two, for the time per call alone). The runtime is given the step's model, as
+  solved where they are apart (else two, for the time per call alone). The extra times are put at the pace the
+  profile timed the step at (its plain steps against these rounds' steps alone): a machine whose pace drifts
+  over seconds would otherwise add seconds of one pace to a step of another. The runtime is given the step's model, as
   ``ul.train`` gives it, so it makes the calls the simulator prices (NOTE [hook points] 8); a step probed without
   its model is followed with every module hooked, and the fewest calls make the one offload's plan. A module
   hook is handed the call's arguments, so a model of many small modules called with keywords pays more per call
@@ -68,7 +70,10 @@ def step_hook_figures(step: ProbedStep, repeats: int) -> HostFigures:
     finally:
         for runtime in runtimes.values():
             runtime.release()
-    extra = {name: _paired_extra(rounds[name], rounds["eager"]) for name in runtimes}
+    # the machine's pace drifts over seconds: what these rounds took beyond the step is put at the pace the profile
+    # timed the step itself at, as the simulator adds it to that step
+    pace = step.step_time_s / statistics.median(rounds["eager"])
+    extra = {name: tuple(v * pace for v in _paired_extra(rounds[name], rounds["eager"])) for name in runtimes}
     extra.setdefault("fewest", extra["one"])
     several = len(plans["several"].offloads)
     what = (f"this step offloading one saved activation ({calls['fewest']} and {calls['one']} hook calls) and its "
