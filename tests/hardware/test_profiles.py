@@ -6,6 +6,7 @@ import pickle
 import pytest
 import torch
 
+import udnn_lab.runtime  # noqa: F401 - registers the runtime's host probes (NOTE [host probes] 1)
 from udnn_lab.devices import device_name
 from udnn_lab.hardware.machine_probes import SWEEP_COLUMNS
 from udnn_lab.hardware.profiles import Hardware, HardwareMismatchWarning, HardwareProfileError, UnknownHardwareError

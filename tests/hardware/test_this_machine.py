@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import udnn_lab as ul
+import udnn_lab.runtime  # noqa: F401 - registers the runtime's host probes (NOTE [host probes] 1)
 from udnn_lab.errors import HardwareProfileError, ShippedProfileWarning
 from udnn_lab.hardware import HOOKS_BY_PATH, Hardware, MachineDevice, machine_hardware, this_machine
 
