@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -6,6 +8,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 import udnn_lab as ul
 from udnn_lab import zoo
 from udnn_lab.parallel import DDP, FSDP, blocks, check_spec, describe
+
+from .spawned_ranks import spawned
 
 
 @pytest.mark.parametrize("world_size", [0, -2, 2.0, True, "8", None])
@@ -27,6 +31,8 @@ def test_bad_settings_are_refused_naming_the_setting():
         DDP(2, bucket_cap_mb=0)
     with pytest.raises(ValueError, match="gradient_as_bucket_view is True or False"):
         DDP(2, gradient_as_bucket_view=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"comm_hook names one of PyTorch's default.*'fp16_compress'"):
+        DDP(2, comm_hook="powersgd")
     with pytest.raises(ValueError, match="reshard_after_forward"):
         FSDP(2, reshard_after_forward=0)
     with pytest.raises(ValueError, match="MixedPrecisionPolicy"):
@@ -84,3 +90,37 @@ def test_apply_needs_the_process_group_of_a_real_run_and_says_so():
         FSDP(2).apply(nn.Linear(2, 2))
     with pytest.raises(RuntimeError, match=r"ul.trace\(..., parallel=spec\)"):
         DDP(2).apply(nn.Linear(2, 2))
+
+
+def _comm_hooks_read_back(rank: int, store: str, out: str) -> None:
+    """One rank: DDP.of a wrapper with each kind of hook, written to ``out`` (a spec's repr or the error)."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=1)
+    found = []
+    try:
+        for name, hook, state in (("none", None, None), ("fp16", default_hooks.fp16_compress_hook, None),
+                                  ("bf16 on its group", default_hooks.bf16_compress_hook, dist.group.WORLD),
+                                  ("powersgd", powerSGD_hook.powerSGD_hook,
+                                   powerSGD_hook.PowerSGDState(process_group=None))):
+            wrapper = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
+            if hook is not None:
+                wrapper.register_comm_hook(state, hook)
+            try:
+                found.append(f"{name}: {DDP.of(wrapper, 1, 0).comm_hook}")
+            except ValueError as err:
+                found.append(f"{name}: {err}")
+    finally:
+        dist.destroy_process_group()
+    Path(out).write_text("\n".join(found))
+
+
+def test_a_running_job_s_comm_hook_is_read_back_and_one_a_plan_cannot_reproduce_is_refused(tmp_path):
+    spawned(_comm_hooks_read_back, (str(tmp_path / "store"), str(tmp_path / "found.txt")), 1)
+    found = (tmp_path / "found.txt").read_text().splitlines()
+    assert found[:3] == ["none: None", "fp16: fp16_compress", "bf16 on its group: bf16_compress"]
+    assert found[3].startswith("powersgd: this DistributedDataParallel has the communication hook 'powerSGD_hook'")
+    assert "register one of those, or train without the plan" in found[3]
+    assert describe(DDP(2, comm_hook="fp16_compress")) == \
+        "rank 0 of DDP over 2 ranks (25 MiB buckets, fp16_compress comm hook)"

@@ -23,10 +23,15 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+# PyTorch's default DDP communication hooks a DDP spec can register (DDP(comm_hook=name)), by name
+COMM_HOOKS: dict[str, Callable[..., Any]] = {"allreduce": default_hooks.allreduce_hook,
+                                             "fp16_compress": default_hooks.fp16_compress_hook,
+                                             "bf16_compress": default_hooks.bf16_compress_hook}
 Shard = Callable[..., Any]  # fully_shard with a spec's settings: shard(module, **overrides)
 Wrap = Callable[[nn.Module, Shard], Any]  # picks the modules to shard: wrap(model, shard)
 
@@ -58,7 +63,12 @@ def _group_for(world_size: int) -> None:
 @dataclass(frozen=True)
 class DDP:
     """DistributedDataParallel: every rank holds the whole model and optimizer; gradients are all-reduced in
-    buckets of ``bucket_cap_mb`` MiB (torch's own default 25; its first bucket is 1 MiB) as backward makes them."""
+    buckets of ``bucket_cap_mb`` MiB (torch's own default 25; its first bucket is 1 MiB) as backward makes them.
+
+    ``comm_hook``: one of PyTorch's default communication hooks, by name (``COMM_HOOKS``): ``"fp16_compress"`` and
+    ``"bf16_compress"`` all-reduce each bucket as a half-precision copy (one more buffer per bucket in flight),
+    ``"allreduce"`` as the built-in reduction does, from Python. ``apply`` registers it on the wrapper, with the
+    spec's process group as its state."""
 
     world_size: int
     bucket_cap_mb: float = 25.0
@@ -67,9 +77,13 @@ class DDP:
     static_graph: bool = False
     find_unused_parameters: bool = False
     rank: int = 0  # the rank a trace describes (every DDP rank holds the same); a real run's is its process's
+    comm_hook: str | None = None
 
     def __post_init__(self) -> None:
         _check_ranks(self.world_size, self.rank)
+        if self.comm_hook is not None and self.comm_hook not in COMM_HOOKS:
+            raise ValueError(f"comm_hook names one of PyTorch's default DDP communication hooks: one of "
+                             f"{sorted(COMM_HOOKS)} or None, got {self.comm_hook!r}")
         if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)) \
                 or not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb is the size of a gradient bucket in MiB: a positive number, "
@@ -79,12 +93,15 @@ class DDP:
 
     @classmethod
     def of(cls, wrapper: DistributedDataParallel, world_size: int, rank: int) -> DDP:
-        """The spec of a running job's DistributedDataParallel: its settings, this process's rank."""
+        """The spec of a running job's DistributedDataParallel: its settings, its communication hook, this
+        process's rank. A hook other than PyTorch's default ones, or one given another state than the wrapper's own
+        process group, is refused: what it allocates and when is its own, and a trace without it would leave that
+        out."""
         return cls(world_size, bucket_cap_mb=wrapper.bucket_bytes_cap / 2**20,
                    gradient_as_bucket_view=wrapper.gradient_as_bucket_view,
                    forward_sync_buffers=wrapper.broadcast_buffers,  # torch >= 2.13 keeps the old name as an alias
                    static_graph=wrapper.static_graph, find_unused_parameters=wrapper.find_unused_parameters,
-                   rank=rank)
+                   rank=rank, comm_hook=_comm_hook_of(wrapper))
 
     def apply(self, model: nn.Module, *, process_group: dist.ProcessGroup | None = None,
               init_sync: bool = True) -> DistributedDataParallel:
@@ -97,13 +114,29 @@ class DDP:
             static_graph=self.static_graph, find_unused_parameters=self.find_unused_parameters,
             process_group=process_group, init_sync=init_sync)
         if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
-            return DistributedDataParallel(model, forward_sync_buffers=self.forward_sync_buffers, **settings)
-        # torch < 2.13 names it broadcast_buffers, whose False also leaves the buffers out of the first sync
-        wrapped = DistributedDataParallel(model, broadcast_buffers=self.forward_sync_buffers, **settings)
-        if init_sync and not self.forward_sync_buffers:
-            for buffer in model.buffers():
-                dist.broadcast(buffer, group=process_group, group_src=0)
+            wrapped = DistributedDataParallel(model, forward_sync_buffers=self.forward_sync_buffers, **settings)
+        else:  # torch < 2.13 names it broadcast_buffers, whose False also leaves the buffers out of the first sync
+            wrapped = DistributedDataParallel(model, broadcast_buffers=self.forward_sync_buffers, **settings)
+            if init_sync and not self.forward_sync_buffers:
+                for buffer in model.buffers():
+                    dist.broadcast(buffer, group=process_group, group_src=0)
+        if self.comm_hook is not None:
+            wrapped.register_comm_hook(process_group, COMM_HOOKS[self.comm_hook])
         return wrapped
+
+
+def _comm_hook_of(wrapper: DistributedDataParallel) -> str | None:
+    registered = list(getattr(wrapper, "_comm_hooks", ()))  # (hook, state), as register_comm_hook keeps them
+    if not registered:
+        return None
+    names = {hook: name for name, hook in COMM_HOOKS.items()}
+    hook, state = registered[-1]
+    if len(registered) == 1 and hook in names and state in (None, wrapper.process_group):
+        return names[hook]
+    raise ValueError(f"this DistributedDataParallel has the communication hook {getattr(hook, '__name__', hook)!r} "
+                     f"registered with its own state, which a plan cannot reproduce: planned ranks take PyTorch's "
+                     f"default hooks ({', '.join(sorted(COMM_HOOKS))}, registered with the wrapper's process group "
+                     "or None); register one of those, or train without the plan")
 
 
 @dataclass(frozen=True)
@@ -218,7 +251,8 @@ def _holds_parameters(module: nn.Module) -> bool:
 def describe(spec: Parallel) -> str:
     """One line for notes and titles: 'rank 0 of FSDP2 over 8 ranks (reshard after forward)'."""
     if isinstance(spec, DDP):
-        return f"rank {spec.rank} of DDP over {spec.world_size} ranks ({spec.bucket_cap_mb:g} MiB buckets)"
+        hook = f", {spec.comm_hook} comm hook" if spec.comm_hook is not None else ""
+        return f"rank {spec.rank} of DDP over {spec.world_size} ranks ({spec.bucket_cap_mb:g} MiB buckets{hook})"
     if isinstance(spec.reshard_after_forward, bool):
         reshard = "reshard after forward" if spec.reshard_after_forward else "no reshard after forward"
     else:
