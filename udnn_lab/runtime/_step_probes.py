@@ -6,14 +6,14 @@
   plans offloading the one saved activation (of its smallest few) whose offload takes the fewest hook calls, the
   one whose offload takes the most, and all of those few, against the step alone, round by round: three
   equations in the time per hook call, per offload and per step (``offload_action_s``, ``runtime_step_s``),
-  solved where they are apart (else two, for the time per call alone). The extra times are put at the pace the
-  profile timed the step at (its plain steps against these rounds' steps alone): a machine whose pace drifts
-  over seconds would otherwise add seconds of one pace to a step of another. The runtime is given the step's model, as
-  ``ul.train`` gives it, so it makes the calls the simulator prices (NOTE [hook points] 8); a step probed without
-  its model is followed with every module hooked, and the fewest calls make the one offload's plan. A module
-  hook is handed the call's arguments, so a model of many small modules called with keywords pays more per call
-  than the probe's network of convolutions. Where the extra time does not stand clear of the step's own
-  variation (a long step, few hook calls), it returns no figure: the machine's stands.
+  solved where they are apart (else two, for the time per call alone). On a CPU the extra times are put at the
+  pace the profile timed the step at (its plain steps against these rounds' steps alone): a machine whose pace
+  drifts over seconds would otherwise add seconds of one pace to a step of another. The runtime is given the
+  step's model, as ``ul.train`` gives it, so it makes the calls the simulator prices (NOTE [hook points] 8); a
+  step probed without its model is followed with every module hooked, and the fewest calls make the one
+  offload's plan. A module hook is handed the call's arguments, so a model of many small modules called with
+  keywords pays more per call than the probe's network of convolutions. Where the extra time does not stand
+  clear of the step's own variation (a long step, few hook calls), it returns no figure: the machine's stands.
 """
 
 from __future__ import annotations
@@ -70,9 +70,10 @@ def step_hook_figures(step: ProbedStep, repeats: int) -> HostFigures:
     finally:
         for runtime in runtimes.values():
             runtime.release()
-    # the machine's pace drifts over seconds: what these rounds took beyond the step is put at the pace the profile
-    # timed the step itself at, as the simulator adds it to that step
-    pace = step.step_time_s / statistics.median(rounds["eager"])
+    # a CPU's pace drifts over seconds: what these rounds took beyond the step is put at the pace the profile timed
+    # the step itself at, as the simulator adds it to that step. On a GPU the rounds time the host issuing a step,
+    # the profile the device running it: not the same measure of one pace
+    pace = step.step_time_s / statistics.median(rounds["eager"]) if step.device.type == "cpu" else 1.0
     extra = {name: tuple(v * pace for v in _paired_extra(rounds[name], rounds["eager"])) for name in runtimes}
     extra.setdefault("fewest", extra["one"])
     several = len(plans["several"].offloads)
