@@ -133,10 +133,12 @@ def _comm_hook_of(wrapper: DistributedDataParallel) -> str | None:
     hook, state = registered[-1]
     if len(registered) == 1 and hook in names and state in (None, wrapper.process_group):
         return names[hook]
-    raise ValueError(f"this DistributedDataParallel has the communication hook {getattr(hook, '__name__', hook)!r} "
-                     f"registered with its own state, which a plan cannot reproduce: planned ranks take PyTorch's "
-                     f"default hooks ({', '.join(sorted(COMM_HOOKS))}, registered with the wrapper's process group "
-                     "or None); register one of those, or train without the plan")
+    what = ("one of several hooks" if len(registered) > 1 else "not one of PyTorch's default hooks"
+            if hook not in names else f"with a state of its own ({type(state).__name__})")
+    raise ValueError(f"this DistributedDataParallel has the communication hook {getattr(hook, '__name__', hook)!r}, "
+                     f"{what}, which a plan cannot reproduce: planned ranks take PyTorch's default hooks "
+                     f"({', '.join(sorted(COMM_HOOKS))}, registered with the wrapper's process group or None); "
+                     "register one of those, or train without the plan")
 
 
 @dataclass(frozen=True)
