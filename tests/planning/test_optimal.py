@@ -115,6 +115,24 @@ def test_a_solve_cut_short_raises_or_returns_the_best_found_with_its_bound(cnn):
     assert simulate_with(graph, found.plan, cost).fits  # at worst the fastest other policy's plan
 
 
+def test_a_solver_s_plan_still_over_budget_after_its_repairs_gives_way_to_the_fastest_plan_that_fits(cnn,
+                                                                                                       monkeypatch):
+    """The solver's tolerance can leave its plan over the budget after every repair: never returned as the plan."""
+    graph, cost = cnn
+    budget = _budgets(graph, cost, 2)[0]
+    kept = ul.Plan.keep_all(graph, budget)  # over the budget, whatever the solver chose
+
+    def over(graph, budget, options, outcome, seconds):
+        return optimal_module.ExactPlan(kept, True, outcome.step_s, outcome.bound_s, seconds, outcome.binaries)
+
+    monkeypatch.setattr(optimal_module, "_exact", over)
+    found = exact_plan(graph, cost, budget, time_limit_s=TIME_LIMIT_S, must_prove=False)
+    sim = simulate_with(graph, found.plan, cost)
+    assert sim.fits and not found.proven and found.plan.policy == "optimal" and "repairs" in found.plan.notes[0]
+    seeds = [simulate_with(graph, seed, cost) for seed in optimal_module._seeds(graph, cost, budget)]
+    assert sim.step_time_s == min(seed.step_time_s for seed in seeds if seed.fits)
+
+
 def test_a_program_too_large_is_not_started(cnn, monkeypatch):
     graph, cost = cnn
     monkeypatch.setattr(optimal_module, "MAX_BINARIES", 3)

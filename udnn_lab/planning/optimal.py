@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import importlib.util
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -120,9 +120,28 @@ def exact_plan(graph: Graph, cost: CostModel, budget: int | None, time_limit_s: 
                               "longer (exact_plan(..., time_limit_s=...)), or use policy 'auto'")
         peak = simulate_with(graph, found.plan, cost).peak_bytes
         if peak <= budget:
-            break
+            return found
         target -= peak - budget  # the solver's tolerance let it over: aim that much lower
-    return found if found is not None else _unfitting(graph, budget, "no choice of its menu fits")
+    if found is None:
+        return _unfitting(graph, budget, "no choice of its menu fits")
+    return _seed_instead(graph, cost, budget, seeded, found)
+
+
+def _seed_instead(graph: Graph, cost: CostModel, budget: int, seeded: list[tuple[Plan, Simulation]],
+                  found: ExactPlan) -> ExactPlan:
+    """After its repairs the solver's plan is still over ``budget`` in simulation: the fastest seed that fits, as
+    this planner's plan and unproven (the solver's bound stands), or no plan."""
+    fitting = [(plan, sim) for plan, sim in seeded if sim.peak_bytes <= budget]
+    if not fitting:  # not proven: another choice of the menu may fit
+        unfitting = _unfitting(graph, budget, f"its best choice still peaks over it after {_REPAIRS} repairs, and "
+                                              "no other policy's plan fits")
+        return replace(unfitting, proven=False, bound_s=found.bound_s, solve_s=found.solve_s,
+                       binaries=found.binaries)
+    plan, sim = min(fitting, key=lambda pair: pair[1].step_time_s)
+    note = (f"the solver's plans peaked over the budget after {_REPAIRS} repairs: {plan.policy}'s plan, the fastest "
+            f"that fits; none is faster than {_ms(found.bound_s)}")
+    named = replace(plan, policy=NAME, chosen_policy=plan.chosen_policy or plan.policy, notes=(note,))
+    return ExactPlan(named, False, sim.step_time_s, found.bound_s, found.solve_s, found.binaries)
 
 
 def _start(graph: Graph, options: Menu, seeded: list[tuple[Plan, Simulation]], binding: np.ndarray,
