@@ -11,8 +11,10 @@ slowdown against eager, measured and simulated, with the simulation also shown w
 priced (the dispatch mode, and the runtime's hook calls, offload actions, its work once per step and
 replays its host probes measured: what it said before it priced them). The hook-call and offload
 figures are measured in the same run, on its thread, by the runtime's host probe, and, where they show
-above the step's variation, on the workload's own step (with its work per step) by its step probe, as a
-replay's on the workload's own forward, within ``ul.profile`` (NOTE [host probes] 4). Steps are run as
+above the step's variation, on the workload's own step (with its work per step) by its step probe, which also
+times the step under a recomputation the runtime records and replays for what each re-run op costs it (else a
+replay's stand-in on the workload's own forward), within ``ul.profile`` (NOTE [host probes] 4). Within a round the
+steps run in a shuffled order (a step right after a longer one runs at another pace). Steps are run as
 ``run_step`` runs them, the step a profile times.
 Target: every plan's measured slowdown within 3% of its simulated one.
 
@@ -32,6 +34,7 @@ import dataclasses
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -63,7 +66,8 @@ POLICIES = ("auto", "vdnn++", "recompute", "checkpoint-segments", "pin-greedy")
 
 
 def _steps(work: ul.Workload, contexts: dict, repeats: int, models: dict | None = None) -> dict[str, float]:
-    """Median CPU seconds of forward and backward under each context, taken in turn (a change in load hits all):
+    """Median CPU seconds of forward and backward under each context, taken in turn, in an order shuffled each round
+    (a change in load hits all alike):
     ``repeats`` rounds, or as many as ROUNDS_S allows where a round is short (up to 10 times as many: a step of a few
     milliseconds varies by a few percent); ``models``: a model of its own for some contexts (by default each runs a
     copy of the workload's)."""
@@ -72,10 +76,12 @@ def _steps(work: ul.Workload, contexts: dict, repeats: int, models: dict | None 
     args, kwargs = split_input(work.example_input)
     times: dict[str, list[float]] = {name: [] for name in contexts}
     rounds, index = repeats + 2, 0
+    order = random.Random(0)
     while index < rounds:
         started = time.perf_counter()
-        for name, context in contexts.items():
-            model = models[name]
+        # in a new order each round: a step right after a longer one runs at another pace (the caches it left)
+        for name in order.sample(list(contexts), len(contexts)):
+            context, model = contexts[name], models[name]
             start = time.process_time()
             with on_model(context(), model):  # the step as a profile times it: as a training loop runs it
                 run_step(model, args, kwargs, loss_fn=work.loss_fn, target=work.target, replay_views=False)

@@ -13,11 +13,13 @@ from udnn_lab.analysis.step import run_step, split_input
 from udnn_lab.hardware import ProbedStep
 from udnn_lab.runtime import _step_probes as step_probes
 from udnn_lab.runtime._hook_schedule import HookSchedule
-from udnn_lab.runtime._step_probes import _paired_extra, _probe_plans, step_hook_figures
+from udnn_lab.runtime._replay import Replay
+from udnn_lab.runtime._step_probes import _paired_extra, _probe_plans, recorded_chain, step_hook_figures
 from udnn_lab.zoo import get as zoo_get
 
 ADDED_S = 1e-4  # what the test adds to each hook call the runtime handles
 ADDED_STEP_S = 5e-3  # and to each step it follows
+ADDED_REPLAY_S = 1e-4  # and to each op a recomputation records
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +38,10 @@ def probed():
         start = time.perf_counter()
         step()
         seconds.append(time.perf_counter() - start)
+    # each op's time and the dispatch mode's, as a profile measures them: for the recomputation it times
+    op_host_s = tuple(ul.profile(work, repeats=3).time_s)
     return ProbedStep(lambda: work.model(*args, **kwargs), step, graph, torch.device("cpu"),
-                      statistics.median(seconds[2:]), work.model)
+                      statistics.median(seconds[2:]), work.model, op_host_s=op_host_s, dispatch_mode_op_s=5e-6)
 
 
 @pytest.mark.parametrize("every_module", [False, True], ids=["given-the-model", "every-module"])
@@ -60,22 +64,41 @@ def _busy(seconds: float) -> None:
 
 
 def test_the_probe_finds_what_each_hook_call_and_each_step_costs_on_the_step(probed, monkeypatch):
-    """Every hook call and every step's start made dearer by known times: the figures on the step are those times,
-    and what they cost before."""
+    """Every hook call, every step's start and every op a recomputation records made dearer by known times: the
+    figures on the step are those times, and what they cost before."""
     for name in ("packed", "unpacked", "module_called"):
         original = getattr(HookSchedule, name)
         monkeypatch.setattr(HookSchedule, name,
                             lambda self, *a, _original=original: (_busy(ADDED_S), _original(self, *a))[1])
     starting = HookSchedule.check_modes
     monkeypatch.setattr(HookSchedule, "check_modes", lambda self: (_busy(ADDED_STEP_S), starting(self))[1])
+    recording = Replay.record
+    monkeypatch.setattr(Replay, "record", lambda self, *a, **k: (_busy(ADDED_REPLAY_S), recording(self, *a, **k))[1])
     # the estimate, not its time limit, is under test: on a loaded CI host 3 s gave 17 rounds, too few for a median
     monkeypatch.setattr(step_probes, "STEP_PROBE_S", 10.0)
     measured = step_hook_figures(probed, 2)
-    assert set(measured.figures) == {"hook_call_s", "offload_action_s", "runtime_step_s"}, measured.source
+    assert set(measured.figures) == {"hook_call_s", "offload_action_s", "runtime_step_s", "replay_op_s"}, \
+        measured.source
     # three unknowns from three plans: each a little noisier than one alone
     assert ADDED_S * 0.75 < measured.figures["hook_call_s"] < ADDED_S * 1.5 + 1e-4, measured.source
     assert ADDED_STEP_S * 0.8 < measured.figures["runtime_step_s"] < ADDED_STEP_S + 2e-3, measured.source
-    assert "this step offloading one saved activation" in measured.source
+    # what a replay costs per op on this small step is some tens of microseconds
+    assert ADDED_REPLAY_S * 0.8 < measured.figures["replay_op_s"] < ADDED_REPLAY_S + 1.5e-4, measured.source
+    assert "this step offloading one saved activation" in measured.source and "recomputing" in measured.source
+
+
+def test_the_probe_s_recomputation_is_recorded_and_replayed_and_followed_by_hooks(probed):
+    plan = recorded_chain(probed.graph)
+    assert plan is not None and len(plan.recomputes) == 1
+    assert not plan.followed_op_by_op(probed.graph) and plan.reruns_in(probed.graph) == ()
+    forward = [op.index for op in probed.graph.ops if op.phase == "forward"]
+    assert len(plan.recomputes[0].ops) >= len(forward) // 4
+
+
+def test_without_the_ops_times_the_probe_leaves_the_replay_s_figure_to_the_replay_probe(probed, monkeypatch):
+    monkeypatch.setattr(step_probes, "STEP_PROBE_S", 1.0)
+    measured = step_hook_figures(dataclasses.replace(probed, op_host_s=None), 1)
+    assert "replay_op_s" not in measured.figures and "recomputing" not in measured.source
 
 
 def test_a_step_whose_variation_hides_its_hook_calls_gives_no_figure(probed):
@@ -118,12 +141,22 @@ def test_what_the_probe_s_rounds_took_is_put_at_the_profile_s_pace(probed, monke
     offloads = {name: len(plan.offloads) for name, plan in plans.items()}
     per_call, per_offload, per_step = 2e-5, 1e-4, 1e-3  # at the profile's pace
 
+    recomputing = recorded_chain(probed.graph)
+    calls["recomputing"], offloads["recomputing"] = sum(recomputing.hook_calls(probed.graph).values()), 0
+    ops = recomputing.recomputes[0].ops
+    dispatched = sum(len(window) for window in recomputing.dispatched_ops(probed.graph))
+    known = dispatched * probed.dispatch_mode_op_s + sum(probed.op_host_s[i] for i in ops)  # at the profile's pace
+    per_replayed_op = 3e-5
+
+    alone = [probed.step_time_s * slower * (1 + 0.01 * (i % 3)) for i in range(30)]
+
     def rounds(step, device, contexts, count, limit_s=None):
-        alone = [probed.step_time_s * slower * (1 + 0.01 * (i % 3)) for i in range(30)]
         taken = {"eager": alone}
         for name in contexts:
             if name != "eager":
                 extra = (calls[name] * per_call + offloads[name] * per_offload + per_step) * slower
+                if name == "recomputing":
+                    extra += (known + len(ops) * per_replayed_op) * slower
                 taken[name] = [seconds + extra for seconds in alone]
         return taken
 
@@ -132,3 +165,8 @@ def test_what_the_probe_s_rounds_took_is_put_at_the_profile_s_pace(probed, monke
     assert figures["hook_call_s"] == pytest.approx(per_call * found, rel=0.02)
     assert figures["offload_action_s"] == pytest.approx(per_offload * found, rel=0.02)
     assert figures["runtime_step_s"] == pytest.approx(per_step * found, rel=0.02)
+    # what is known of the recomputation was measured at the profile's pace: it is taken from the rounds' extra at
+    # that pace (on a GPU, the rounds' own)
+    pace = probed.step_time_s / statistics.median(alone) if device == "cpu" else 1.0
+    replayed = (slower * pace * (known + len(ops) * per_replayed_op) - known) / len(ops)
+    assert figures["replay_op_s"] == pytest.approx(replayed, rel=0.02)

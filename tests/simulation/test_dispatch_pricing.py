@@ -140,7 +140,9 @@ def test_the_profiled_steps_own_offload_and_step_figures_are_priced_once_each(cp
     assert plan.offloads
     extra = ul.simulate(cpu_graph, plan, hardware=hardware, profile=priced).step_time_s - \
         ul.simulate(cpu_graph, plan, hardware=hardware, profile=free).step_time_s
-    assert extra == pytest.approx(5e-3 + len(plan.offloads) * (7e-4 - 2e-5), rel=1e-6)
+    # and, the step's offload figure timing its copies' calls (NOTE [simulated streams] 7), not each copy's latency
+    latencies = CPU.latency_s("d2h") + CPU.latency_s("h2d")
+    assert extra == pytest.approx(5e-3 + len(plan.offloads) * (7e-4 - 2e-5 - latencies), rel=1e-6)
     assert ul.simulate(cpu_graph, None, hardware=hardware, profile=priced).step_time_s == \
         ul.simulate(cpu_graph, None, hardware=hardware, profile=free).step_time_s
 
@@ -231,3 +233,18 @@ def test_on_a_cpu_a_copy_holds_compute_up(cpu_graph):
     copies = sim.d2h_bytes / hardware.d2h_pinned_bytes_per_s + sim.h2d_bytes / hardware.h2d_pinned_bytes_per_s
     assert sim.d2h_bytes and sim.step_time_s >= keep.step_time_s + copies
     assert {"stall_sync", "stall_prefetch"} <= set(sim.timeline.kind)
+
+
+def test_a_cpu_copy_costs_its_latency_unless_the_profiled_step_timed_its_call_in_an_offload_s_actions():
+    """NOTE [simulated streams] 7: on a CPU the host makes the copy; the step's probe timed its call."""
+    from udnn_lab.cost.model import CostModel
+
+    step = ul.profile(zoo.get("mlp3", batch=4), repeats=1)
+    timed, untimed = dataclasses.replace(step, offload_action_s=3e-5), dataclasses.replace(step, offload_action_s=None)
+    bandwidth = CPU.bandwidth_bytes_per_s("d2h")
+    assert CostModel(CPU, timed).transfer_time_s(1 << 20, "d2h") == pytest.approx((1 << 20) / bandwidth)
+    assert CostModel(CPU, untimed).transfer_time_s(1 << 20, "d2h") == \
+        pytest.approx(CPU.latency_s("d2h") + (1 << 20) / bandwidth)
+    assert CostModel(CPU).transfer_time_s(1 << 20, "d2h") == pytest.approx(CPU.transfer_time_s(1 << 20, "d2h"))
+    gpu = ul.Hardware.load("h100-sxm")  # a GPU's copy engine waits its latency whatever the host measured
+    assert CostModel(gpu, timed).transfer_time_s(1 << 20, "d2h") == pytest.approx(gpu.transfer_time_s(1 << 20, "d2h"))

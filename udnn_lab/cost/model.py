@@ -255,12 +255,16 @@ class CostModel:
         return self._overhead_s() + work
 
     def transfer_time_s(self, nbytes: int, direction: str, pinned: bool = True) -> float:
-        """``latency + bytes / bandwidth`` for a copy of ``nbytes`` (0 for nothing)."""
+        """``latency + bytes / bandwidth`` for a copy of ``nbytes`` (0 for nothing). On a CPU whose profiled step
+        measured an offload's actions (NOTE [host probes] 4), the copies' calls were timed in them, the host making
+        the copies itself: the latency, a copy's call, is not added again."""
         if nbytes <= 0:
             return 0.0
         key = ("link", direction, pinned)
         if key not in self.memo:
-            self.memo[key] = (self.hardware.latency_s(direction, pinned),
+            in_actions = self.hardware.device_type == "cpu" and self.profile is not None \
+                and self.profile.offload_action_s is not None
+            self.memo[key] = (0.0 if in_actions else self.hardware.latency_s(direction, pinned),
                               self.hardware.bandwidth_bytes_per_s(direction, pinned))
         latency, bandwidth = self.memo[key]
         return latency + nbytes / bandwidth

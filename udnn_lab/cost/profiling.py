@@ -227,11 +227,14 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         for _ in range(repeats):  # in turn, so that a change in the machine's load hits both alike
             host.append(_host_step(work.model, args, kwargs, step, where, None))
             moded.append(_host_step(work.model, args, kwargs, step, where, PassThroughMode()))
+        times = np.array(per_op)
+        dispatch_mode_op_s = max(0.0, statistics.median(moded) - statistics.median(host)) / max(len(graph.ops), 1)
         probed = ProbedStep(forward=lambda: _forward(work.model, args, kwargs, work.step_options, where),
                             run=lambda: run_step(work.model, args, kwargs, **step, replay_views=False), graph=graph,
-                            device=where, step_time_s=statistics.median(plain), model=work.model)
+                            device=where, step_time_s=statistics.median(plain), model=work.model,
+                            op_host_s=host_time if cuda else tuple(float(v) for v in np.median(times, axis=0)),
+                            dispatch_mode_op_s=dispatch_mode_op_s)
         stepped = _step_figures(probed, repeats)
-    times = np.array(per_op)
     return Profile(
         model_name=work.name, device=where.type, device_name=device_name(where), torch_version=torch.__version__,
         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), graph_fingerprint=graph.fingerprint,
@@ -240,7 +243,7 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         bytes_read=tuple(op.bytes_read for op in graph.ops), bytes_written=tuple(op.bytes_written for op in graph.ops),
         time_s=tuple(float(v) for v in np.median(times, axis=0)), time_min_s=tuple(float(v) for v in times.min(axis=0)),
         repeats=repeats, step_time_s=statistics.median(plain), threads=torch.get_num_threads(),
-        dispatch_mode_op_s=max(0.0, statistics.median(moded) - statistics.median(host)) / max(len(graph.ops), 1),
+        dispatch_mode_op_s=dispatch_mode_op_s,
         replay_op_s=stepped.get("replay_op_s"), hook_call_s=stepped.get("hook_call_s"),
         offload_action_s=stepped.get("offload_action_s"), runtime_step_s=stepped.get("runtime_step_s"),
         scratch_bytes=scratch, host_time_s=host_time,
@@ -253,8 +256,9 @@ def _forward(model: torch.nn.Module, args: tuple, kwargs: dict, options: StepOpt
 
 
 def _step_figures(step: ProbedStep, repeats: int) -> dict[str, float]:
-    """What the registered step probes measure on this step (NOTE [host probes] 4); a probe that fails leaves its
-    figures out, with a warning naming the error."""
+    """What the registered step probes measure on this step (NOTE [host probes] 4), in the order they were registered
+    (a later probe's figure replaces an earlier one's); a probe that fails leaves its figures out, with a warning
+    naming the error."""
     figures: dict[str, float] = {}
     for probe in step_probes():
         try:

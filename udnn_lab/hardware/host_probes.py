@@ -26,7 +26,11 @@ NOTE [host probes]
      runtime hooks as ``ul.train`` does); the cost model prefers the profile's figure to the
      machine's, as it does for ``dispatch_mode_op_s``. The step's hook probe also finds what an
      offload and what a followed step costs once (setting it up and tearing it down, the view
-     replay it turns on: ``runtime_step_s``, which only a step probe measures). A probe fails as
+     replay it turns on: ``runtime_step_s``, which only a step probe measures), and, timing the step
+     under a recomputation the runtime records and replays too, what each op recorded and re-run
+     costs the runtime itself (``replay_op_s``: its recording windows' bookkeeping, the unpacks
+     that replay, beyond the dispatch mode and the ops' own time), which supersedes the figure of
+     the replay probe's stand-in recording. A probe fails as
      in 3, leaving the profile's figure None; a probe whose figure does not show above the
      step's own variation (a long step, few hook calls) returns none, and the machine's stands.
 """
@@ -76,6 +80,10 @@ class ProbedStep:
     device: torch.device
     step_time_s: float  # the whole step, as timed plainly: what a probe's figure must show above
     model: torch.nn.Module | None = None  # the step's model, which a runtime probed on it hooks (NOTE [hook points] 8)
+    # each op's host seconds as the profile measured them (on a CPU its time, on a GPU its issue), and what a
+    # dispatch mode adds per op: what a probe knows of a recomputation it times before the runtime's own work
+    op_host_s: tuple[float, ...] | None = None
+    dispatch_mode_op_s: float | None = None
 
 
 # (the step, repeats) -> figures measured on it (NOTE [host probes] 4)

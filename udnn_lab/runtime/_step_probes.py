@@ -6,7 +6,11 @@
   plans offloading the one saved activation (of its smallest few) whose offload takes the fewest hook calls, the
   one whose offload takes the most, and all of those few, against the step alone, round by round: three
   equations in the time per hook call, per offload and per step (``offload_action_s``, ``runtime_step_s``),
-  solved where they are apart (else two, for the time per call alone). On a CPU the extra times are put at the
+  solved where they are apart (else two, for the time per call alone). Then, in rounds of its own, the step
+  under a recomputation of the middle half of its forward, recorded and replayed by the runtime: what it took
+  beyond those figures, the dispatch mode over its recording windows and the re-run ops' own time, over the ops it
+  re-ran, is ``replay_op_s`` as the runtime pays it (its windows' bookkeeping, the unpacks that replay), which
+  ``step_replay_figures``'s stand-in recording does not see. On a CPU the extra times are put at the
   pace the profile timed the step at (its plain steps against these rounds' steps alone): a machine whose pace
   drifts over seconds would otherwise add seconds of one pace to a step of another. The runtime is given the
   step's model, as ``ul.train`` gives it, so it makes the calls the simulator prices (NOTE [hook points] 8); a
@@ -27,7 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from udnn_lab.graph import Graph, Offload, Plan
+from udnn_lab.errors import PlanError
+from udnn_lab.graph import Graph, Offload, Plan, Recompute
+from udnn_lab.graph.reruns import NOT_RERUN
 from udnn_lab.hardware import HostFigures, ProbedStep
 from udnn_lab.runtime._host_probe import interleaved, itself, offload_by_hooks, replay_op_s_on, two_unknowns
 from udnn_lab.runtime.offload import OffloadRuntime
@@ -84,11 +90,67 @@ def step_hook_figures(step: ProbedStep, repeats: int) -> HostFigures:
     solved = three_unknowns(*((calls[name], len(plans[name].offloads), extra[name][0])
                               for name in ("fewest", "one", "several")))
     if solved is not None:
-        return HostFigures(dict(zip(("hook_call_s", "offload_action_s", "runtime_step_s"), solved)), what)
+        figures = dict(zip(("hook_call_s", "offload_action_s", "runtime_step_s"), solved))
+        recomputing = recorded_chain(step.graph) if step.op_host_s is not None else None
+        if recomputing is None:
+            return HostFigures(figures, what)
+        replayed = _replay_op_s(step, recomputing, repeats, figures, every_module)
+        recorded = sum(len(recompute.ops) for recompute in recomputing.recomputes)
+        about = (f"{what}; then recomputing {recorded} forward ops, less those figures, its dispatch mode and the ops' "
+                 "own time")
+        if replayed is None:
+            return HostFigures(figures, f"{about}: not clear of the step's variation, so the replay's figure stands")
+        return HostFigures({**figures, "replay_op_s": replayed}, about)
     hook_call_s, _ = two_unknowns((calls["one"], 1, extra["one"][0]), (calls["several"], several,
                                                                        extra["several"][0]))
     return HostFigures({"hook_call_s": hook_call_s} if hook_call_s > 0 else {},
                        f"{what}; the time per offload and per step could not be told apart")
+
+
+def recorded_chain(graph: Graph) -> Plan | None:
+    """A located plan recomputing every saved activation made in the middle half of the step's forward, from its
+    first op there, recorded and replayed (NOTE [offload runtime] 6) and otherwise followed by hooks: ranges a
+    quarter shorter in turn where one cannot be; None where none can."""
+    forward = [op.index for op in graph.ops if op.phase == "forward"]
+    for share in (0.5, 0.375, 0.25, 0.125):
+        first = forward[int(len(forward) * (0.5 - share / 2))]
+        last = forward[min(int(len(forward) * (0.5 + share / 2)), len(forward) - 1)]
+        ops = tuple(i for i in forward if first <= i <= last)
+        uses = {t.id: t.first_backward_use for t in graph.tensors if t.producer in ops and t.saved
+                and t.category == "feature_map" and t.first_backward_use is not None}
+        if not uses:
+            continue
+        plan = Plan("probe", graph.fingerprint, recomputes=(Recompute(tuple(uses), ops, min(uses.values())),))
+        try:
+            plan.validate(graph)
+        except PlanError:
+            continue
+        if not plan.followed_op_by_op(graph) and all(rerun == NOT_RERUN for rerun in plan.reruns_in(graph)):
+            return plan.located(graph)
+    return None
+
+
+def _replay_op_s(step: ProbedStep, plan: Plan, repeats: int, figures: dict[str, float],
+                 every_module: bool) -> float | None:
+    """What each op ``plan`` recorded and re-ran took beyond the rest of what the step under it took, as the
+    simulator prices the rest (NOTE [simulated streams] 6); None where that extra is not clear of the step's
+    variation. Rounds of their own: a step this much longer, taken between the hook plans', changes theirs."""
+    runtime = OffloadRuntime(plan, model=step.model)
+    try:
+        rounds = interleaved(step.run, step.device, {"eager": nullcontext, "recomputing": partial(itself, runtime)},
+                             max(repeats, 5) * 20 + 2, STEP_PROBE_S)
+    finally:
+        runtime.release()
+    pace = step.step_time_s / statistics.median(rounds["eager"]) if step.device.type == "cpu" else 1.0
+    median, error = (v * pace for v in _paired_extra(rounds["recomputing"], rounds["eager"]))
+    if median < CLEAR_OF_NOISE * error:
+        return None
+    assert step.op_host_s is not None
+    ops = [i for recompute in plan.recomputes for i in recompute.ops]
+    dispatched = sum(len(window) for window in plan.dispatched_ops(step.graph))
+    known = (figures["runtime_step_s"] + _calls(plan, step.graph, every_module) * figures["hook_call_s"]
+             + dispatched * (step.dispatch_mode_op_s or 0.0) + sum(step.op_host_s[i] for i in ops))
+    return max(median - known, 0.0) / len(ops)
 
 
 def three_unknowns(*rows: tuple[int, int, float]) -> tuple[float, float, float] | None:
