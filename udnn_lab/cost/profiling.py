@@ -228,11 +228,12 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
             host.append(_host_step(work.model, args, kwargs, step, where, None))
             moded.append(_host_step(work.model, args, kwargs, step, where, PassThroughMode()))
         times = np.array(per_op)
+        time_s = tuple(float(v) for v in np.median(times, axis=0))
         dispatch_mode_op_s = max(0.0, statistics.median(moded) - statistics.median(host)) / max(len(graph.ops), 1)
         probed = ProbedStep(forward=lambda: _forward(work.model, args, kwargs, work.step_options, where),
                             run=lambda: run_step(work.model, args, kwargs, **step, replay_views=False), graph=graph,
                             device=where, step_time_s=statistics.median(plain), model=work.model,
-                            op_host_s=host_time if cuda else tuple(float(v) for v in np.median(times, axis=0)),
+                            op_host_s=host_time if cuda else time_s,
                             dispatch_mode_op_s=dispatch_mode_op_s)
         stepped = _step_figures(probed, repeats)
     return Profile(
@@ -241,7 +242,7 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         ops=tuple(op.name for op in graph.ops), phases=tuple(op.phase for op in graph.ops),
         modules=tuple(op.module for op in graph.ops), flops=tuple(op.flops for op in graph.ops),
         bytes_read=tuple(op.bytes_read for op in graph.ops), bytes_written=tuple(op.bytes_written for op in graph.ops),
-        time_s=tuple(float(v) for v in np.median(times, axis=0)), time_min_s=tuple(float(v) for v in times.min(axis=0)),
+        time_s=time_s, time_min_s=tuple(float(v) for v in times.min(axis=0)),
         repeats=repeats, step_time_s=statistics.median(plain), threads=torch.get_num_threads(),
         dispatch_mode_op_s=dispatch_mode_op_s,
         replay_op_s=stepped.get("replay_op_s"), hook_call_s=stepped.get("hook_call_s"),

@@ -76,11 +76,7 @@ def step_hook_figures(step: ProbedStep, repeats: int) -> HostFigures:
     finally:
         for runtime in runtimes.values():
             runtime.release()
-    # a CPU's pace drifts over seconds: what these rounds took beyond the step is put at the pace the profile timed
-    # the step itself at, as the simulator adds it to that step. On a GPU the rounds time the host issuing a step,
-    # the profile the device running it: not the same measure of one pace
-    pace = step.step_time_s / statistics.median(rounds["eager"]) if step.device.type == "cpu" else 1.0
-    extra = {name: tuple(v * pace for v in _paired_extra(rounds[name], rounds["eager"])) for name in runtimes}
+    extra = {name: _extra_at_pace(step, rounds, name) for name in runtimes}
     extra.setdefault("fewest", extra["one"])
     several = len(plans["several"].offloads)
     what = (f"this step offloading one saved activation ({calls['fewest']} and {calls['one']} hook calls) and its "
@@ -141,8 +137,7 @@ def _replay_op_s(step: ProbedStep, plan: Plan, repeats: int, figures: dict[str, 
                              max(repeats, 5) * 20 + 2, STEP_PROBE_S)
     finally:
         runtime.release()
-    pace = step.step_time_s / statistics.median(rounds["eager"]) if step.device.type == "cpu" else 1.0
-    median, error = (v * pace for v in _paired_extra(rounds["recomputing"], rounds["eager"]))
+    median, error = _extra_at_pace(step, rounds, "recomputing")
     if median < CLEAR_OF_NOISE * error:
         return None
     assert step.op_host_s is not None
@@ -205,6 +200,15 @@ def _probe_plans(graph: Graph, every_module: bool = False) -> dict[str, Plan] | 
 
 def _calls(plan: Plan, graph: Graph, every_module: bool) -> int:
     return sum(plan.hook_calls(graph, every_module=every_module).values())
+
+
+def _extra_at_pace(step: ProbedStep, rounds: dict[str, list[float]], name: str) -> tuple[float, float]:
+    """``_paired_extra`` of ``name``'s rounds against the step alone, put at the pace the profile timed the step at:
+    a CPU's pace drifts over seconds, and the simulator adds the extra to that step. On a GPU the rounds time the
+    host issuing a step, the profile the device running it: not the same measure of one pace, taken as they are."""
+    pace = step.step_time_s / statistics.median(rounds["eager"]) if step.device.type == "cpu" else 1.0
+    median, error = _paired_extra(rounds[name], rounds["eager"])
+    return median * pace, error * pace
 
 
 def _paired_extra(under: list[float], alone: list[float]) -> tuple[float, float]:
