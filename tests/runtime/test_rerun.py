@@ -47,6 +47,26 @@ class Stack(nn.Module):
         return self.head(x).mean(dim=1)
 
 
+class PairBlock(Block):
+    """Takes its extras in a tuple: the runtime keeps a container argument for the re-run as it keeps a flat one."""
+
+    def forward(self, x, extras=()):
+        shift, scale = extras
+        return super().forward(x, scale=scale, shift=shift)
+
+
+class PairStack(Stack):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(PairBlock(32) for _ in range(4))
+
+    def forward(self, x):
+        shift = torch.full_like(x, 0.25)
+        for block in self.blocks:
+            x = block(x, (shift, 0.5))
+        return self.head(x).mean(dim=1)
+
+
 class ConvBlock(nn.Module):
     def __init__(self, channels: int) -> None:
         super().__init__()
@@ -78,6 +98,7 @@ def _convnet() -> nn.Module:
 
 @pytest.mark.parametrize("make, example", [
     pytest.param(Stack, torch.randn(4, 16, 32), id="dropout-and-keywords"),
+    pytest.param(PairStack, torch.randn(4, 16, 32), id="a-tuple-argument"),
     pytest.param(_convnet, torch.randn(4, 3, 8, 8), id="batch-norm")])
 def test_a_plan_of_whole_blocks_re_runs_them_exactly_at_the_simulated_peak(make, example):
     """Every recomputation re-runs its block's forward (no recording window, no dispatch mode): loss, gradients,

@@ -119,8 +119,8 @@ class HookStep(Step):
         if not family:
             return func(*args, **kwargs)
         index = self._counted(family)
-        for slot in self.let_go.get(index, ()):  # where no hook call stands for the op (NOTE [hook points] 6)
-            last_look(slot)
+        for tensor in self.layout.let_go.get(index, ()):  # where no hook call stands for the op (NOTE [hook points] 6)
+            last_look(self.slots[tensor])
         return self._call(index, func, args, kwargs)
 
     def _pack(self, tensor: torch.Tensor) -> Handle | Kept:

@@ -26,8 +26,7 @@ class OpByOpStep(Step):
     def __init__(self, runtime: Owner) -> None:
         super().__init__(runtime)
         self.backend_ops: deque[str] = deque()  # ops a collective's backend runs next that the step does not have
-        self.watched = set(self.sites) | set(self.offload_after) | set(self.prefetch_at) | set(self.replay_at) \
-            | set(self.recording) | set(self.release_at) | set(self.wait_at) | set(self.let_go)
+        self.watched = self.layout.acted_at
         self.last_planned_op = max(self.watched, default=-1)
         self.by_key: dict[int, Slot] = {}  # the planned storages met, by id, while they live
         self._mode = OpMode(self.on_op)  # every op of the step (NOTE [offload runtime] 1)
@@ -75,12 +74,9 @@ class OpByOpStep(Step):
         out = self._call(index, func, args, kwargs)
         if written_args:
             self._count_writes(written_args, args, kwargs)
-        for site in self.sites.get(index, ()):
+        for site in self.layout.sites.get(index, ()):
             self._found(site, args, out)
-        for offload in self.offload_after.get(index, ()):
-            self._offload(self.slots[offload.tensor])
-        for replay in self.replay_at.get(index, ()):
-            self._replay(replay)
+        self._after_op(index)
         return out
 
     def _count_writes(self, written: tuple[int | str, ...], args: tuple, kwargs: dict) -> None:

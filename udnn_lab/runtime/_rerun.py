@@ -49,13 +49,18 @@ class ModuleRerun:
 
     def exited(self, args: tuple, kwargs: dict) -> None:
         """At the call's 'exit': its arguments, detached as they required grad, with their versions."""
-        leaves, spec = tree_flatten((args, kwargs))
-        if not all(isinstance(leaf, PLAIN_TYPES) for leaf in leaves):
-            module = type(self.module).__name__
-            raise other_step(f"this step is not the one the plan was made for: {module} takes an argument that is "
-                             "neither a tensor nor a plain value (a cache?) where the traced step's did not, so the "
-                             "plan's re-run of that call could change it; trace this step and plan again")
-        self.args, self.kwargs = tree_unflatten([_detached(leaf) for leaf in leaves], spec)
+        values = (*args, *kwargs.values())
+        if all(isinstance(value, _FLAT) for value in values):  # most calls: no containers to flatten
+            self.args, self.kwargs = tuple(map(_detached, args)), {k: _detached(v) for k, v in kwargs.items()}
+            leaves: list = list(values)
+        else:
+            leaves, spec = tree_flatten((args, kwargs))
+            if not all(isinstance(leaf, PLAIN_TYPES) for leaf in leaves):
+                module = type(self.module).__name__
+                raise other_step(f"this step is not the one the plan was made for: {module} takes an argument that "
+                                 "is neither a tensor nor a plain value (a cache?) where the traced step's did not, "
+                                 "so the plan's re-run of that call could change it; trace this step and plan again")
+            self.args, self.kwargs = tree_unflatten([_detached(leaf) for leaf in leaves], spec)
         self.versions = tuple((t, t._version) for t in leaves if isinstance(t, torch.Tensor))
 
     def run(self) -> dict[int, torch.Tensor]:
@@ -98,6 +103,10 @@ class ModuleRerun:
         restored = dict(found)
         found.clear()  # ``pack`` lives on with the re-run's graph as long as anything holds that
         return restored
+
+
+# the plain values that are leaves of any argument tree (PLAIN_TYPES less the tuple-like torch.Size and slice)
+_FLAT = (torch.Tensor, type(None), bool, int, float, complex, str, torch.dtype, torch.device)
 
 
 def _detached(value):

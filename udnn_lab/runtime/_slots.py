@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from udnn_lab.graph.plan_ir import Offload, Plan, Recompute
 from udnn_lab.runtime._replay import Replay
 from udnn_lab.runtime._rerun import ModuleRerun
+from udnn_lab.runtime._step_layout import StepLayout
 from udnn_lab.runtime.pinned_pool import HostPool
 
 
@@ -36,7 +37,7 @@ class Slot:
     __slots__ = ("tensor", "action", "device_data", "key", "host", "host_offset", "offload_done", "restored",
                  "rebuilt", "prefetch_done", "handles", "replay", "watchers", "saved")
 
-    def __init__(self, tensor: int, action: Offload | Recompute) -> None:
+    def __init__(self, tensor: int, action: Offload | Recompute, replay: ModuleRerun | None = None) -> None:
         self.tensor, self.action = tensor, action
         self.device_data: torch.Tensor | None = None  # uint8 view of the original storage, held until copied out
         self.key: int | None = None  # id() of the original storage, while it lives
@@ -48,7 +49,7 @@ class Slot:
         self.prefetch_done: torch.cuda.Event | None = None
         self.handles = 0
         self.saved: list[weakref.ref[Handle]] = []  # its handles, to check when the storage is written
-        self.replay: Replay | ModuleRerun | None = None
+        self.replay: Replay | ModuleRerun | None = replay  # a Replay's is set where the step meets the tensor
         self.watchers: list[weakref.ref] = []  # weakrefs whose callbacks follow the storage and the handles
 
 
@@ -57,15 +58,15 @@ class Handle:
 
     __slots__ = ("slot", "dtype", "shape", "stride", "offset", "saved", "weak", "version", "stale", "__weakref__")
 
-    def __init__(self, slot: Slot, tensor: torch.Tensor) -> None:
+    def __init__(self, slot: Slot, tensor: torch.Tensor, held: bool = True) -> None:
         self.slot = slot
-        self.dtype, self.shape, self.stride, self.offset = tensor.dtype, tuple(tensor.shape), tensor.stride(), \
+        self.dtype, self.shape, self.stride, self.offset = tensor.dtype, tensor.shape, tensor.stride(), \
             tensor.storage_offset()
         # autograd's version check, which a handle would lose (NOTE [offload runtime] 5). Autograd often packs
         # a fresh alias that shares the version counter: it is held until forward lets the tensor go (an
         # offload's until its release point, which is no earlier), when it costs no memory, then weakly.
         self.version, self.stale = tensor._version, False
-        self.saved: torch.Tensor | None = tensor
+        self.saved: torch.Tensor | None = tensor if held else None
         self.weak = weakref.ref(tensor)
 
     def saved_tensor(self) -> torch.Tensor | None:
@@ -118,6 +119,8 @@ class Owner(Protocol):
 
     def host_pool(self, device: torch.device) -> HostPool: ...
 
+    def step_layout(self, reruns: Collection[int]) -> StepLayout: ...
+
 
 def last_look(slot: Slot) -> None:
     """Forward is done with the tensor: the last moment a write into it can be seen (5); the aliases go."""
@@ -137,13 +140,6 @@ def written_positions(func) -> tuple[int | str, ...]:
         if argument.alias_info is not None and argument.alias_info.is_write:
             written.append(argument.name if argument.kwarg_only else position)
     return tuple(written)
-
-
-def group(actions, field_name: str) -> dict[int, list]:
-    grouped: dict[int, list] = {}
-    for action in actions:
-        grouped.setdefault(getattr(action, field_name), []).append(action)
-    return grouped
 
 
 def bytes_of(tensor: torch.Tensor) -> torch.Tensor:

@@ -12,13 +12,14 @@ from collections import deque
 from collections.abc import Mapping
 from functools import partial
 from types import MappingProxyType
+from typing import cast
 
 import torch
 
 from udnn_lab.analysis.recording import flat_tensors, records_op
 from udnn_lab.analysis.step import view_replay
 from udnn_lab.errors import PlanMismatch
-from udnn_lab.graph.plan_ir import Offload, Recompute, TensorSite, other_step
+from udnn_lab.graph.plan_ir import Offload, Recompute, other_step
 from udnn_lab.graph.reruns import RerunCall
 from udnn_lab.graph.step_graph import op_family
 from udnn_lab.runtime._copies import Copies
@@ -31,7 +32,6 @@ from udnn_lab.runtime._slots import (
     Slot,
     StepStats,
     bytes_of,
-    group,
     last_look,
     modified_in_place,
     written_positions,
@@ -54,37 +54,17 @@ class Step:
         self.plan = plan
         self.index = 0
         self.copies: Copies | None = None  # made when the first planned tensor is found: before any action
+        self.layout = runtime.step_layout(reruns)  # what the plan does where: the same every step
         self.slots = {a.tensor: Slot(a.tensor, a) for a in plan.offloads}
-        for recompute in plan.recomputes:
-            for tensor in recompute.tensors:
-                self.slots[tensor] = Slot(tensor, recompute)
-        self.site_of = {site.tensor: site for site in plan.sites}
-        self.sites: dict[int, list[TensorSite]] = {}
-        self.let_go: dict[int, list[Slot]] = {}  # recomputed tensors: forward lets them go before this op
-        for site in plan.sites:
-            if site.tensor in self.slots:  # a plan edited after located() may list sites it no longer acts on
-                self.sites.setdefault(site.producer, []).append(site)
-                if isinstance(self.slots[site.tensor].action, Recompute):
-                    self.let_go.setdefault(site.held_until + 1, []).append(self.slots[site.tensor])
-        self.offload_after = group(plan.offloads, "after_op")
-        self.prefetch_at = group(plan.offloads, "prefetch_at")
-        self.release_at = group(plan.offloads, "release_op")
-        self.wait_at = group([o for o in plan.offloads if o.wait_before is not None], "wait_before")
-        self.replay_at: dict[int, list[Replay | ModuleRerun]] = {}
-        self.recording: dict[int, list[Replay]] = {}
+        self.replays: list[Replay | ModuleRerun] = []  # by recomputation, as plan.recomputes lists them
         self.reruns: dict[int, ModuleRerun] = {}  # recomputation -> its module call's re-run (NOTE [hook points] 7)
         for index, recompute in enumerate(plan.recomputes):
-            replay: Replay | ModuleRerun
-            if index in reruns:
-                replay = self.reruns[index] = ModuleRerun(recompute, reruns[index], plan.hook_events)
-                for tensor in recompute.tensors:
-                    self.slots[tensor].replay = replay
-            else:
-                replay = Replay(recompute)
-                for op in recompute.ops:
-                    self.recording.setdefault(op, []).append(replay)
-            # autograd unpacks a node's saved tensors before the node's first op: replay after the op before
-            self.replay_at.setdefault(recompute.at_op - 1, []).append(replay)
+            rerun = ModuleRerun(recompute, reruns[index], plan.hook_events) if index in reruns else None
+            self.replays.append(rerun or Replay(recompute))
+            if rerun is not None:
+                self.reruns[index] = rerun
+            for tensor in recompute.tensors:
+                self.slots[tensor] = Slot(tensor, recompute, rerun)
         self.expected = plan.op_families  # NOTE [offload runtime] 1: the step must be the plan's step
         self.copying_in: deque[Slot] = deque()  # prefetches in flight
         self.dropped_in_flight: list = []  # tokens of prefetches their slot let go of, waited for at the end (7, 9)
@@ -166,8 +146,7 @@ class Step:
         # garbage collector frees: hold no tensor past the step (NOTE [offload runtime] 9).
         for slot in self.slots.values():
             slot.replay = None
-        self.replay_at.clear()
-        self.recording.clear()
+        self.replays.clear()
         self.reruns.clear()
         if self.runtime.pool is not None:
             self.runtime.pool.reset()
@@ -192,10 +171,11 @@ class Step:
 
     def _call(self, index: int, func, args: tuple, kwargs: dict):
         """Run op ``index``, recording it for the replays that re-run it (NOTE [offload runtime] 6)."""
-        recording = self.recording.get(index, ())
-        if not recording:
+        recording = self.layout.recording.get(index)
+        if recording is None:
             return func(*args, **kwargs)
-        return recorded_call(recording, func, args, kwargs, self._device)
+        replays = [cast(Replay, self.replays[r]) for r in recording]  # a re-run records no ops
+        return recorded_call(replays, func, args, kwargs, self._device)
 
     def _mismatch(self, index: int, family: str) -> None:
         expected = self.expected[index]
@@ -209,9 +189,9 @@ class Step:
             "if none of these changed, the trace's fake kernels took another path than this device's real ones (a "
             "view where the trace saw a copy): plan from ul.trace(..., fake=False) on a real batch here instead")
 
-    def _meet(self, slot: Slot, tensor: torch.Tensor, producer: int) -> None:
-        """The planned storage is ``tensor``'s: follow it from here on."""
-        slot.key = id(tensor.untyped_storage())
+    def _meet(self, slot: Slot, tensor: torch.Tensor, producer: int, storage=None) -> None:
+        """The planned storage is ``tensor``'s (``storage``, where the caller has it): follow it from here on."""
+        slot.key = id(storage if storage is not None else tensor.untyped_storage())
         if self.copies is None:
             self.copies = Copies(tensor.device)
         elif tensor.device != self.copies.device:  # a fused attention kernel's dropout seed stays on the host
@@ -221,7 +201,9 @@ class Step:
         if isinstance(slot.action, Offload):
             slot.device_data = bytes_of(tensor)
         else:
-            for replay in self.recording.get(producer, ()):
+            for recording in self.layout.recording.get(producer, ()):
+                replay = self.replays[recording]
+                assert isinstance(replay, Replay)  # a re-run records no ops
                 if slot.tensor in replay.recompute.tensors:
                     replay.restore_from(slot.tensor, slot.key)
                     slot.replay = replay
@@ -284,41 +266,46 @@ class Step:
         raise NotImplementedError
 
     def _handle(self, slot: Slot, tensor: torch.Tensor) -> Handle:
-        handle = Handle(slot, tensor)
-        if isinstance(slot.replay, ModuleRerun):  # NOTE [hook points] 7: forward lets it go as it would
-            handle.saved = None
-        slot.saved.append(weakref.ref(handle))
+        # NOTE [hook points] 7: a re-run call's tensors go as forward lets them go
+        handle = Handle(slot, tensor, held=not isinstance(slot.replay, ModuleRerun))
+        watcher = weakref.ref(handle, partial(self._handle_gone, slot))
+        slot.saved.append(watcher)
         slot.handles += 1
-        slot.watchers.append(weakref.ref(handle, partial(self._handle_gone, slot)))
+        slot.watchers.append(watcher)
         return handle
 
     def _meet_packed(self, slot: Slot, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
-        site = self.site_of[slot.tensor]
+        site = self.layout.site_of[slot.tensor]
         if storage.nbytes() != site.nbytes:
             raise PlanMismatch(f"the step saved a {storage.nbytes()}-byte storage where the plan expects its "
                                f"{site.nbytes}-byte tensor (made by op {site.producer}): the step differs from the one "
                                "the plan was made for; plan again for this model and batch")
-        self._meet(slot, tensor, site.producer)
+        self._meet(slot, tensor, site.producer, storage)
 
     def _at_boundary(self, boundary: int) -> None:
         """After op ``boundary - 1`` and before op ``boundary`` (NOTE [hook points]): what the plan does there."""
-        for offload in self.offload_after.get(boundary - 1, ()):
-            self._offload(self.slots[offload.tensor])
-        for replay in self.replay_at.get(boundary - 1, ()):
-            self._replay(replay)
+        self._after_op(boundary - 1)
         self._before_op(boundary)
 
+    def _after_op(self, index: int) -> None:
+        layout = self.layout
+        for tensor in layout.offload_after.get(index, ()):
+            self._offload(self.slots[tensor])
+        for recompute in layout.replay_at.get(index, ()):
+            self._replay(self.replays[recompute])
+
     def _before_op(self, index: int) -> None:
-        for offload in self.prefetch_at.get(index, ()):
-            self._prefetch(self.slots[offload.tensor])
-        for offload in self.wait_at.get(index, ()):  # vDNN's per-layer sync
+        layout = self.layout
+        for tensor in layout.prefetch_at.get(index, ()):
+            self._prefetch(self.slots[tensor])
+        for tensor in layout.wait_at.get(index, ()):  # vDNN's per-layer sync
             if self.copies is not None:
-                self.copies.use(self.slots[offload.tensor].offload_done)
-        for offload in self.release_at.get(index, ()):
-            self._release(self.slots[offload.tensor])
-        for slot in self.let_go.get(index, ()):
-            last_look(slot)
+                self.copies.use(self.slots[tensor].offload_done)
+        for tensor in layout.release_at.get(index, ()):
+            self._release(self.slots[tensor])
+        for tensor in layout.let_go.get(index, ()):
+            last_look(self.slots[tensor])
 
     def _unpack(self, packed):
         """NOTE [offload runtime] 5: compute waits on the prefetch; the saved view over the restored storage."""

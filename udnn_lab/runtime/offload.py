@@ -75,6 +75,7 @@ NOTE [offload runtime]
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Literal
 
 import torch
@@ -87,6 +88,7 @@ from udnn_lab.runtime._hook_schedule import HookSchedule
 from udnn_lab.runtime._rerun import rerun_calls
 from udnn_lab.runtime._slots import Observer, StepStats
 from udnn_lab.runtime._step import Step
+from udnn_lab.runtime._step_layout import StepLayout
 from udnn_lab.runtime.pinned_pool import HostPool
 
 __all__ = ["OffloadRuntime", "PlanMismatch", "StepStats"]
@@ -117,6 +119,7 @@ class OffloadRuntime:
         self.last_step: StepStats | None = None
         self._step: Step | None = None
         self._schedule: HookSchedule | None = None  # built once: the plan's hook calls do not change
+        self._layouts: dict[frozenset[int], StepLayout] = {}  # by the recomputations that re-run a module call
 
     def __enter__(self) -> OffloadRuntime:
         if self.enabled:
@@ -177,6 +180,15 @@ class OffloadRuntime:
         if self._schedule is not None:
             self._schedule.seen = 0
         return self._schedule
+
+    def step_layout(self, reruns: Collection[int]) -> StepLayout:
+        """Where the plan acts in its step, worked out once (``reruns``: the recomputations re-running a call)."""
+        key = frozenset(reruns)
+        layout = self._layouts.get(key)
+        if layout is None:
+            assert self.plan is not None  # only steps ask for it, and only a runtime with a plan makes them
+            layout = self._layouts[key] = StepLayout.of(self.plan, key)
+        return layout
 
     def host_pool(self, device: torch.device) -> HostPool:
         if self.pool is None:
