@@ -57,6 +57,7 @@ from udnn_lab.analysis._fake.fast_paths import FakeFastPaths
 from udnn_lab.analysis._fake.tensors import HOST_READ, zero_of
 from udnn_lab.analysis._op_work import OpWork
 from udnn_lab.analysis._sharded import ResizedStorage
+from udnn_lab.analysis._view_writes import ViewWrites
 from udnn_lab.graph.step_records import HookEvent
 from udnn_lab.vocabulary import AUTOGRAD_SCOPE, COLLECTIVE_NAMESPACES, OPTIMIZER_SCOPE, Category, traced_op
 
@@ -158,6 +159,7 @@ class StepRecorder(TorchDispatchMode):
         self._param_paths: dict[int, str] = {}  # id(parameter) -> name, for AccumulateGrad nodes
         self._module_paths: dict[int, str] = {}  # id(module) -> its path, while watching a model
         self.hook_events: list[HookEvent] = []  # in the order the hooks were called
+        self.view_writes = ViewWrites()  # NOTE [view replay] 4
         self.tracks_host = False  # some storages live on the host: follow each one's side (NOTE [host storages] 3)
 
     # -- storages ------------------------------------------------------------------------
@@ -281,6 +283,8 @@ class StepRecorder(TorchDispatchMode):
             kind = self._kinds[func] = self._classify(func)
         if self._resizable and kind is not _SKIP and self.recording and (self.resized is None or self.resized):
             self.poll_resizes()
+        if self.recording:
+            self.view_writes.follow(func, args, kwargs)
         out = self.run_op(func, args, kwargs)
         if kind is not _SKIP and self.recording:
             self._record(func, args, kwargs, out)

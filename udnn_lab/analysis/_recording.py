@@ -224,7 +224,8 @@ def _freeze(recorder: StepRecorder, model_name: str, device: str, fake: bool, no
     # CPU kernels standing in for CUDA ones save other tensors than the device's (cuDNN's batch norm saves more)
     saved = () if cpu_stands_for_device else tuple(recorder.hook_events)
     return Graph(model_name=model_name, device=device, ops=frozen_ops, tensors=tuple(tensors), module_calls=calls,
-                 fake=fake, torch_version=torch.__version__, notes=tuple(notes), hook_events=saved)
+                 fake=fake, torch_version=torch.__version__, notes=tuple(notes), hook_events=saved,
+                 rebuilds_views=recorder.view_writes.found)
 
 
 def _device_of(record: StorageRecord, device: str, cpu_stands_for_device: bool) -> str:

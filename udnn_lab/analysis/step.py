@@ -92,6 +92,13 @@ def view_replay():
          runtime's steps): so what it costs is the runtime's. The plain steps a profile times
          for the step's own time (``Profile.step_time_s``), and the step its probes time a
          plan's host work against, run without it.
+      4. Autograd consults view replay only where the step writes in place, while it records, into a
+         storage a view shares (a view itself, or a tensor something viewed): the trace says whether
+         the step does (``Graph.rebuilds_views``; analysis/_view_writes.py). A step that never does
+         runs the same ops either way, and every view op costs host time under replay (about 2% of a
+         small GPT-2's step on one CPU thread), so the runtime turns it on only for a plan whose step
+         does (``Plan.replays_views``). Not seen: a write into a tensor whose view was made before
+         the step began, which the step then reads.
     The context manager is torch's own (private) switch; it is thread-local and restored on exit.
     """
     return torch.autograd._force_original_view_tracking(True)

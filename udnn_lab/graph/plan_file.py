@@ -19,7 +19,7 @@ from udnn_lab.errors import PlanError
 from udnn_lab.vocabulary import PACKAGE_VERSION
 
 FORMAT = "udnn_lab plan"
-FORMAT_VERSION = 2  # 2: Plan.reruns
+FORMAT_VERSION = 3  # 2: Plan.reruns; 3: Plan.replays_views
 
 
 def write_plan_file(fields: dict[str, Any], path: str | Path) -> Path:

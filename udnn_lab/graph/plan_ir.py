@@ -91,6 +91,8 @@ class Plan:
     # with hook events: for each recomputation, the position in hook_events of the 'enter' of the module call it
     # re-runs whole (NOTE [hook points] 7), or -1 where it is recorded and replayed; () when none is re-run
     reruns: tuple[int, ...] = ()
+    # the located step's Graph.rebuilds_views: the runtime turns view replay on for its steps only then
+    replays_views: bool = True
 
     def __repr__(self) -> str:
         sized = {site.tensor: site.nbytes for site in self.sites}
@@ -125,7 +127,8 @@ class Plan:
         self.check_belongs(graph)
         sites = tuple(_site(graph, t) for t in sorted(self._actions))
         followed = _followed_by_hooks(graph, self) if on_hooks else None
-        located = replace(self, sites=sites, op_count=len(graph.ops), op_families=_families(graph))
+        located = replace(self, sites=sites, op_count=len(graph.ops), op_families=_families(graph),
+                          replays_views=graph.rebuilds_views)
         if followed is None:
             return replace(located, hook_events=(), recording=(), reruns=())
         return replace(located, offloads=followed[0], hook_events=graph.hook_events, recording=followed[1],
@@ -289,7 +292,7 @@ def _from_fields(values: dict, source: Path) -> Plan:
             op_count=values["op_count"], op_families=tuple(values["op_families"]),
             hook_events=tuple(HookEvent(**{**e, "shape": tuple(e["shape"])}) for e in values["hook_events"]),
             chosen_policy=values["chosen_policy"], recording=tuple(tuple(w) for w in values["recording"]),
-            reruns=tuple(values["reruns"]))
+            reruns=tuple(values["reruns"]), replays_views=values["replays_views"])
     except (TypeError, KeyError) as err:
         raise PlanError(f"{source} holds a plan this udnn_lab cannot read ({type(err).__name__}: {err}): "
                         "plan again") from None

@@ -71,6 +71,9 @@ class Graph:
     # module and saved-tensor hook calls, in order; empty when the step ran other kernels than the device's
     # (CPU kernels standing in for CUDA ones save other tensors), so a runtime cannot follow them
     hook_events: tuple[HookEvent, ...] = field(default=())
+    # the step writes in place, under autograd, into a storage a view shares: only then do its ops depend on view
+    # replay (NOTE [view replay] 4); a graph that does not say is taken to
+    rebuilds_views: bool = True
 
     def __repr__(self) -> str:
         counts = {phase: sum(op.phase == phase for op in self.ops) for phase in PHASES}

@@ -250,7 +250,8 @@ class _Steps:
         work = self.work
         with self.runtime:
             run_step(work.model, self.args, self.kwargs, loss_fn=work.loss_fn, target=self.target,
-                     optimizer=work.optimizer, options=work.step_options, scaler=self.scaler)
+                     optimizer=work.optimizer, options=work.step_options, scaler=self.scaler,
+                     replay_views=self.runtime.replays_views)
         self.bar.update(1)
 
     def recorded(self) -> tuple[Graph, _CudaSampler | None]:

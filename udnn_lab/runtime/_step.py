@@ -10,6 +10,7 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from collections.abc import Mapping
+from contextlib import nullcontext
 from functools import partial
 from types import MappingProxyType
 from typing import cast
@@ -72,7 +73,7 @@ class Step:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks_on = False
         self._top_at_start: tuple | None = None  # autograd's innermost saved-tensor hooks when the step started
-        self._views = view_replay()
+        self._views = view_replay() if plan.replays_views else nullcontext()  # NOTE [view replay] 4
 
     # -- lifetime ----------------------------------------------------------------------------
     def start(self) -> None:

@@ -72,7 +72,8 @@ def one_step(index: int, model, micro_batches: list[MicroBatch], device, step: d
     runtime.observer = counter
     start = time.perf_counter()
     with counter if counter is not None else nullcontext(), runtime:
-        _, loss = run_step(model, args, kwargs, target=target, micro_batches=micro_batches[1:], **step)
+        _, loss = run_step(model, args, kwargs, target=target, micro_batches=micro_batches[1:],
+                           replay_views=runtime.replays_views, **step)
     runtime.observer = None
     if device.type == "cuda":
         torch.cuda.synchronize(device)

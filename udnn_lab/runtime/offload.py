@@ -152,6 +152,12 @@ class OffloadRuntime:
             pool.release()
 
     @property
+    def replays_views(self) -> bool:
+        """Whether a step run with this runtime needs view replay (NOTE [view replay] 4): its plan's step rebuilds a
+        view's history, or there is no plan to say (the runtime then turns it on for its steps itself)."""
+        return self.plan is None or self.plan.replays_views
+
+    @property
     def follows(self) -> str:
         """How the runtime follows the step, in words: nothing to do, op by op, or by hooks (re-running how many
         module calls, in how many windows)."""
