@@ -231,9 +231,13 @@ class Model:
                     outcome.outside_allocator_bytes = total - free - reserved_before
                 torch.use_deterministic_algorithms(compared and index == 0, warn_only=True)
                 started = time.perf_counter()
+                # view replay where the step's ops need it (NOTE [view replay] 4): the runtime turns it on for a
+                # plan whose step does, and an eager step runs as the trace saw it
+                followed = runtime is not None and runtime.enabled
                 with runtime.for_model(model) if runtime is not None else nullcontext():
                     _, loss = run_step(model, args, kwargs, loss_fn=self.work.loss_fn, target=self.work.target,
-                                       optimizer=optimizer, options=options, scaler=scaler)
+                                       optimizer=optimizer, options=options, scaler=scaler,
+                                       replay_views=self.graph.rebuilds_views and not followed)
                 self._sync()
                 outcome.seconds.append(time.perf_counter() - started)
                 peak = self._peak()
