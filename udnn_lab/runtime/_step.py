@@ -190,7 +190,8 @@ class Step:
             "if none of these changed, the trace's fake kernels took another path than this device's real ones (a "
             "view where the trace saw a copy): plan from ul.trace(..., fake=False) on a real batch here instead")
 
-    def _meet(self, slot: Slot, tensor: torch.Tensor, producer: int, storage=None) -> None:
+    def _meet(self, slot: Slot, tensor: torch.Tensor, producer: int,
+              storage: torch.UntypedStorage | None = None) -> None:
         """The planned storage is ``tensor``'s (``storage``, where the caller has it): follow it from here on."""
         slot.key = id(storage if storage is not None else tensor.untyped_storage())
         if self.copies is None:
