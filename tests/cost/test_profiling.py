@@ -103,3 +103,19 @@ def test_run_step_can_run_without_view_replay():
     finally:
         handle.remove()
     assert seen == [True, False] and not torch.autograd.is_view_replay_enabled()
+
+
+def test_the_step_probes_take_each_op_as_the_cost_model_prices_it(work, monkeypatch):
+    """A probe takes the ops a recomputation re-runs out of what it times (NOTE [host probes] 4); on a CPU the cost
+    model prices each op with its share of the step's time between ops, and so must the probe, or a replay's figure
+    leaves that share in and the simulator counts it twice."""
+    from udnn_lab.cost import profiling
+    from udnn_lab.cost.model import CostModel
+
+    seen = []
+    monkeypatch.setattr(profiling, "_step_figures", lambda step, repeats: seen.append(step) or {})
+    prof = ul.profile(work, repeats=2)
+    graph = ul.trace(work)
+    priced = CostModel(ul.Hardware.load("cpu-amd-epyc-2cpu"), profile=prof).op_times_s(graph)
+    assert prof.overhead_per_op_s > 0
+    assert seen[0].op_host_s == pytest.approx(tuple(priced), rel=1e-9, abs=1e-12)

@@ -103,7 +103,7 @@ class Profile:
     @property
     def overhead_per_op_s(self) -> float:
         """What a plain step spends outside the ops (Python, autograd), per op; never negative."""
-        return max(0.0, (self.step_time_s - self.op_time_s) / max(len(self.ops), 1))
+        return between_ops_s(self.step_time_s, self.time_s)
 
     def frame(self) -> pd.DataFrame:
         """One row per op: FLOPs, bytes, time and achieved rates."""
@@ -233,7 +233,7 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         probed = ProbedStep(forward=lambda: _forward(work.model, args, kwargs, work.step_options, where),
                             run=lambda: run_step(work.model, args, kwargs, **step, replay_views=False), graph=graph,
                             device=where, step_time_s=statistics.median(plain), model=work.model,
-                            op_host_s=host_time if cuda else time_s,
+                            op_host_s=host_time if cuda else _priced_op_times(statistics.median(plain), time_s),
                             dispatch_mode_op_s=dispatch_mode_op_s)
         stepped = _step_figures(probed, repeats)
     return Profile(
@@ -249,6 +249,19 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         offload_action_s=stepped.get("offload_action_s"), runtime_step_s=stepped.get("runtime_step_s"),
         scratch_bytes=scratch, host_time_s=host_time,
     )
+
+
+def between_ops_s(step_time_s: float, op_times_s) -> float:
+    """What a plain step of ``step_time_s`` spends outside its ops (Python, autograd), per op; never negative."""
+    return max(0.0, (step_time_s - float(sum(op_times_s))) / max(len(op_times_s), 1))
+
+
+def _priced_op_times(step_time_s: float, op_times_s: tuple[float, ...]) -> tuple[float, ...]:
+    """Each op's seconds on a CPU as the cost model prices it (CostModel.op_times_s): its own and its share of what
+    the step spends between ops. A probe takes them from what it times, so that what it leaves is not counted
+    twice."""
+    between = between_ops_s(step_time_s, op_times_s)
+    return tuple(seconds + between for seconds in op_times_s)
 
 
 def _forward(model: torch.nn.Module, args: tuple, kwargs: dict, options: StepOptions, where: torch.device) -> None:

@@ -80,8 +80,9 @@ class ProbedStep:
     device: torch.device
     step_time_s: float  # the whole step, as timed plainly: what a probe's figure must show above
     model: torch.nn.Module | None = None  # the step's model, which a runtime probed on it hooks (NOTE [hook points] 8)
-    # each op's host seconds as the profile measured them (on a CPU its time, on a GPU its issue), and what a
-    # dispatch mode adds per op: what a probe knows of a recomputation it times before the runtime's own work
+    # each op's host seconds as the cost model prices them (on a CPU its time and its share of the step's time
+    # between ops, on a GPU its issue), and what a dispatch mode adds per op: what a probe knows of a recomputation
+    # it times before the runtime's own work
     op_host_s: tuple[float, ...] | None = None
     dispatch_mode_op_s: float | None = None
 
