@@ -14,7 +14,6 @@ should differ (else view replay was turned on where it was not needed, which cos
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import platform
 import sys
@@ -26,39 +25,17 @@ from pathlib import Path
 import torch
 import torchvision
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import udnn_lab as ul  # noqa: E402
-from udnn_lab.analysis.recording import records_op  # noqa: E402
-from udnn_lab.analysis.step import run_step, split_input  # noqa: E402
+from udnn_lab.analysis.recording import real_step_ops  # noqa: E402
 from udnn_lab.workload import Workload  # noqa: E402
 
 LARGE_INPUTS = {"inception_v3": 299}  # the smallest input each family takes; 64 px otherwise
 PATCHED = ("vit", "swin", "maxvit")  # fixed 224-px inputs
 IMAGE_MODELS = {"hf:vit-b-16"}  # Hugging Face configs that take images at their config's size
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if records_op(func):
-            self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
-def _ops(work: Workload, replay_views: bool) -> list[str]:
-    model = copy.deepcopy(work.model)
-    args, kwargs = split_input(work.example_input)
-    torch.manual_seed(0)
-    with _Ops() as seen:
-        run_step(model, args, kwargs, loss_fn=work.loss_fn, target=work.target, replay_views=replay_views)
-    return seen.names
 
 
 def _loss(output, target):
@@ -83,7 +60,7 @@ def _row(model: str, make) -> dict:
     start = time.perf_counter()
     work, options = make()
     rebuilds = ul.trace(work).rebuilds_views
-    with_replay, without = _ops(work, True), _ops(work, False)
+    with_replay, without = real_step_ops(work, True), real_step_ops(work, False)
     return {"model": model, **options, "rebuilds_views": rebuilds, "same_ops": with_replay == without,
             "ops": len(with_replay), "seconds": time.perf_counter() - start}
 

@@ -7,11 +7,10 @@ import dataclasses
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import udnn_lab as ul
 from udnn_lab import zoo
-from udnn_lab.analysis.recording import records_op
+from udnn_lab.analysis.recording import real_step_ops
 from udnn_lab.analysis.step import run_step, split_input
 from udnn_lab.runtime import OffloadRuntime, PlanMismatch
 from udnn_lab.workload import Workload, optimizer_like
@@ -93,26 +92,6 @@ def test_a_step_that_rebuilds_a_views_history_has_other_ops_without_view_replay(
         _step(work, OffloadRuntime(dataclasses.replace(chosen, replays_views=False)))
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if records_op(func):
-            self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
-def _real_ops(work: Workload, replay_views: bool) -> list[str]:
-    model = copy.deepcopy(work.model)
-    args, kwargs = split_input(work.example_input)
-    torch.manual_seed(0)
-    with _Ops() as seen:
-        run_step(model, args, kwargs, loss_fn=work.loss_fn, target=work.target, replay_views=replay_views)
-    return seen.names
-
-
 @pytest.mark.parametrize("name, options", [
     ("resnet18", {"image_size": 32}), ("densenet121", {"image_size": 32}), ("googlenet", {"image_size": 64}),
     ("transformer", {}), ("lstm", {}), ("hf:gpt2", {"small": True, "seq_len": 16}),
@@ -121,6 +100,6 @@ def _real_ops(work: Workload, replay_views: bool) -> list[str]:
 def test_a_step_the_trace_says_rebuilds_no_view_runs_the_same_ops_without_view_replay(name, options):
     work = _work("into-a-view") if name == "writes-into-a-view" else zoo.get(name, batch=2, **options)
     rebuilds = ul.trace(work).rebuilds_views
-    same = _real_ops(work, replay_views=True) == _real_ops(work, replay_views=False)
+    same = real_step_ops(work, replay_views=True) == real_step_ops(work, replay_views=False)
     assert same or rebuilds
     assert not same or name != "writes-into-a-view"  # the comparison sees the difference where there is one

@@ -6,7 +6,14 @@ the step's ops: a runtime follows a step that never does without it, which would
 
 from __future__ import annotations
 
+import copy
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from udnn_lab.analysis.step import run_step, split_input
+from udnn_lab.vocabulary import traced_op
+from udnn_lab.workload import Workload
 
 
 class ViewWrites:
@@ -21,6 +28,8 @@ class ViewWrites:
 
     def follow(self, func, args: tuple, kwargs: dict) -> None:
         """Call with each op before it runs."""
+        if self.found:  # the answer is yes for the rest of the step
+            return
         kind = self._kinds.get(func)
         if kind is None:
             kind = self._kinds[func] = _view_kind(func)
@@ -29,7 +38,7 @@ class ViewWrites:
             value = args[position] if position < len(args) else None
             if isinstance(value, torch.Tensor):
                 self._viewed.add(id(value.untyped_storage()))
-        if written and not self.found and torch.is_grad_enabled() and _requires_grad(args, kwargs):
+        if written and torch.is_grad_enabled() and _requires_grad(args, kwargs):
             for position in written:
                 value = args[position] if isinstance(position, int) and position < len(args) else \
                     kwargs.get(str(position))
@@ -39,20 +48,44 @@ class ViewWrites:
                     return
 
 
+def written_positions(func) -> tuple[int | str, ...]:
+    """Where an op writes in place: positions of written arguments (keyword-only ones by name)."""
+    return tuple(argument.name if argument.kwarg_only else position
+                 for position, argument in enumerate(func._schema.arguments)
+                 if argument.alias_info is not None and argument.alias_info.is_write)
+
+
 def _view_kind(func) -> tuple[tuple[int, ...], tuple[int | str, ...]]:
     """An op's arguments its outputs view (an alias returned, not written) and those it writes in place."""
     schema = func._schema
-    returns_alias = any(result.alias_info is not None for result in schema.returns)
-    viewing, written = [], []
-    for position, argument in enumerate(schema.arguments):
-        alias = argument.alias_info
-        if alias is None:
-            continue
-        if alias.is_write:
-            written.append(argument.name if argument.kwarg_only else position)
-        elif returns_alias and not argument.kwarg_only:
-            viewing.append(position)
-    return tuple(viewing), tuple(written)
+    viewing: tuple[int, ...] = ()
+    if any(result.alias_info is not None for result in schema.returns):
+        viewing = tuple(position for position, argument in enumerate(schema.arguments)
+                        if argument.alias_info is not None and not argument.alias_info.is_write
+                        and not argument.kwarg_only)
+    return viewing, written_positions(func)
+
+
+def real_step_ops(work: Workload, replay_views: bool) -> list[str]:
+    """The ops a real forward and backward of ``work`` runs (on a copy of its model), as the Graph counts them: what
+    view replay changes where a step rebuilds a view's history."""
+    model = copy.deepcopy(work.model)
+    args, kwargs = split_input(work.example_input)
+    torch.manual_seed(0)
+    with _OpNames() as seen:
+        run_step(model, args, kwargs, loss_fn=work.loss_fn, target=work.target, replay_views=replay_views)
+    return seen.names
+
+
+class _OpNames(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if traced_op(func):  # the ops a Graph records (records_op)
+            self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 def _requires_grad(args: tuple, kwargs: dict) -> bool:

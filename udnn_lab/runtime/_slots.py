@@ -133,15 +133,6 @@ def alive(refs) -> list[Handle]:
     return [handle for handle in (ref() for ref in refs) if handle is not None]
 
 
-def written_positions(func) -> tuple[int | str, ...]:
-    """Where an op writes in place: positions of written arguments (keyword-only ones by name)."""
-    written: list[int | str] = []
-    for position, argument in enumerate(func._schema.arguments):
-        if argument.alias_info is not None and argument.alias_info.is_write:
-            written.append(argument.name if argument.kwarg_only else position)
-    return tuple(written)
-
-
 def bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     """A uint8 tensor over the whole storage of ``tensor`` (made without dispatch: not an op of the step)."""
     storage = tensor.untyped_storage()

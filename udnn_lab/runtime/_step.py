@@ -17,7 +17,7 @@ from typing import cast
 
 import torch
 
-from udnn_lab.analysis.recording import flat_tensors, records_op
+from udnn_lab.analysis.recording import flat_tensors, records_op, written_positions
 from udnn_lab.analysis.step import view_replay
 from udnn_lab.errors import PlanMismatch
 from udnn_lab.graph.plan_ir import Offload, Recompute, other_step
@@ -35,7 +35,6 @@ from udnn_lab.runtime._slots import (
     bytes_of,
     last_look,
     modified_in_place,
-    written_positions,
 )
 
 
