@@ -12,8 +12,10 @@ priced (the dispatch mode, and the runtime's hook calls, offload actions, its wo
 replays its host probes measured: what it said before it priced them). The hook-call and offload
 figures are measured in the same run, on its thread, by the runtime's host probe, and, where they show
 above the step's variation, on the workload's own step (with its work per step) by its step probe, which also
-times the step under a recomputation the runtime records and replays for what each re-run op costs it (else a
-replay's stand-in on the workload's own forward), within ``ul.profile`` (NOTE [host probes] 4). Within a round the
+times the step under recomputations the runtime records and replays (of the middle half of the forward and of
+nearly all of it) for what each re-run op costs it (else a replay's stand-in on the workload's own forward), and
+the copies the runtime makes in the step (a CPU's copies run from its caches or from memory: not at the machine
+profile's largest-copy rate), within ``ul.profile`` (NOTE [host probes] 4). Within a round the
 steps run in a shuffled order (a step right after a longer one runs at another pace). Steps are run as
 ``run_step`` runs them, the step a profile times.
 Target: every plan's measured slowdown within 3% of its simulated one.
@@ -143,7 +145,8 @@ def _rows(name: str, options: dict, repeats: int) -> list[dict]:
             "machine_hook_call_s": hardware.hook_call_s,
             "offload_action_s": profile.offload_action_s, "machine_offload_action_s": hardware.offload_action_s,
             "runtime_step_s": profile.runtime_step_s, "replay_op_s": profile.replay_op_s,
-            "machine_replay_op_s": hardware.replay_op_s,
+            "machine_replay_op_s": hardware.replay_op_s, "copy_bytes_per_s": profile.copy_bytes_per_s,
+            "machine_copy_bytes_per_s": hardware.d2h_pinned_bytes_per_s,
             "hook_calls": sum(plan.hook_calls(graph).values()), "rerun_ops": sum(len(r.ops) for r in plan.recomputes),
             "eager_s": measured["eager"],
             "step_s": measured[label], "measured_slowdown": slowdown, "simulated_slowdown": simulated,

@@ -12,14 +12,24 @@ import udnn_lab as ul
 from udnn_lab.analysis.step import run_step, split_input
 from udnn_lab.hardware import ProbedStep
 from udnn_lab.runtime import _step_probes as step_probes
+from udnn_lab.runtime._copies import Copies
 from udnn_lab.runtime._hook_schedule import HookSchedule
 from udnn_lab.runtime._replay import Replay
-from udnn_lab.runtime._step_probes import _paired_extra, _probe_plans, recorded_chain, step_hook_figures
+from udnn_lab.runtime._step_probes import (
+    _bytes,
+    _paired_extra,
+    _probe_plans,
+    recorded_chain,
+    recorded_chains,
+    solve_nonnegative,
+    step_hook_figures,
+)
 from udnn_lab.zoo import get as zoo_get
 
 ADDED_S = 1e-4  # what the test adds to each hook call the runtime handles
 ADDED_STEP_S = 5e-3  # and to each step it follows
-ADDED_REPLAY_S = 1e-4  # and to each op a recomputation records
+ADDED_REPLAY_S = 3e-4  # and to each op a recomputation records (its chains make hundreds of hook calls too)
+ADDED_PER_BYTE_S = 5e-9  # and to each byte it copies out to the host (0.2 GB/s)
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +44,14 @@ def probed():
 
     # the step's own time as a profile measures it: the probe puts what it measures at that pace
     seconds = []
-    for _ in range(7):
+    # each op's time and the dispatch mode's, as a profile measures them: for the recomputation it times
+    op_host_s = tuple(ul.profile(work, repeats=3).time_s)
+    for _ in range(25):  # the probe puts its rounds at this step's pace: a few steps would set it by chance
         start = time.perf_counter()
         step()
         seconds.append(time.perf_counter() - start)
-    # each op's time and the dispatch mode's, as a profile measures them: for the recomputation it times
-    op_host_s = tuple(ul.profile(work, repeats=3).time_s)
     return ProbedStep(lambda: work.model(*args, **kwargs), step, graph, torch.device("cpu"),
-                      statistics.median(seconds[2:]), work.model, op_host_s=op_host_s, dispatch_mode_op_s=5e-6)
+                      statistics.median(seconds[5:]), work.model, op_host_s=op_host_s, dispatch_mode_op_s=5e-6)
 
 
 @pytest.mark.parametrize("every_module", [False, True], ids=["given-the-model", "every-module"])
@@ -75,10 +85,11 @@ def test_the_probe_finds_what_each_hook_call_and_each_step_costs_on_the_step(pro
     recording = Replay.record
     monkeypatch.setattr(Replay, "record", lambda self, *a, **k: (_busy(ADDED_REPLAY_S), recording(self, *a, **k))[1])
     # the estimate, not its time limit, is under test: on a loaded CI host 3 s gave 17 rounds, too few for a median
-    monkeypatch.setattr(step_probes, "STEP_PROBE_S", 10.0)
+    monkeypatch.setattr(step_probes, "STEP_PROBE_S", 16.0)
     measured = step_hook_figures(probed, 2)
-    assert set(measured.figures) == {"hook_call_s", "offload_action_s", "runtime_step_s", "replay_op_s"}, \
-        measured.source
+    # the copies' rate too where their bytes show in this step's variation (a test of its own makes them)
+    figures = {"hook_call_s", "offload_action_s", "runtime_step_s", "replay_op_s"}
+    assert figures <= set(measured.figures) <= figures | {"copy_bytes_per_s"}, measured.source
     # three unknowns from three plans: each a little noisier than one alone
     assert ADDED_S * 0.75 < measured.figures["hook_call_s"] < ADDED_S * 1.5 + 1e-4, measured.source
     assert ADDED_STEP_S * 0.8 < measured.figures["runtime_step_s"] < ADDED_STEP_S + 2e-3, measured.source
@@ -87,12 +98,48 @@ def test_the_probe_finds_what_each_hook_call_and_each_step_costs_on_the_step(pro
     assert "this step offloading one saved activation" in measured.source and "recomputing" in measured.source
 
 
-def test_the_probe_s_recomputation_is_recorded_and_replayed_and_followed_by_hooks(probed):
-    plan = recorded_chain(probed.graph)
-    assert plan is not None and len(plan.recomputes) == 1
-    assert not plan.followed_op_by_op(probed.graph) and plan.reruns_in(probed.graph) == ()
+def test_on_a_cpu_a_fourth_plan_offloads_the_step_s_largest_saved_activations(probed, monkeypatch):
+    """NOTE [host probes] 4: on a CPU the host makes the copies while the step waits, at a rate that depends on what
+    the caches hold; a fourth plan offloads the step's largest saved activations, for the time per byte."""
+    plans = _probe_plans(probed.graph, largest=True)
+    assert _bytes(plans["large"], probed.graph) >= 4 * _bytes(plans["several"], probed.graph)
+    assert len(plans["large"].offloads) == len(plans["several"].offloads)
+    assert "large" not in _probe_plans(probed.graph)  # on a GPU the copies run on their streams: the link's rate
+    # each step made dearer, so that every plan's extra stands clear, and each byte copied out
+    starting = HookSchedule.check_modes
+    monkeypatch.setattr(HookSchedule, "check_modes", lambda self: (_busy(ADDED_STEP_S), starting(self))[1])
+    copying = Copies.to_host
+    monkeypatch.setattr(Copies, "to_host", lambda self, source, host: (_busy(source.numel() * ADDED_PER_BYTE_S),
+                                                                       copying(self, source, host))[1])
+    measured = step_hook_figures(dataclasses.replace(probed, op_host_s=None), 2)
+    # each offloaded byte is copied out (made dearer) and back: per byte copied, half the added time and the copy's
+    assert measured.figures["copy_bytes_per_s"] == pytest.approx(2 / ADDED_PER_BYTE_S, rel=0.25), measured.source
+    assert "16 largest" in measured.source
+
+
+def test_the_figures_are_the_least_squares_ones_none_below_zero():
+    """Four plans, four figures (per call, per offload, per step, per byte); noise that would make one negative
+    leaves it 0 and the others fit the rest; rows that cannot tell the figures apart give none."""
+    figures = (5e-6, 3e-5, 3e-4, 1e-10)
+    rows = [(100, 1, 1, 10), (200, 40, 1, 100), (8, 1, 1, 5), (210, 40, 1, 1e6)]
+    seconds = [sum(a * b for a, b in zip(row, figures)) for row in rows]
+    assert solve_nonnegative(rows, seconds) == pytest.approx(figures)
+    solved = solve_nonnegative(rows[:3] + [(210, 40, 1, 1e6)], seconds[:3] + [seconds[1]])  # bytes cost nothing
+    assert min(solved) >= 0 and solved[3] == 0
+    assert solve_nonnegative([(100, 1, 1), (200, 2, 1), (300, 3, 1)], [1.0, 2.0, 3.0]) is None
+
+
+def test_the_probe_s_recomputations_are_recorded_and_replayed_and_followed_by_hooks(probed):
+    """The middle half of the forward, and nearly all of it: a recomputation costs more per op where it re-runs
+    less, and the figure is taken over both."""
+    middle, most = recorded_chains(probed.graph)
+    assert middle.recomputes == recorded_chain(probed.graph).recomputes
     forward = [op.index for op in probed.graph.ops if op.phase == "forward"]
-    assert len(plan.recomputes[0].ops) >= len(forward) // 4
+    for plan in (middle, most):
+        assert len(plan.recomputes) == 1
+        assert not plan.followed_op_by_op(probed.graph) and plan.reruns_in(probed.graph) == ()
+    assert len(forward) // 4 <= len(middle.recomputes[0].ops) < len(most.recomputes[0].ops)
+    assert len(most.recomputes[0].ops) >= len(forward) * 0.7
 
 
 def test_without_the_ops_times_the_probe_leaves_the_replay_s_figure_to_the_replay_probe(probed, monkeypatch):
@@ -136,16 +183,20 @@ def test_what_the_probe_s_rounds_took_is_put_at_the_profile_s_pace(probed, monke
     the step give the figures of the profile's pace (NOTE [host probes] 4). On a GPU the rounds time the host
     issuing the step and the profile the device running it: taken as they are."""
     probed = dataclasses.replace(probed, device=torch.device(device))
-    plans = _probe_plans(probed.graph)
+    plans = _probe_plans(probed.graph, largest=device == "cpu")
     calls = {name: sum(plan.hook_calls(probed.graph).values()) for name, plan in plans.items()}
     offloads = {name: len(plan.offloads) for name, plan in plans.items()}
-    per_call, per_offload, per_step = 2e-5, 1e-4, 1e-3  # at the profile's pace
+    copied = {name: 2 * _bytes(plan, probed.graph) if device == "cpu" else 0 for name, plan in plans.items()}
+    per_call, per_offload, per_step, per_byte = 2e-5, 1e-4, 1e-3, 1e-10  # at the profile's pace
 
-    recomputing = recorded_chain(probed.graph)
-    calls["recomputing"], offloads["recomputing"] = sum(recomputing.hook_calls(probed.graph).values()), 0
-    ops = recomputing.recomputes[0].ops
-    dispatched = sum(len(window) for window in recomputing.dispatched_ops(probed.graph))
-    known = dispatched * probed.dispatch_mode_op_s + sum(probed.op_host_s[i] for i in ops)  # at the profile's pace
+    ops, known = {}, {}
+    for index, chain in enumerate(recorded_chains(probed.graph)):
+        name = f"recomputing {index}"
+        calls[name], offloads[name], copied[name] = sum(chain.hook_calls(probed.graph).values()), 0, 0
+        ops[name] = chain.recomputes[0].ops
+        dispatched = sum(len(window) for window in chain.dispatched_ops(probed.graph))
+        # at the profile's pace
+        known[name] = dispatched * probed.dispatch_mode_op_s + sum(probed.op_host_s[i] for i in ops[name])
     per_replayed_op = 3e-5
 
     alone = [probed.step_time_s * slower * (1 + 0.01 * (i % 3)) for i in range(30)]
@@ -154,9 +205,10 @@ def test_what_the_probe_s_rounds_took_is_put_at_the_profile_s_pace(probed, monke
         taken = {"eager": alone}
         for name in contexts:
             if name != "eager":
-                extra = (calls[name] * per_call + offloads[name] * per_offload + per_step) * slower
-                if name == "recomputing":
-                    extra += (known + len(ops) * per_replayed_op) * slower
+                extra = (calls[name] * per_call + offloads[name] * per_offload + per_step
+                         + copied[name] * per_byte) * slower
+                if name in ops:
+                    extra += (known[name] + len(ops[name]) * per_replayed_op) * slower
                 taken[name] = [seconds + extra for seconds in alone]
         return taken
 
@@ -165,8 +217,13 @@ def test_what_the_probe_s_rounds_took_is_put_at_the_profile_s_pace(probed, monke
     assert figures["hook_call_s"] == pytest.approx(per_call * found, rel=0.02)
     assert figures["offload_action_s"] == pytest.approx(per_offload * found, rel=0.02)
     assert figures["runtime_step_s"] == pytest.approx(per_step * found, rel=0.02)
+    if device == "cpu":
+        assert figures["copy_bytes_per_s"] == pytest.approx(1 / (per_byte * found), rel=0.02)
+    else:
+        assert "copy_bytes_per_s" not in figures
     # what is known of the recomputation was measured at the profile's pace: it is taken from the rounds' extra at
     # that pace (on a GPU, the rounds' own)
     pace = probed.step_time_s / statistics.median(alone) if device == "cpu" else 1.0
-    replayed = (slower * pace * (known + len(ops) * per_replayed_op) - known) / len(ops)
-    assert figures["replay_op_s"] == pytest.approx(replayed, rel=0.02)
+    replayed = sum(slower * pace * (known[name] + len(ops[name]) * per_replayed_op) - known[name] for name in ops)
+    assert len(ops) == 2
+    assert figures["replay_op_s"] == pytest.approx(replayed / sum(len(chain) for chain in ops.values()), rel=0.02)

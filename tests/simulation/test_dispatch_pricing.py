@@ -248,3 +248,25 @@ def test_a_cpu_copy_costs_its_latency_unless_the_profiled_step_timed_its_call_in
     assert CostModel(CPU).transfer_time_s(1 << 20, "d2h") == pytest.approx(CPU.transfer_time_s(1 << 20, "d2h"))
     gpu = ul.Hardware.load("h100-sxm")  # a GPU's copy engine waits its latency whatever the host measured
     assert CostModel(gpu, timed).transfer_time_s(1 << 20, "d2h") == pytest.approx(gpu.transfer_time_s(1 << 20, "d2h"))
+
+
+def test_a_cpu_copy_runs_at_the_rate_the_profiled_step_measured_at_its_own_sizes(cpu_graph):
+    """NOTE [simulated streams] 7: a CPU's copies of a small step's tensors run from its caches, faster than the
+    machine's largest copy; the profile's copy rate (NOTE [host probes] 4) is the one a plan's copies are priced at."""
+    from udnn_lab.cost.model import CostModel
+
+    step = ul.profile(zoo.get("mlp3", batch=4), repeats=1)
+    machine = dataclasses.replace(step, copy_bytes_per_s=None, offload_action_s=3e-5)
+    own = dataclasses.replace(machine, copy_bytes_per_s=4 * CPU.bandwidth_bytes_per_s("d2h"))
+    for direction in ("d2h", "h2d"):
+        assert CostModel(CPU, own).transfer_time_s(1 << 20, direction) == \
+            pytest.approx(CostModel(CPU, machine).transfer_time_s(1 << 20, direction) / 4)
+    gpu = ul.Hardware.load("h100-sxm")  # a GPU's copies run on the link, whatever a CPU step measured
+    assert CostModel(gpu, own).transfer_time_s(1 << 20, "d2h") == pytest.approx(gpu.transfer_time_s(1 << 20, "d2h"))
+    profile = ul.profile(zoo.get("resnet18", batch=4, image_size=32), repeats=1)
+    plan = ul.plan(cpu_graph, None, "vdnn-all", hardware=CPU)
+    rates = (CPU.bandwidth_bytes_per_s("d2h"), 4 * CPU.bandwidth_bytes_per_s("d2h"))
+    slow, fast = (ul.simulate(cpu_graph, plan, hardware=CPU,
+                              profile=dataclasses.replace(profile, copy_bytes_per_s=rate)) for rate in rates)
+    copies = (slow.d2h_bytes + slow.h2d_bytes) / CPU.bandwidth_bytes_per_s("d2h")
+    assert slow.step_time_s - fast.step_time_s == pytest.approx(copies * 3 / 4, rel=0.01)

@@ -257,15 +257,17 @@ class CostModel:
     def transfer_time_s(self, nbytes: int, direction: str, pinned: bool = True) -> float:
         """``latency + bytes / bandwidth`` for a copy of ``nbytes`` (0 for nothing). On a CPU whose profiled step
         measured an offload's actions (NOTE [host probes] 4), the copies' calls were timed in them, the host making
-        the copies itself: the latency, a copy's call, is not added again."""
+        the copies itself: the latency, a copy's call, is not added again; and where it measured the runtime's copies
+        at the step's own sizes (``Profile.copy_bytes_per_s``), that is the rate."""
         if nbytes <= 0:
             return 0.0
         key = ("link", direction, pinned)
         if key not in self.memo:
-            in_actions = self.hardware.device_type == "cpu" and self.profile is not None \
-                and self.profile.offload_action_s is not None
+            on_cpu = self.profile if self.hardware.device_type == "cpu" else None
+            in_actions = on_cpu is not None and on_cpu.offload_action_s is not None
+            step_rate = on_cpu.copy_bytes_per_s if on_cpu is not None else None
             self.memo[key] = (0.0 if in_actions else self.hardware.latency_s(direction, pinned),
-                              self.hardware.bandwidth_bytes_per_s(direction, pinned))
+                              step_rate or self.hardware.bandwidth_bytes_per_s(direction, pinned))
         latency, bandwidth = self.memo[key]
         return latency + nbytes / bandwidth
 

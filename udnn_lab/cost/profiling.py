@@ -83,6 +83,10 @@ class Profile:
     # down, the view replay it turns on), measured on this step by the same probe; None: not measured
     offload_action_s: float | None = None
     runtime_step_s: float | None = None
+    # bytes per second of the runtime's copies to its host pool and back in this step, on a CPU (which runs them from
+    # its caches where they fit), measured by the runtime's step probe (NOTE [host probes] 4); None: not measured, and
+    # on a GPU, whose copies run at the link's rate
+    copy_bytes_per_s: float | None = None
     # per op, the most bytes the caching allocator held while the op ran beyond what it held before and after it
     # (a library's scratch: cuDNN's convolution workspaces), the largest over the timed steps; CUDA only, None
     # elsewhere (NOTE [op scratch])
@@ -245,10 +249,13 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
         time_s=time_s, time_min_s=tuple(float(v) for v in times.min(axis=0)),
         repeats=repeats, step_time_s=statistics.median(plain), threads=torch.get_num_threads(),
         dispatch_mode_op_s=dispatch_mode_op_s,
-        replay_op_s=stepped.get("replay_op_s"), hook_call_s=stepped.get("hook_call_s"),
-        offload_action_s=stepped.get("offload_action_s"), runtime_step_s=stepped.get("runtime_step_s"),
+        **{figure: stepped.get(figure) for figure in _STEP_FIGURES},
         scratch_bytes=scratch, host_time_s=host_time,
     )
+
+
+# what the step probes measure on the profiled step (NOTE [host probes] 4): Profile fields, None where unmeasured
+_STEP_FIGURES = ("replay_op_s", "hook_call_s", "offload_action_s", "runtime_step_s", "copy_bytes_per_s")
 
 
 def between_ops_s(step_time_s: float, op_times_s) -> float:

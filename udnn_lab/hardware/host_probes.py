@@ -30,7 +30,10 @@ NOTE [host probes]
      under a recomputation the runtime records and replays too, what each op recorded and re-run
      costs the runtime itself (``replay_op_s``: its recording windows' bookkeeping, the unpacks
      that replay, beyond the dispatch mode and the ops' own time), which supersedes the figure of
-     the replay probe's stand-in recording. A probe fails as
+     the replay probe's stand-in recording. On a CPU it offloads some of the step's largest saved
+     activations too, for what each byte the runtime copies out and back costs in the step
+     (``copy_bytes_per_s``): a CPU runs a copy from its caches several times faster than its
+     largest copy, and a restore from memory the step has since moved past slower. A probe fails as
      in 3, leaving the profile's figure None; a probe whose figure does not show above the
      step's own variation (a long step, few hook calls) returns none, and the machine's stands.
 """

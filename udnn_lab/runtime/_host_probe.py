@@ -17,6 +17,7 @@ step itself (NOTE [host probes] 4).
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -113,14 +114,17 @@ def offload_by_hooks(graph: Graph, tensor: TensorInfo) -> Plan | None:
 
 def interleaved(step: Callable[[], Any], device: torch.device, contexts: Mapping[str, Callable[[], Any]],
                 rounds: int, limit_s: float | None = None) -> dict[str, list[float]]:
-    """Host seconds of ``step`` under each context, taken in turn for ``rounds`` less two (warm-up); ``limit_s``:
-    fewer rounds (three measured at least) once that long has passed."""
+    """Host seconds of ``step`` under each context, taken in turn for ``rounds`` less two (warm-up), in a new order
+    each round (a step right after a longer one runs at another pace: the caches it left); ``limit_s``: fewer rounds
+    (three measured at least) once that long has passed."""
     times: dict[str, list[float]] = {name: [] for name in contexts}
+    order = random.Random(0)
     started = time.perf_counter()
     for index in range(rounds):
         if limit_s is not None and index >= 5 and time.perf_counter() - started > limit_s:
             break
-        for name, context in contexts.items():
+        for name in order.sample(list(contexts), len(contexts)):
+            context = contexts[name]
             seconds = host_seconds(lambda: under(step, context()), device)
             if index >= 2:  # warm-up
                 times[name].append(seconds)

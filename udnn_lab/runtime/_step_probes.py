@@ -6,22 +6,27 @@
   plans offloading the one saved activation (of its smallest few) whose offload takes the fewest hook calls, the
   one whose offload takes the most, and all of those few, against the step alone, round by round: three
   equations in the time per hook call, per offload and per step (``offload_action_s``, ``runtime_step_s``),
-  solved where they are apart (else two, for the time per call alone). Then, in rounds of its own, the step
-  under a recomputation of the middle half of its forward, recorded and replayed by the runtime: what it took
-  beyond those figures, the dispatch mode over its recording windows and the re-run ops' own time, over the ops it
-  re-ran, is ``replay_op_s`` as the runtime pays it (its windows' bookkeeping, the unpacks that replay), which
-  ``step_replay_figures``'s stand-in recording does not see. On a CPU the extra times are put at the
-  pace the profile timed the step at (its plain steps against these rounds' steps alone): a machine whose pace
-  drifts over seconds would otherwise add seconds of one pace to a step of another. The runtime is given the
-  step's model, as ``ul.train`` gives it, so it makes the calls the simulator prices (NOTE [hook points] 8); a
-  step probed without its model is followed with every module hooked, and the fewest calls make the one
-  offload's plan. A module hook is handed the call's arguments, so a model of many small modules called with
+  solved where they are apart (else two, for the time per call alone). On a CPU, where the host makes the copies
+  while the step waits, a fourth plan offloads as many of its largest (``LARGEST_BYTES`` at most), and a fourth
+  unknown is the time per byte copied out and back (``copy_bytes_per_s``): a copy the caches hold runs several times
+  faster than the machine's largest copy, a restore from memory the step has since moved past slower. Then, in
+  rounds of its own, the step under a recomputation of the middle half of its forward and under one of nearly all
+  of it, recorded and replayed by the runtime: what they took beyond those figures, the dispatch mode over their
+  recording windows and the re-run ops' own time, over the ops they re-ran, is ``replay_op_s`` as the runtime pays
+  it (its windows' bookkeeping, the unpacks that replay), which ``step_replay_figures``'s stand-in recording does
+  not see. On a CPU the extra times
+  are put at the pace the profile timed the step at (its plain steps against these rounds' steps alone): a machine
+  whose pace drifts over seconds would otherwise add seconds of one pace to a step of another. The runtime is given
+  the step's model, as ``ul.train`` gives it, so it makes the calls the simulator prices (NOTE [hook points] 8); a
+  step probed without its model is followed with every module hooked, and the fewest calls make the one offload's
+  plan. A module hook is handed the call's arguments, so a model of many small modules called with
   keywords pays more per call than the probe's network of convolutions. Where the extra time does not stand
   clear of the step's own variation (a long step, few hook calls), it returns no figure: the machine's stands.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Callable
@@ -37,9 +42,15 @@ from udnn_lab.graph.reruns import NOT_RERUN
 from udnn_lab.hardware import HostFigures, ProbedStep
 from udnn_lab.runtime._host_probe import interleaved, itself, offload_by_hooks, replay_op_s_on, two_unknowns
 from udnn_lab.runtime.offload import OffloadRuntime
+from udnn_lab.units import format_bytes
 
-STEP_PROBE_S = 3.0  # what each step probe may take, once it has three rounds
+# what each step probe may take, once it has three rounds, at a profile's default repeats (5); in proportion to more:
+# a short step's time beside the runtime's Python drifts by a few percent between windows of a few seconds (GPT-2's
+# small decoder on one EPYC thread: the recomputation's extra over the step 0.92 to 1.00 of it in 3 s windows of one
+# minute, 0.955 to 0.973 in 9 s windows), and a profile taken with more repeats is asked for closer figures
+STEP_PROBE_S = 3.0
 SMALLEST_OFFLOADS = 16  # the probe's plans offload among this many of the step's smallest saved activations
+LARGEST_BYTES = 256 * 2**20  # and on a CPU, as many of its largest, up to this many bytes in all
 CLEAR_OF_NOISE = 3.0  # standard errors the extra time must stand above zero
 # a step whose hook calls, at this much each, would add less than VISIBLE of it is not probed: a few rounds of it
 # vary by more than that (a large step on a GPU, whose host issues kernels it waits for)
@@ -58,7 +69,7 @@ def step_replay_figures(step: ProbedStep, repeats: int) -> HostFigures:
 def step_hook_figures(step: ProbedStep, repeats: int) -> HostFigures:
     """The runtime's host time per hook call, per offload and per step on the step itself (module docstring)."""
     every_module = step.model is None
-    plans = _probe_plans(step.graph, every_module)
+    plans = _probe_plans(step.graph, every_module, largest=step.device.type == "cpu")
     if plans is None:
         return HostFigures({}, "this step has no two offload plans followed by hooks whose hook calls per offload "
                                "differ enough to tell the two apart: the machine's figure stands")
@@ -72,7 +83,7 @@ def step_hook_figures(step: ProbedStep, repeats: int) -> HostFigures:
     try:
         contexts: dict[str, Callable[[], Any]] = {"eager": nullcontext}
         contexts.update({name: partial(itself, runtime) for name, runtime in runtimes.items()})
-        rounds = interleaved(step.run, step.device, contexts, max(repeats, 5) * 20 + 2, STEP_PROBE_S)
+        rounds = interleaved(step.run, step.device, contexts, max(repeats, 5) * 20 + 2, _probe_s(repeats))
     finally:
         for runtime in runtimes.values():
             runtime.release()
@@ -80,20 +91,24 @@ def step_hook_figures(step: ProbedStep, repeats: int) -> HostFigures:
     extra.setdefault("fewest", extra["one"])
     several = len(plans["several"].offloads)
     what = (f"this step offloading one saved activation ({calls['fewest']} and {calls['one']} hook calls) and its "
-            f"{several} smallest ({calls['several']}), less the step alone, over {len(rounds['eager'])} rounds")
+            f"{several} smallest ({calls['several']})"
+            + (f" and {len(plans['large'].offloads)} largest ({format_bytes(_bytes(plans['large'], step.graph))})"
+               if "large" in plans else "") + f", less the step alone, over {len(rounds['eager'])} rounds")
     if any(median < CLEAR_OF_NOISE * error for median, error in extra.values()):
         return HostFigures({}, f"{what}: not clear of the step's own variation, so the machine's figure stands")
-    solved = three_unknowns(*((calls[name], len(plans[name].offloads), extra[name][0])
-                              for name in ("fewest", "one", "several")))
+    solved = solve_nonnegative([_row(plans[name], step.graph, calls[name], "large" in plans) for name in plans],
+                               [extra[name][0] for name in plans])
     if solved is not None:
-        figures = dict(zip(("hook_call_s", "offload_action_s", "runtime_step_s"), solved))
-        recomputing = recorded_chain(step.graph) if step.op_host_s is not None else None
-        if recomputing is None:
+        figures = dict(zip(("hook_call_s", "offload_action_s", "runtime_step_s"), solved[:3]))
+        if len(solved) == 4 and solved[3] > 0:  # seconds per byte copied: on a CPU (module docstring)
+            figures["copy_bytes_per_s"] = 1.0 / solved[3]
+        recomputing = recorded_chains(step.graph) if step.op_host_s is not None else ()
+        if not recomputing:
             return HostFigures(figures, what)
         replayed = _replay_op_s(step, recomputing, repeats, figures, every_module)
-        recorded = sum(len(recompute.ops) for recompute in recomputing.recomputes)
-        about = (f"{what}; then recomputing {recorded} forward ops, less those figures, its dispatch mode and the ops' "
-                 "own time")
+        recorded = " and ".join(str(len(chain.recomputes[0].ops)) for chain in recomputing)
+        about = (f"{what}; then recomputing {recorded} forward ops, less those figures, the dispatch mode and the "
+                 "ops' own time")
         if replayed is None:
             return HostFigures(figures, f"{about}: not clear of the step's variation, so the replay's figure stands")
         return HostFigures({**figures, "replay_op_s": replayed}, about)
@@ -103,12 +118,19 @@ def step_hook_figures(step: ProbedStep, repeats: int) -> HostFigures:
                        f"{what}; the time per offload and per step could not be told apart")
 
 
-def recorded_chain(graph: Graph) -> Plan | None:
-    """A located plan recomputing every saved activation made in the middle half of the step's forward, from its
-    first op there, recorded and replayed (NOTE [offload runtime] 6) and otherwise followed by hooks: ranges a
-    quarter shorter in turn where one cannot be; None where none can."""
+# a recomputation costs the runtime more per op where it re-runs less of the forward: on GPT-2's small decoder the
+# middle half about 12% above the planner's plans re-running nearly all of it, nearly all of it about 8% below.
+# The figure is taken over both, as the plans that re-run the most (where it counts) are priced.
+MIDDLE_SHARES = (0.5, 0.375, 0.25, 0.125)
+MOST_SHARES = (0.95, 0.75)
+
+
+def recorded_chain(graph: Graph, shares: tuple[float, ...] = MIDDLE_SHARES) -> Plan | None:
+    """A located plan recomputing every saved activation made in the middle ``shares[0]`` of the step's forward,
+    from its first op there, recorded and replayed (NOTE [offload runtime] 6) and otherwise followed by hooks: the
+    next shares in turn where one cannot be; None where none can."""
     forward = [op.index for op in graph.ops if op.phase == "forward"]
-    for share in (0.5, 0.375, 0.25, 0.125):
+    for share in shares:
         first = forward[int(len(forward) * (0.5 - share / 2))]
         last = forward[min(int(len(forward) * (0.5 + share / 2)), len(forward) - 1)]
         ops = tuple(i for i in forward if first <= i <= last)
@@ -126,56 +148,90 @@ def recorded_chain(graph: Graph) -> Plan | None:
     return None
 
 
-def _replay_op_s(step: ProbedStep, plan: Plan, repeats: int, figures: dict[str, float],
+def recorded_chains(graph: Graph) -> tuple[Plan, ...]:
+    """``recorded_chain``s of the middle half of the forward and of nearly all of it, each once."""
+    chains: list[Plan] = []
+    for shares in (MIDDLE_SHARES, MOST_SHARES):
+        plan = recorded_chain(graph, shares)
+        if plan is not None and all(plan.recomputes[0].ops != other.recomputes[0].ops for other in chains):
+            chains.append(plan)
+    return tuple(chains)
+
+
+def _replay_op_s(step: ProbedStep, plans: tuple[Plan, ...], repeats: int, figures: dict[str, float],
                  every_module: bool) -> float | None:
-    """What each op ``plan`` recorded and re-ran took beyond the rest of what the step under it took, as the
-    simulator prices the rest (NOTE [simulated streams] 6); None where that extra is not clear of the step's
-    variation. Rounds of their own: a step this much longer, taken between the hook plans', changes theirs."""
-    runtime = OffloadRuntime(plan, model=step.model)
+    """What each op ``plans`` recorded and re-ran took beyond the rest of what the step under them took, as the
+    simulator prices the rest (NOTE [simulated streams] 6), over all their ops; None where an extra is not clear of
+    the step's variation. Rounds of their own: a step this much longer, taken between the hook plans', changes
+    theirs."""
+    runtimes = {f"recomputing {index}": OffloadRuntime(plan, model=step.model) for index, plan in enumerate(plans)}
     try:
-        rounds = interleaved(step.run, step.device, {"eager": nullcontext, "recomputing": partial(itself, runtime)},
-                             max(repeats, 5) * 20 + 2, STEP_PROBE_S)
+        contexts: dict[str, Callable[[], Any]] = {"eager": nullcontext}
+        contexts.update({name: partial(itself, runtime) for name, runtime in runtimes.items()})
+        rounds = interleaved(step.run, step.device, contexts, max(repeats, 5) * 20 + 2, _probe_s(repeats))
     finally:
-        runtime.release()
-    median, error = _extra_at_pace(step, rounds, "recomputing")
-    if median < CLEAR_OF_NOISE * error:
-        return None
-    assert step.op_host_s is not None
-    ops = [i for recompute in plan.recomputes for i in recompute.ops]
-    dispatched = sum(len(window) for window in plan.dispatched_ops(step.graph))
-    known = (figures["runtime_step_s"] + _calls(plan, step.graph, every_module) * figures["hook_call_s"]
-             + dispatched * (step.dispatch_mode_op_s or 0.0) + sum(step.op_host_s[i] for i in ops))
-    return max(median - known, 0.0) / len(ops)
-
-
-def three_unknowns(*rows: tuple[int, int, float]) -> tuple[float, float, float] | None:
-    """(per call, per offload, per step) with ``calls x a + offloads x b + c = seconds`` for the three rows, none
-    below 0 (noise can make one negative: it is 0 then, and the other two explain the rows as well as they can);
-    None where the rows cannot tell them apart."""
-    matrix = np.array([[calls, offloads, 1.0] for calls, offloads, _ in rows])
-    seconds = np.array([row[2] for row in rows])
-    if abs(np.linalg.det(matrix)) < 1e-9:
-        return None
-    solved = np.linalg.solve(matrix, seconds)
-    if (solved < 0).any():
-        fits = []
-        for kept in ((0, 1), (0, 2), (1, 2)):
-            part, *_ = np.linalg.lstsq(matrix[:, kept], seconds, rcond=None)
-            if (part >= 0).all():
-                full = np.zeros(3)
-                full[list(kept)] = part
-                fits.append((float(np.sum((matrix @ full - seconds) ** 2)), tuple(full)))
-        if not fits:
+        for runtime in runtimes.values():
+            runtime.release()
+    beyond, replayed = 0.0, 0
+    for name, plan in zip(runtimes, plans):
+        median, error = _extra_at_pace(step, rounds, name)
+        if median < CLEAR_OF_NOISE * error:
             return None
-        solved = np.array(min(fits)[1])
-    return float(solved[0]), float(solved[1]), float(solved[2])
+        assert step.op_host_s is not None
+        ops = [i for recompute in plan.recomputes for i in recompute.ops]
+        dispatched = sum(len(window) for window in plan.dispatched_ops(step.graph))
+        known = (figures["runtime_step_s"] + _calls(plan, step.graph, every_module) * figures["hook_call_s"]
+                 + dispatched * (step.dispatch_mode_op_s or 0.0) + sum(step.op_host_s[i] for i in ops))
+        beyond += median - known
+        replayed += len(ops)
+    return max(beyond, 0.0) / replayed
 
 
-def _probe_plans(graph: Graph, every_module: bool = False) -> dict[str, Plan] | None:
+def _probe_s(repeats: int) -> float:
+    return STEP_PROBE_S * max(repeats, 5) / 5
+
+
+def solve_nonnegative(rows: list[tuple[float, ...]], seconds: list[float]) -> tuple[float, ...] | None:
+    """The figures ``x``, none below 0, with ``rows @ x`` closest to ``seconds`` (least squares; noise can make an
+    exact solution negative: that figure is 0 then, and the others explain the rows as well as they can); None where
+    the rows cannot tell them apart."""
+    matrix = np.array(rows, dtype=float)
+    scale = np.abs(matrix).max(axis=0)  # columns of calls, offloads, steps and bytes: solved at one scale
+    if (scale == 0).any() or np.linalg.matrix_rank(matrix / scale) < matrix.shape[1]:
+        return None
+    scaled, target = matrix / scale, np.asarray(seconds, dtype=float)
+    best: tuple[float, np.ndarray] | None = None
+    width = matrix.shape[1]
+    for size in range(width, 0, -1):  # every set of figures left free, the rest 0: a handful of columns
+        for kept in itertools.combinations(range(width), size):
+            part, *_ = np.linalg.lstsq(scaled[:, kept], target, rcond=None)
+            if (part < 0).any():
+                continue
+            full = np.zeros(width)
+            full[list(kept)] = part
+            residual = float(np.sum((scaled @ full - target) ** 2))
+            if best is None or residual < best[0] - 1e-30:
+                best = (residual, full)
+    return None if best is None else tuple(float(v) for v in best[1] / scale)
+
+
+def _row(plan: Plan, graph: Graph, calls: int, copies: bool) -> tuple[float, ...]:
+    """What a probe plan does per hook call, per offload and once per step, and with ``copies`` the bytes it copies
+    (each offloaded byte out and back): the columns of ``solve_nonnegative``."""
+    row: tuple[float, ...] = (calls, len(plan.offloads), 1.0)
+    return row + (2.0 * _bytes(plan, graph),) if copies else row
+
+
+def _bytes(plan: Plan, graph: Graph) -> int:
+    return sum(graph.tensors[offload.tensor].nbytes for offload in plan.offloads)
+
+
+def _probe_plans(graph: Graph, every_module: bool = False, largest: bool = False) -> dict[str, Plan] | None:
     """Located plans offloading one saved activation (the fewest hook calls: 'fewest'; the one farthest from
-    'several' in calls per offload: 'one') and several ('several'), or None where 'one' and 'several' are too close
-    in calls per offload to solve for. ``every_module``: counted as a runtime without the model hooks every module
-    call (NOTE [hook points] 8)."""
+    'several' in calls per offload: 'one') and several of the smallest ('several'), or None where 'one' and
+    'several' are too close in calls per offload to solve for; with ``largest``, as many of the largest (up to
+    LARGEST_BYTES in all: 'large') where they copy several times the smallest's bytes. ``every_module``: counted as
+    a runtime without the model hooks every module call (NOTE [hook points] 8)."""
     candidates: list[tuple[Offload, int]] = []  # (the offload, its hook calls alone), smallest tensors first
     for tensor in sorted(graph.tensors, key=lambda t: t.nbytes):
         if len(candidates) == SMALLEST_OFFLOADS:
@@ -195,7 +251,30 @@ def _probe_plans(graph: Graph, every_module: bool = False) -> dict[str, Plan] | 
         Plan("probe", graph.fingerprint, offloads=(fewest,)).located(graph)
     per_offload = (_calls(plans["one"], graph, every_module),
                    _calls(plans["several"], graph, every_module) / len(plans["several"].offloads))
-    return plans if per_offload[0] >= 2 * per_offload[1] else None
+    if per_offload[0] < 2 * per_offload[1]:
+        return None
+    large = _largest_offloads(graph, len(candidates)) if largest else ()
+    if large:
+        plan = Plan("probe", graph.fingerprint, offloads=large).located(graph)
+        if _bytes(plan, graph) >= 4 * _bytes(plans["several"], graph):
+            plans["large"] = plan
+    return plans
+
+
+def _largest_offloads(graph: Graph, count: int) -> tuple[Offload, ...]:
+    """Up to ``count`` of the largest saved activations offloaded by hooks alone, LARGEST_BYTES in all at most."""
+    chosen: list[Offload] = []
+    total = 0
+    for tensor in sorted(graph.tensors, key=lambda t: -t.nbytes):
+        if len(chosen) == count:
+            break
+        if total + tensor.nbytes > LARGEST_BYTES:
+            continue
+        alone = offload_by_hooks(graph, tensor)
+        if alone is not None:
+            chosen.append(alone.offloads[0])
+            total += tensor.nbytes
+    return tuple(chosen)
 
 
 def _calls(plan: Plan, graph: Graph, every_module: bool) -> int:

@@ -52,7 +52,8 @@ NOTE [simulated streams]
      makes while compute waits, so compute's clock runs through it (a sync stall for a copy to
      the host, a prefetch stall for one back). Where the profiled step's probe measured an
      offload's actions, its copies' calls are in that figure: a copy then costs its bytes alone
-     (``CostModel.transfer_time_s``).
+     (``CostModel.transfer_time_s``), at the rate the probe measured the runtime's copies at in the
+     step where it did (``Profile.copy_bytes_per_s``).
   8. An op's scratch (``Profile.scratch_bytes``: what the caching allocator held while the op ran
      beyond what it held before and after it, cuDNN's convolution workspaces above all) is held
      only while the op runs: it counts at that op on top of what is live there, in the memory the
