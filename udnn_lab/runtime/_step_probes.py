@@ -14,14 +14,14 @@
   of it, recorded and replayed by the runtime: what they took beyond those figures, the dispatch mode over their
   recording windows and the re-run ops' own time, over the ops they re-ran, is ``replay_op_s`` as the runtime pays
   it (its windows' bookkeeping, the unpacks that replay), which ``step_replay_figures``'s stand-in recording does
-  not see. On a CPU the extra times
-  are put at the pace the profile timed the step at (its plain steps against these rounds' steps alone): a machine
-  whose pace drifts over seconds would otherwise add seconds of one pace to a step of another. The runtime is given
-  the step's model, as ``ul.train`` gives it, so it makes the calls the simulator prices (NOTE [hook points] 8); a
-  step probed without its model is followed with every module hooked, and the fewest calls make the one offload's
-  plan. A module hook is handed the call's arguments, so a model of many small modules called with
-  keywords pays more per call than the probe's network of convolutions. Where the extra time does not stand
-  clear of the step's own variation (a long step, few hook calls), it returns no figure: the machine's stands.
+  not see. On a CPU the extra times are put at the pace the profile timed the step at (its plain steps against
+  these rounds' steps alone): a machine whose pace drifts over seconds would otherwise add seconds of one pace to a
+  step of another. The runtime is given the step's model, as ``ul.train`` gives it, so it makes the calls the
+  simulator prices (NOTE [hook points] 8); a step probed without its model is followed with every module hooked,
+  and the fewest calls make the one offload's plan. A module hook is handed the call's arguments, so a model of
+  many small modules called with keywords pays more per call than the probe's network of convolutions. Where the
+  extra time does not stand clear of the step's own variation (a long step, few hook calls), it returns no figure:
+  the machine's stands.
 """
 
 from __future__ import annotations
