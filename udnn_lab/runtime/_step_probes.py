@@ -47,7 +47,7 @@ from udnn_lab.units import format_bytes
 # what each step probe may take, once it has three rounds, at a profile's default repeats (5); in proportion to more:
 # a short step's time beside the runtime's Python drifts by a few percent between windows of a few seconds (GPT-2's
 # small decoder on one EPYC thread: the recomputation's extra over the step 0.92 to 1.00 of it in 3 s windows of one
-# minute, 0.955 to 0.973 in 9 s windows), and a profile taken with more repeats is asked for closer figures
+# minute, 0.955 to 0.973 averaged over 9 s), and a profile taken with more repeats is asked for closer figures
 STEP_PROBE_S = 3.0
 SMALLEST_OFFLOADS = 16  # the probe's plans offload among this many of the step's smallest saved activations
 LARGEST_BYTES = 256 * 2**20  # and on a CPU, as many of its largest, up to this many bytes in all
