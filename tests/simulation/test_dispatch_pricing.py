@@ -250,9 +250,10 @@ def test_a_cpu_copy_costs_its_latency_unless_the_profiled_step_timed_its_call_in
     assert CostModel(gpu, timed).transfer_time_s(1 << 20, "d2h") == pytest.approx(gpu.transfer_time_s(1 << 20, "d2h"))
 
 
-def test_a_cpu_copy_runs_at_the_rate_the_profiled_step_measured_at_its_own_sizes(cpu_graph):
+def test_a_cpu_copy_runs_at_the_rate_the_profiled_step_measured_in_the_step(cpu_graph):
     """NOTE [simulated streams] 7: a CPU's copies of a small step's tensors run from its caches, faster than the
-    machine's largest copy; the profile's copy rate (NOTE [host probes] 4) is the one a plan's copies are priced at."""
+    machine's largest copy; the rate the profile measured in the step (NOTE [host probes] 4) is the one a plan's
+    copies are priced at."""
     from udnn_lab.cost.model import CostModel
 
     step = ul.profile(zoo.get("mlp3", batch=4), repeats=1)

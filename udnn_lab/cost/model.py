@@ -257,15 +257,15 @@ class CostModel:
     def transfer_time_s(self, nbytes: int, direction: str, pinned: bool = True) -> float:
         """``latency + bytes / bandwidth`` for a copy of ``nbytes`` (0 for nothing). On a CPU whose profiled step
         measured an offload's actions (NOTE [host probes] 4), the copies' calls were timed in them, the host making
-        the copies itself: the latency, a copy's call, is not added again; and where it measured the runtime's copies
-        at the step's own sizes (``Profile.copy_bytes_per_s``), that is the rate."""
+        the copies itself: the latency, a copy's call, is not added again; and where it measured what the runtime's
+        copies cost in the step (``Profile.copy_bytes_per_s``), that is the rate."""
         if nbytes <= 0:
             return 0.0
         key = ("link", direction, pinned)
         if key not in self.memo:
-            on_cpu = self.profile if self.hardware.device_type == "cpu" else None
-            in_actions = on_cpu is not None and on_cpu.offload_action_s is not None
-            step_rate = on_cpu.copy_bytes_per_s if on_cpu is not None else None
+            cpu_step = self.profile if self.hardware.device_type == "cpu" else None
+            in_actions = cpu_step is not None and cpu_step.offload_action_s is not None
+            step_rate = cpu_step.copy_bytes_per_s if cpu_step is not None else None
             self.memo[key] = (0.0 if in_actions else self.hardware.latency_s(direction, pinned),
                               step_rate or self.hardware.bandwidth_bytes_per_s(direction, pinned))
         latency, bandwidth = self.memo[key]

@@ -253,7 +253,8 @@ def _probe_plans(graph: Graph, every_module: bool = False, largest: bool = False
                    _calls(plans["several"], graph, every_module) / len(plans["several"].offloads))
     if per_offload[0] < 2 * per_offload[1]:
         return None
-    large = _largest_offloads(graph, len(candidates)) if largest else ()
+    # with 'fewest' the one offload's plan, two distinct plans cannot give a fourth unknown: none is timed for it
+    large = _largest_offloads(graph, len(candidates)) if largest and fewest != one else ()
     if large:
         plan = Plan("probe", graph.fingerprint, offloads=large).located(graph)
         if _bytes(plan, graph) >= 4 * _bytes(plans["several"], graph):
