@@ -1,7 +1,11 @@
 """What the runtime's own host work costs on this machine (NOTE [host probes] in hardware/host_probes.py).
 
 Three figures, each from interleaved steps of a network of small residual blocks (the ops and
-argument lists of a real network, on inputs too small to take time), medians against medians:
+argument lists of a real network, on inputs too small to take time), least times against least times: a
+machine's figures are what its runtime costs with the machine to itself. A busy machine slows some rounds, not
+all: with medians, a probe taken while tests ran in parallel on two cores put the hook call at 38 us (4 to 5
+times its quiet figure) and the replay's extra at 0; with four busy processes beside it on two cores, the
+replay's extra from least times stayed within 45% of its quiet figure where from medians it reached 8 times it.
 
 - ``hook_call_s`` and ``offload_action_s``: two plans followed by hooks, one offloading one saved
   activation and one offloading all of them; the host time each adds to an eager step is
@@ -62,7 +66,7 @@ def runtime_host_figures(device: torch.device, repeats: int, measured: Mapping[s
     try:
         contexts: dict[str, Callable[[], Any]] = {"eager": nullcontext}
         contexts.update({name: partial(itself, runtime) for name, runtime in runtimes.items()})
-        seconds = {name: statistics.median(values) for name, values in
+        seconds = {name: min(values) for name, values in
                    interleaved(lambda: _step(network, x), x.device, contexts, max(repeats, 5) * 4 + 2).items()}
     finally:
         for runtime in runtimes.values():
@@ -71,7 +75,7 @@ def runtime_host_figures(device: torch.device, repeats: int, measured: Mapping[s
     hook_call_s, offload_action_s = two_unknowns(
         (calls["one"], len(one.offloads), seconds["one"] - seconds["eager"]),
         (calls["every"], len(every.offloads), seconds["every"] - seconds["eager"]))
-    replay_op_s, recorded = replay_op_s_on(lambda: network(x), x.device, max(repeats, 5) * 4 + 2)
+    replay_op_s, recorded = replay_op_s_on(lambda: network(x), x.device, max(repeats, 5) * 4 + 2, least=True)
     return HostFigures(
         {"hook_call_s": hook_call_s, "offload_action_s": offload_action_s, "replay_op_s": replay_op_s},
         f"the runtime's host probe: an {_BLOCKS}-block residual network's step followed by hooks ({HOOKS_BY_PATH}) "
@@ -179,10 +183,11 @@ class _Recording(OpMode):
 
 
 def replay_op_s_on(forward: Callable[[], Any], device: torch.device, rounds: int,
-                 limit_s: float | None = None) -> tuple[float, int]:
+                 limit_s: float | None = None, least: bool = False) -> tuple[float, int]:
     """(host seconds a replay adds to each op it records and re-runs, ops recorded): ``forward`` recorded against
-    passed through a dispatch mode, and re-run against run plainly, without grad, medians of ``rounds`` less 2;
-    ``limit_s``: fewer rounds (three measured at least) once the probe has taken that long."""
+    passed through a dispatch mode, and re-run against run plainly, without grad, medians of ``rounds`` less 2
+    (``least``: their least); ``limit_s``: fewer rounds (three measured at least) once the probe has taken that
+    long."""
     recording: list[float] = []
     passing: list[float] = []
     rerun: list[float] = []
@@ -204,8 +209,8 @@ def replay_op_s_on(forward: Callable[[], Any], device: torch.device, rounds: int
         if index >= 2:
             for values, value in zip((recording, passing, rerun, plain), seconds):
                 values.append(value)
-    added = statistics.median(recording) - statistics.median(passing) \
-        + statistics.median(rerun) - statistics.median(plain)
+    summary = min if least else statistics.median
+    added = summary(recording) - summary(passing) + summary(rerun) - summary(plain)
     return max(added, 0.0) / max(ops, 1), ops
 
 
