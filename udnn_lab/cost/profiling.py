@@ -277,13 +277,13 @@ def _forward(model: torch.nn.Module, args: tuple, kwargs: dict, options: StepOpt
 
 
 def _step_figures(step: ProbedStep, repeats: int) -> dict[str, float]:
-    """What the registered step probes measure on this step (NOTE [host probes] 4), in the order they were registered
-    (a later probe's figure replaces an earlier one's); a probe that fails leaves its figures out, with a warning
-    naming the error."""
+    """What the registered step probes measure on this step (NOTE [host probes] 4), in the order they were registered,
+    each handed the figures before it (a later probe's figure replaces an earlier one's); a probe that fails leaves
+    its figures out, with a warning naming the error."""
     figures: dict[str, float] = {}
     for probe in step_probes():
         try:
-            figures.update(probe(step, repeats).figures)
+            figures.update(probe(step, repeats, dict(figures)).figures)
         except Exception as err:  # noqa: BLE001 - any failure of a probe leaves only its figures unmeasured
             warnings.warn(f"a step probe could not measure this step ({type(err).__name__}: {err}): the cost model "
                           "uses the machine's figures for what it measures", UnmeasuredFigureWarning, stacklevel=3)

@@ -30,8 +30,10 @@ NOTE [host probes]
      under a recomputation the runtime records and replays too, what each op recorded and re-run
      costs the runtime itself (``replay_op_s``: its recording windows' bookkeeping, the unpacks
      that replay, beyond the dispatch mode and the ops' own time), which supersedes the figure of
-     the replay probe's stand-in recording. On a CPU it offloads some of the step's largest saved
-     activations too, for what each byte the runtime copies out and back costs in the step
+     the replay probe's stand-in recording (each step probe is handed the figures measured before
+     it: registered after, the stand-in does not run where it is superseded). On a CPU it offloads
+     some of the step's largest saved activations too, for what each byte the runtime copies out
+     and back costs in the step
      (``copy_bytes_per_s``): a CPU runs a copy from its caches several times faster than its
      largest copy, and a restore from memory the step has since moved past slower. A probe fails as
      in 3, leaving the profile's figure None; a probe whose figure does not show above the
@@ -90,8 +92,8 @@ class ProbedStep:
     dispatch_mode_op_s: float | None = None
 
 
-# (the step, repeats) -> figures measured on it (NOTE [host probes] 4)
-StepProbe = Callable[[ProbedStep, int], HostFigures]
+# (the step, repeats, figures measured on it so far) -> its figures (NOTE [host probes] 4)
+StepProbe = Callable[[ProbedStep, int, Mapping[str, float]], HostFigures]
 _STEP_PROBES: dict[str, StepProbe] = {}
 
 

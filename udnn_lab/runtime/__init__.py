@@ -8,7 +8,8 @@ from udnn_lab.runtime.pinned_pool import HostMemoryError
 from udnn_lab.runtime.training import Run, train
 
 register_host_probe("runtime", runtime_host_figures)  # NOTE [host probes] 1
-register_step_probe("runtime replays", step_replay_figures)  # NOTE [host probes] 4
+# NOTE [host probes] 4: the stand-in replay after the hook probe, which measures the replay on the runtime itself
 register_step_probe("runtime hook calls", step_hook_figures)
+register_step_probe("runtime replays", step_replay_figures)
 
 __all__ = ["HostMemoryError", "OffloadRuntime", "PlanMismatch", "Run", "StepStats", "train"]

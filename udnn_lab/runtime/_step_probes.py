@@ -1,7 +1,8 @@
 """The runtime's host figures measured on a profiled step itself (NOTE [host probes] 4).
 
 - ``step_replay_figures``: ``replay_op_s`` as the machine probe measures it, on the step's own forward: per op,
-  a replay costs more where ops take more arguments and outputs.
+  a replay costs more where ops take more arguments and outputs. It runs after ``step_hook_figures``, and only
+  where that one found no figure of its own.
 - ``step_hook_figures``: ``hook_call_s`` as the machine probe measures it, on the whole step: the step under
   plans offloading the one saved activation (of its smallest few) whose offload takes the fewest hook calls, the
   one whose offload takes the most, and all of those few, against the step alone, round by round: three
@@ -29,7 +30,7 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from functools import partial
 from typing import Any
@@ -57,8 +58,11 @@ CLEAR_OF_NOISE = 3.0  # standard errors the extra time must stand above zero
 CHEAP_CALL_S, VISIBLE = 5e-6, 0.01
 
 
-def step_replay_figures(step: ProbedStep, repeats: int) -> HostFigures:
-    """The replay's host time per op on the step's own forward."""
+def step_replay_figures(step: ProbedStep, repeats: int, measured: Mapping[str, float]) -> HostFigures:
+    """The replay's host time per op on the step's own forward; nothing where ``measured`` (the figures so far)
+    has it from the runtime itself (``step_hook_figures``)."""
+    if "replay_op_s" in measured:
+        return HostFigures({}, "the replay's figure was measured on the runtime recording this step: no stand-in")
     # a difference of medians wants rounds; a large step's forward takes long: a few seconds at most
     replay_op_s, recorded = replay_op_s_on(step.forward, step.device, max(repeats, 5) * 2 + 2, STEP_PROBE_S)
     return HostFigures({"replay_op_s": replay_op_s},
@@ -66,7 +70,7 @@ def step_replay_figures(step: ProbedStep, repeats: int) -> HostFigures:
                        "through and a forward without grad")
 
 
-def step_hook_figures(step: ProbedStep, repeats: int) -> HostFigures:
+def step_hook_figures(step: ProbedStep, repeats: int, measured: Mapping[str, float]) -> HostFigures:
     """The runtime's host time per hook call, per offload and per step on the step itself (module docstring)."""
     every_module = step.model is None
     plans = _probe_plans(step.graph, every_module, largest=step.device.type == "cpu")
