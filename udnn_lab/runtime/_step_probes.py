@@ -83,15 +83,8 @@ def step_hook_figures(step: ProbedStep, repeats: int, measured: Mapping[str, flo
                                f"{calls['several']} hook calls to show: the machine's figure stands")
     # one runtime per distinct plan: without the model, the fewest calls are the one offload's too
     distinct = {name: plan for name, plan in plans.items() if name != "fewest" or plan is not plans["one"]}
-    runtimes = {name: OffloadRuntime(plan, model=step.model) for name, plan in distinct.items()}
-    try:
-        contexts: dict[str, Callable[[], Any]] = {"eager": nullcontext}
-        contexts.update({name: partial(itself, runtime) for name, runtime in runtimes.items()})
-        rounds = interleaved(step.run, step.device, contexts, max(repeats, 5) * 20 + 2, _probe_s(repeats))
-    finally:
-        for runtime in runtimes.values():
-            runtime.release()
-    extra = {name: _extra_at_pace(step, rounds, name) for name in runtimes}
+    rounds = _rounds_under(step, distinct, repeats)
+    extra = {name: _extra_at_pace(step, rounds, name) for name in distinct}
     extra.setdefault("fewest", extra["one"])
     several = len(plans["several"].offloads)
     what = (f"this step offloading one saved activation ({calls['fewest']} and {calls['one']} hook calls) and its "
@@ -168,16 +161,10 @@ def _replay_op_s(step: ProbedStep, plans: tuple[Plan, ...], repeats: int, figure
     simulator prices the rest (NOTE [simulated streams] 6), over all their ops; None where an extra is not clear of
     the step's variation. Rounds of their own: a step this much longer, taken between the hook plans', changes
     theirs."""
-    runtimes = {f"recomputing {index}": OffloadRuntime(plan, model=step.model) for index, plan in enumerate(plans)}
-    try:
-        contexts: dict[str, Callable[[], Any]] = {"eager": nullcontext}
-        contexts.update({name: partial(itself, runtime) for name, runtime in runtimes.items()})
-        rounds = interleaved(step.run, step.device, contexts, max(repeats, 5) * 20 + 2, _probe_s(repeats))
-    finally:
-        for runtime in runtimes.values():
-            runtime.release()
+    named = {f"recomputing {index}": plan for index, plan in enumerate(plans)}
+    rounds = _rounds_under(step, named, repeats)
     beyond, replayed = 0.0, 0
-    for name, plan in zip(runtimes, plans):
+    for name, plan in named.items():
         median, error = _extra_at_pace(step, rounds, name)
         if median < CLEAR_OF_NOISE * error:
             return None
@@ -189,6 +176,19 @@ def _replay_op_s(step: ProbedStep, plans: tuple[Plan, ...], repeats: int, figure
         beyond += median - known
         replayed += len(ops)
     return max(beyond, 0.0) / replayed
+
+
+def _rounds_under(step: ProbedStep, plans: Mapping[str, Plan], repeats: int) -> dict[str, list[float]]:
+    """``interleaved`` rounds of the step alone ('eager') and under a runtime following each plan, given the step's
+    model (module docstring); the runtimes are released after."""
+    runtimes = {name: OffloadRuntime(plan, model=step.model) for name, plan in plans.items()}
+    try:
+        contexts: dict[str, Callable[[], Any]] = {"eager": nullcontext}
+        contexts.update({name: partial(itself, runtime) for name, runtime in runtimes.items()})
+        return interleaved(step.run, step.device, contexts, max(repeats, 5) * 20 + 2, _probe_s(repeats))
+    finally:
+        for runtime in runtimes.values():
+            runtime.release()
 
 
 def _probe_s(repeats: int) -> float:
