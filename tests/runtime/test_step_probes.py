@@ -29,6 +29,7 @@ from udnn_lab.zoo import get as zoo_get
 ADDED_S = 1e-4  # what the test adds to each hook call the runtime handles
 ADDED_STEP_S = 5e-3  # and to each step it follows
 ADDED_REPLAY_S = 3e-4  # and to each op a recomputation records (its chains make hundreds of hook calls too)
+ADDED_RECOMPUTE_S = 2e-3  # and to each recomputation it replays
 ADDED_PER_BYTE_S = 5e-9  # and to each byte it copies out to the host (0.2 GB/s)
 
 
@@ -125,14 +126,19 @@ def test_the_probe_finds_what_each_op_a_recomputation_records_costs_on_the_step(
     monkeypatch.setattr(HookSchedule, "check_modes", lambda self: (_busy(ADDED_STEP_S), starting(self))[1])
     recording = Replay.record
     monkeypatch.setattr(Replay, "record", lambda self, *a, **k: (_busy(ADDED_REPLAY_S), recording(self, *a, **k))[1])
+    replaying = Replay.run
+    monkeypatch.setattr(Replay, "run", lambda self, *a, **k: (_busy(ADDED_RECOMPUTE_S), replaying(self, *a, **k))[1])
     monkeypatch.setattr(step_probes, "STEP_PROBE_S", 16.0)
     paces = _paces(monkeypatch)
     measured = step_hook_figures(probed, 2, {})
-    assert "replay_op_s" in measured.figures and "recomputing" in measured.source, measured.source
+    assert set(step_probes.REPLAY_FIGURES) <= set(measured.figures) and "recomputing" in measured.source, \
+        measured.source
     pace = paces["recomputing 0"]  # the chains' rounds are taken together, at one pace
-    # what a replay costs per op on this small step is some tens of microseconds
+    # what a replay costs per op on this small step is some tens of microseconds, per recomputation some hundreds
     assert ADDED_REPLAY_S * pace * 0.8 < measured.figures["replay_op_s"] < ADDED_REPLAY_S * pace + 1.5e-4, \
         (pace, measured)
+    assert ADDED_RECOMPUTE_S * pace * 0.7 < measured.figures["replay_recompute_s"] < \
+        ADDED_RECOMPUTE_S * pace * 1.3 + 1e-3, (pace, measured)
 
 
 def test_on_a_cpu_a_fourth_plan_offloads_the_step_s_largest_saved_activations(probed, monkeypatch):
@@ -171,16 +177,20 @@ def test_the_figures_are_the_least_squares_ones_none_below_zero():
 
 @pytest.mark.compat
 def test_the_probe_s_recomputations_are_recorded_and_replayed_and_followed_by_hooks(probed):
-    """The middle half of the forward, and nearly all of it: a recomputation costs more per op where it re-runs
-    less, and the figure is taken over both."""
-    middle, most = recorded_chains(probed.graph)
+    """The middle half of the forward, nearly all of it, and several short pieces spread over it, about as many
+    ops as the middle half: a recomputation costs more per op where it re-runs less, and each costs a fixed time
+    besides."""
+    middle, most, pieces = recorded_chains(probed.graph)
     assert middle.recomputes == recorded_chain(probed.graph).recomputes
     forward = [op.index for op in probed.graph.ops if op.phase == "forward"]
-    for plan in (middle, most):
-        assert len(plan.recomputes) == 1
+    for plan in (middle, most, pieces):
         assert not plan.followed_op_by_op(probed.graph) and plan.reruns_in(probed.graph) == ()
+    assert len(middle.recomputes) == len(most.recomputes) == 1 and len(pieces.recomputes) >= 2
     assert len(forward) // 4 <= len(middle.recomputes[0].ops) < len(most.recomputes[0].ops)
     assert len(most.recomputes[0].ops) >= len(forward) * 0.7
+    spans = sorted((r.ops[0], r.ops[-1]) for r in pieces.recomputes)
+    assert all(earlier[1] < later[0] for earlier, later in zip(spans, spans[1:]))  # apart, over the forward
+    assert spans[0][0] < forward[len(forward) // 2] < spans[-1][0]
 
 
 def test_without_the_ops_times_the_probe_leaves_the_replay_s_figure_to_the_replay_probe(probed, monkeypatch):
@@ -230,17 +240,21 @@ def test_what_the_probe_s_rounds_took_is_put_at_the_profile_s_pace(probed, monke
     copied = {name: 2 * _bytes(plan, probed.graph) if device == "cpu" else 0 for name, plan in plans.items()}
     per_call, per_offload, per_step, per_byte = 2e-5, 1e-4, 1e-3, 1e-10  # at the profile's pace
 
-    ops, known = {}, {}
+    ops, known, recomputes = {}, {}, {}
     for index, chain in enumerate(recorded_chains(probed.graph)):
         name = f"recomputing {index}"
         calls[name], offloads[name], copied[name] = sum(chain.hook_calls(probed.graph).values()), 0, 0
-        ops[name] = chain.recomputes[0].ops
+        ops[name] = [i for recompute in chain.recomputes for i in recompute.ops]
+        recomputes[name] = len(chain.recomputes)
         dispatched = sum(len(window) for window in chain.dispatched_ops(probed.graph))
         # at the profile's pace
         known[name] = dispatched * probed.dispatch_mode_op_s + sum(probed.op_host_s[i] for i in ops[name])
-    per_replayed_op = 3e-5
+    per_replayed_op, per_recompute, per_recording = 3e-5, 2e-4, 6e-4
 
-    alone = [probed.step_time_s * slower * (1 + 0.01 * (i % 3)) for i in range(30)]
+    def replayed(name):  # what the runtime's recording costs beyond what is known
+        return len(ops[name]) * per_replayed_op + recomputes[name] * per_recompute + per_recording
+
+    alone = [probed.step_time_s * slower * (1 + 0.01 * (i % 3 - 1)) for i in range(30)]  # median: slower
 
     def rounds(step, device, contexts, count, limit_s=None):
         taken = {"eager": alone}
@@ -249,7 +263,7 @@ def test_what_the_probe_s_rounds_took_is_put_at_the_profile_s_pace(probed, monke
                 extra = (calls[name] * per_call + offloads[name] * per_offload + per_step
                          + copied[name] * per_byte) * slower
                 if name in ops:
-                    extra += (known[name] + len(ops[name]) * per_replayed_op) * slower
+                    extra += (known[name] + replayed(name)) * slower
                 taken[name] = [seconds + extra for seconds in alone]
         return taken
 
@@ -265,6 +279,11 @@ def test_what_the_probe_s_rounds_took_is_put_at_the_profile_s_pace(probed, monke
     # what is known of the recomputation was measured at the profile's pace: it is taken from the rounds' extra at
     # that pace (on a GPU, the rounds' own)
     pace = probed.step_time_s / statistics.median(alone) if device == "cpu" else 1.0
-    replayed = sum(slower * pace * (known[name] + len(ops[name]) * per_replayed_op) - known[name] for name in ops)
-    assert len(ops) == 2
-    assert figures["replay_op_s"] == pytest.approx(replayed / sum(len(chain) for chain in ops.values()), rel=0.02)
+    assert len(ops) == 3
+    rows = [(len(ops[name]), recomputes[name], 1.0) for name in ops]
+    beyond = [slower * pace * (known[name] + replayed(name)) - known[name] for name in ops]
+    expected = solve_nonnegative(rows, beyond)
+    assert expected is not None
+    assert [figures[name] for name in step_probes.REPLAY_FIGURES] == pytest.approx(expected, rel=1e-6)
+    if device == "cpu":  # put at the profile's pace, what is known cancels: the figures are what was added
+        assert expected == pytest.approx((per_replayed_op, per_recompute, per_recording), rel=1e-6)

@@ -236,6 +236,18 @@ class CostModel:
         profile's; 0 where neither was measured."""
         return self._step_first("replay_op_s")
 
+    @property
+    def replay_recompute_s(self) -> float:
+        """Host seconds each recomputation the runtime records and replays costs besides its ops (NOTE [simulated
+        streams] 6): the profiled step's figure (NOTE [host probes] 4); 0 where it was not measured."""
+        return self._step_first("replay_recompute_s")
+
+    @property
+    def recording_step_s(self) -> float:
+        """Host seconds a step in which the runtime records a recomputation costs once (NOTE [simulated streams] 6):
+        the profiled step's figure (NOTE [host probes] 4); 0 where it was not measured."""
+        return self._step_first("recording_step_s")
+
     def _step_first(self, figure: str) -> float:
         """A host figure: the profiled step's own where it was measured there, else the hardware profile's (which has
         no figure of some names); 0 where neither was measured."""

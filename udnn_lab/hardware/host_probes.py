@@ -27,9 +27,11 @@ NOTE [host probes]
      machine's, as it does for ``dispatch_mode_op_s``. The step's hook probe also finds what an
      offload and what a followed step costs once (setting it up and tearing it down, the view
      replay it turns on: ``runtime_step_s``, which only a step probe measures), and, timing the step
-     under a recomputation the runtime records and replays too, what each op recorded and re-run
+     under recomputations the runtime records and replays too, what each op recorded and re-run
      costs the runtime itself (``replay_op_s``: its recording windows' bookkeeping, the unpacks
-     that replay, beyond the dispatch mode and the ops' own time), which supersedes the figure of
+     that replay, beyond the dispatch mode and the ops' own time), each recomputation and a step
+     that records any once (``replay_recompute_s``, ``recording_step_s``: profile figures only),
+     which supersedes the figure of
      the replay probe's stand-in recording (each step probe is handed the figures measured before
      it: registered after, the stand-in does not run where it is superseded). On a CPU it offloads
      some of the step's largest saved activations too, for what each byte the runtime copies out

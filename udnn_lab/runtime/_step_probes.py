@@ -10,15 +10,17 @@
   solved where they are apart (else two, for the time per call alone). On a CPU, where the host makes the copies
   while the step waits, a fourth plan offloads as many of its largest (``LARGEST_BYTES`` at most), and a fourth
   unknown is the time per byte copied out and back (``copy_bytes_per_s``): a copy the caches hold runs several times
-  faster than the machine's largest copy, a restore from memory the step has since moved past slower. Then, in
-  rounds of its own, the step under a recomputation of the middle half of its forward and under one of nearly all
-  of it, recorded and replayed by the runtime: what they took beyond those figures, the dispatch mode over their
-  recording windows and the re-run ops' own time, over the ops they re-ran, is ``replay_op_s`` as the runtime pays
-  it (its windows' bookkeeping, the unpacks that replay), which ``step_replay_figures``'s stand-in recording does
-  not see. On a CPU the extra times are put at the pace the profile timed the step at (its plain steps against
-  these rounds' steps alone): a machine whose pace drifts over seconds would otherwise add seconds of one pace to a
-  step of another. The runtime is given the step's model, as ``ul.train`` gives it, so it makes the calls the
-  simulator prices (NOTE [hook points] 8); a step probed without its model is followed with every module hooked,
+  faster than the machine's largest copy, a restore from memory the step has since moved past slower. Then, in rounds
+  of its own, the step under a recomputation of the middle half of its forward, under one of nearly all of it and
+  under several short ones spread over it, recorded and replayed by the runtime: what they took beyond those figures,
+  the dispatch mode over their recording windows and the re-run ops' own time, is three equations in what the runtime
+  pays per op it re-runs (``replay_op_s``: the windows' bookkeeping, the unpacks that replay), per recomputation
+  (``replay_recompute_s``) and once in a step that records (``recording_step_s``), which ``step_replay_figures``'s
+  stand-in recording does not see (where the several cannot be made, the first two, over the ops they re-ran, give
+  ``replay_op_s`` alone). On a CPU the extra times are put at the pace the profile timed the step at (its plain steps
+  against these rounds' steps alone): a machine whose pace drifts over seconds would otherwise add seconds of one
+  pace to a step of another. The runtime is given the step's model, as ``ul.train`` gives it, so it makes the calls
+  the simulator prices (NOTE [hook points] 8); a step probed without its model is followed with every module hooked,
   and the fewest calls make the one offload's plan. A module hook is handed the call's arguments, so a model of
   many small modules called with keywords pays more per call than the probe's network of convolutions. Where the
   extra time does not stand clear of the step's own variation (a long step, few hook calls), it returns no figure:
@@ -102,24 +104,31 @@ def step_hook_figures(step: ProbedStep, repeats: int, measured: Mapping[str, flo
         recomputing = recorded_chains(step.graph) if step.op_host_s is not None else ()
         if not recomputing:
             return HostFigures(figures, what)
-        replayed = _replay_op_s(step, recomputing, repeats, figures, every_module)
-        recorded = " and ".join(str(len(chain.recomputes[0].ops)) for chain in recomputing)
-        about = (f"{what}; then recomputing {recorded} forward ops, less those figures, the dispatch mode and the "
-                 "ops' own time")
+        replayed = _replay_figures(step, recomputing, repeats, figures, every_module)
+        recorded = ", ".join(f"{sum(len(r.ops) for r in chain.recomputes)} forward ops in {len(chain.recomputes)}"
+                             for chain in recomputing)
+        about = (f"{what}; then recomputing {recorded}, less those figures, the dispatch mode and the ops' own time")
         if replayed is None:
             return HostFigures(figures, f"{about}: not clear of the step's variation, so the replay's figure stands")
-        return HostFigures({**figures, "replay_op_s": replayed}, about)
+        return HostFigures({**figures, **replayed}, about)
     hook_call_s, _ = two_unknowns((calls["one"], 1, extra["one"][0]), (calls["several"], several,
                                                                        extra["several"][0]))
     return HostFigures({"hook_call_s": hook_call_s} if hook_call_s > 0 else {},
                        f"{what}; the time per offload and per step could not be told apart")
 
 
-# a recomputation costs the runtime more per op where it re-runs less of the forward: on GPT-2's small decoder the
-# middle half about 12% above the planner's plans re-running nearly all of it, nearly all of it about 8% below.
-# The figure is taken over both, as the plans that re-run the most (where it counts) are priced.
+# the chains' shares of the forward: the middle half, and nearly all of it (the planner's plans that re-run the most,
+# where it counts); where one cannot be recorded, the next
 MIDDLE_SHARES = (0.5, 0.375, 0.25, 0.125)
 MOST_SHARES = (0.95, 0.75)
+# besides its ops, each recomputation recorded costs a fixed time, and a step that records any once more (on GPT-2's
+# small decoder on one EPYC thread about 90 us and 1 ms, against 16 us per op): the pieces plan records this many
+# spread over the forward, each this share of its part wide (the next where one cannot be), in all about as many ops
+# as the middle chain, so that its extra over that chain is the pieces' count
+PIECES = 6
+PIECE_SHARES = (0.5, 0.4, 0.6, 0.3, 0.7)
+# what the chains' rounds solve for, per op re-run, per recomputation recorded and once per step that records
+REPLAY_FIGURES = ("replay_op_s", "replay_recompute_s", "recording_step_s")
 
 
 def recorded_chain(graph: Graph, shares: tuple[float, ...] = MIDDLE_SHARES) -> Plan | None:
@@ -128,42 +137,75 @@ def recorded_chain(graph: Graph, shares: tuple[float, ...] = MIDDLE_SHARES) -> P
     next shares in turn where one cannot be; None where none can."""
     forward = [op.index for op in graph.ops if op.phase == "forward"]
     for share in shares:
-        first = forward[int(len(forward) * (0.5 - share / 2))]
-        last = forward[min(int(len(forward) * (0.5 + share / 2)), len(forward) - 1)]
-        ops = tuple(i for i in forward if first <= i <= last)
-        uses = {t.id: t.first_backward_use for t in graph.tensors if t.producer in ops and t.saved
-                and t.category == "feature_map" and t.first_backward_use is not None}
-        if not uses:
-            continue
-        plan = Plan("probe", graph.fingerprint, recomputes=(Recompute(tuple(uses), ops, min(uses.values())),))
-        try:
-            plan.validate(graph)
-        except PlanError:
-            continue
-        if not plan.followed_op_by_op(graph) and all(rerun == NOT_RERUN for rerun in plan.reruns_in(graph)):
+        recompute = _span(graph, forward, 0.5 - share / 2, 0.5 + share / 2)
+        plan = _recorded(graph, (recompute,)) if recompute is not None else None
+        if plan is not None:
             return plan.located(graph)
     return None
 
 
+def recorded_pieces(graph: Graph, count: int = PIECES) -> Plan | None:
+    """A located plan recording ``count`` recomputations, one in the middle of each of as many equal parts of the
+    forward (``PIECE_SHARES`` of the part wide, the first that can be), or as many as can be; None where fewer than
+    two can."""
+    forward = [op.index for op in graph.ops if op.phase == "forward"]
+    chosen: list[Recompute] = []
+    for index in range(count):
+        centre = (index + 0.5) / count
+        for share in PIECE_SHARES:
+            recompute = _span(graph, forward, centre - share / count / 2, centre + share / count / 2)
+            if recompute is not None and _recorded(graph, (*chosen, recompute)) is not None:
+                chosen.append(recompute)
+                break
+    plan = _recorded(graph, tuple(chosen)) if len(chosen) >= 2 else None
+    return plan.located(graph) if plan is not None else None
+
+
+def _span(graph: Graph, forward: list[int], low: float, high: float) -> Recompute | None:
+    """A recomputation of every saved activation the forward's ops from share ``low`` to share ``high`` make, from
+    the first of them; None where they make none."""
+    first = forward[max(int(len(forward) * low), 0)]
+    last = forward[min(int(len(forward) * high), len(forward) - 1)]
+    ops = tuple(i for i in forward if first <= i <= last)
+    uses = {t.id: t.first_backward_use for t in graph.tensors if t.producer in ops and t.saved
+            and t.category == "feature_map" and t.first_backward_use is not None}
+    return Recompute(tuple(uses), ops, min(uses.values())) if uses else None
+
+
+def _recorded(graph: Graph, recomputes: tuple[Recompute, ...]) -> Plan | None:
+    """A plan of ``recomputes`` where it is valid and the runtime records and replays each, following the rest of
+    the step by hooks; else None."""
+    plan = Plan("probe", graph.fingerprint, recomputes=recomputes)
+    try:
+        plan.validate(graph)
+    except PlanError:
+        return None
+    if plan.followed_op_by_op(graph) or any(rerun != NOT_RERUN for rerun in plan.reruns_in(graph)):
+        return None
+    return plan
+
+
 def recorded_chains(graph: Graph) -> tuple[Plan, ...]:
-    """``recorded_chain``s of the middle half of the forward and of nearly all of it, each once."""
+    """``recorded_chain``s of the middle half of the forward and of nearly all of it, and ``recorded_pieces``, each
+    once."""
     chains: list[Plan] = []
-    for shares in (MIDDLE_SHARES, MOST_SHARES):
-        plan = recorded_chain(graph, shares)
-        if plan is not None and all(plan.recomputes[0].ops != other.recomputes[0].ops for other in chains):
+    for plan in (recorded_chain(graph, MIDDLE_SHARES), recorded_chain(graph, MOST_SHARES), recorded_pieces(graph)):
+        if plan is not None and all(plan.recomputes != other.recomputes for other in chains):
             chains.append(plan)
     return tuple(chains)
 
 
-def _replay_op_s(step: ProbedStep, plans: tuple[Plan, ...], repeats: int, figures: dict[str, float],
-                 every_module: bool) -> float | None:
-    """What each op ``plans`` recorded and re-ran took beyond the rest of what the step under them took, as the
-    simulator prices the rest (NOTE [simulated streams] 6), over all their ops; None where an extra is not clear of
-    the step's variation. Rounds of their own: a step this much longer, taken between the hook plans', changes
-    theirs."""
+def _replay_figures(step: ProbedStep, plans: tuple[Plan, ...], repeats: int, figures: dict[str, float],
+                    every_module: bool) -> dict[str, float] | None:
+    """What ``plans``' recomputations cost the runtime beyond the rest of what the step under them took, as the
+    simulator prices the rest (NOTE [simulated streams] 6): per op recorded and re-run, per recomputation and once
+    per step (``REPLAY_FIGURES``), where three plans tell them apart, else per op alone, over all their ops; None
+    where an extra is not clear of the step's variation. Rounds of their own: a step this much longer, taken between
+    the hook plans', changes theirs."""
     named = {f"recomputing {index}": plan for index, plan in enumerate(plans)}
     rounds = _rounds_under(step, named, repeats)
-    beyond, replayed = 0.0, 0
+    rows: list[tuple[float, ...]] = []
+    beyond: list[float] = []
     for name, plan in named.items():
         median, error = _extra_at_pace(step, rounds, name)
         if median < CLEAR_OF_NOISE * error:
@@ -173,9 +215,12 @@ def _replay_op_s(step: ProbedStep, plans: tuple[Plan, ...], repeats: int, figure
         dispatched = sum(len(window) for window in plan.dispatched_ops(step.graph))
         known = (figures["runtime_step_s"] + _calls(plan, step.graph, every_module) * figures["hook_call_s"]
                  + dispatched * (step.dispatch_mode_op_s or 0.0) + sum(step.op_host_s[i] for i in ops))
-        beyond += median - known
-        replayed += len(ops)
-    return max(beyond, 0.0) / replayed
+        rows.append((len(ops), len(plan.recomputes), 1.0))
+        beyond.append(median - known)
+    solved = solve_nonnegative(rows, beyond) if len(rows) >= len(REPLAY_FIGURES) else None
+    if solved is not None:
+        return dict(zip(REPLAY_FIGURES, solved))
+    return {"replay_op_s": max(sum(beyond), 0.0) / sum(row[0] for row in rows)}
 
 
 def _rounds_under(step: ProbedStep, plans: Mapping[str, Plan], repeats: int) -> dict[str, list[float]]:

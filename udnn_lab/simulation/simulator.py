@@ -39,12 +39,13 @@ NOTE [simulated streams]
      probes found them, the machine's otherwise: NOTE [host probes] 4): each module and
      saved-tensor hook call it handles (``Plan.hook_calls``: the calls of the modules it hooks,
      NOTE [hook points] 8, the packs and unpacks of its windows; every pack and unpack when it
-     follows the step op by op) at the call's boundary, each offload's actions at the op its
-     copy starts before, the runtime's own work once per step (``runtime_step_s``: setting up
-     and tearing down, where the step's probe measured it) at the first op, and each op a
-     recomputation records and re-runs at the recomputation's op (recording happens in
-     forward, but the host work is the same); a recomputation that re-runs a module call (NOTE [hook points]
-     7) pays its ops' own host work, as eager does, and a hook call for each pack inside it (the
+     follows the step op by op) at the call's boundary, each offload's actions at the op its copy starts
+     before, the runtime's own work once per step (``runtime_step_s``: setting up and tearing down, where
+     the step's probe measured it) at the first op, and each op a recomputation records and re-runs, each
+     recomputation recorded and, with the first, the step's recording once (``replay_op_s``,
+     ``replay_recompute_s``, ``recording_step_s``) at the recomputation's op (recording happens in
+     forward, but the host work is the same); a recomputation that re-runs a module call (NOTE [hook
+     points] 7) pays its ops' own host work, as eager does, and a hook call for each pack inside it (the
      runtime's global module hooks are off while it runs, so its module calls cost what eager's do).
      That clock counts the runtime's work alone, not the host's own work per op, unless that was
      measured (9): a lower bound.
@@ -598,16 +599,19 @@ def _runtime_host_work(graph: Graph, plan: Plan, cost: CostModel,
 
 
 def _recompute_host_s(graph: Graph, plan: Plan, cost: CostModel, on_hooks: bool) -> list[tuple[int, float]]:
-    """(op, host seconds) of each recomputation: each op it records and replays, or, re-running a module call
-    (NOTE [hook points] 7), the module's own Python, as eager's, and a hook call for each pack inside."""
+    """(op, host seconds) of each recomputation: each op it records and replays, the recomputation itself, and
+    with the first the step's recording once; or, re-running a module call (NOTE [hook points] 7), the module's own
+    Python, as eager's, and a hook call for each pack inside."""
     reruns = plan.reruns_in(graph) if on_hooks else ()
     found = []
+    once = cost.recording_step_s  # with the first recomputation recorded
     for index, recompute in enumerate(plan.recomputes):
         if reruns and reruns[index] != NOT_RERUN:
             call = rerun_call(graph.hook_events, reruns[index], recompute.tensors)
             found.append((recompute.at_op, len(call.packs) * cost.hook_call_s))
         else:
-            found.append((recompute.at_op, len(recompute.ops) * cost.replay_op_s))
+            found.append((recompute.at_op, len(recompute.ops) * cost.replay_op_s + cost.replay_recompute_s + once))
+            once = 0.0
     return found
 
 
