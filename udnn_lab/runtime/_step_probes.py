@@ -122,10 +122,11 @@ def step_hook_figures(step: ProbedStep, repeats: int, measured: Mapping[str, flo
 MIDDLE_SHARES = (0.5, 0.375, 0.25, 0.125)
 MOST_SHARES = (0.95, 0.75)
 # besides its ops, each recomputation recorded costs a fixed time, and a step that records any once more (on GPT-2's
-# small decoder on one EPYC thread about 90 us and 1 ms, against 16 us per op): the pieces plan records this many
-# spread over the forward, each this share of its part wide (the next where one cannot be), in all about as many ops
-# as the middle chain, so that its extra over that chain is the pieces' count
-PIECES = 6
+# small decoder on one EPYC thread about 100 us and 1 ms, against 15 to 25 us per op): the pieces plan records this
+# many spread over the forward, each this share of its part wide (the next where one cannot be), in all about as many
+# ops as the middle chain, so that its extra over that chain is the pieces' count (with 6 rather than 12, the figure
+# per recomputation spread twice as wide over four profiles)
+PIECES = 12
 PIECE_SHARES = (0.5, 0.4, 0.6, 0.3, 0.7)
 # what the chains' rounds solve for, per op re-run, per recomputation recorded and once per step that records
 REPLAY_FIGURES = ("replay_op_s", "replay_recompute_s", "recording_step_s")
