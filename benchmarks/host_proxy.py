@@ -14,7 +14,8 @@ figures are measured in the same run, on its thread, by the runtime's host probe
 above the step's variation, on the workload's own step (with its work per step) by its step probe, which also
 times the step under recomputations the runtime records and replays (of the middle half of the forward, of nearly
 all of it and of several short pieces spread over it) for what each re-run op, each recomputation and a step that
-records cost it (else a replay's stand-in on the workload's own forward), and
+records cost it (else a replay's stand-in on the workload's own forward), and under a re-run of each call of its
+repeated block for what each re-run call costs, and
 the copies the runtime makes in the step (a CPU's copies run from its caches or from memory: not at the machine
 profile's largest-copy rate), within ``ul.profile`` (NOTE [host probes] 4). Within a round the
 steps run in a shuffled order (a step right after a longer one runs at another pace). Steps are run as
@@ -114,7 +115,7 @@ def _rows(name: str, options: dict, repeats: int) -> list[dict]:
     profile = ul.profile(work, repeats=repeats)
     graph = ul.trace(work, fake=False)
     unpriced = dataclasses.replace(profile, dispatch_mode_op_s=None, replay_op_s=None, replay_recompute_s=None,
-                                   recording_step_s=None, hook_call_s=None, offload_action_s=None,
+                                   recording_step_s=None, rerun_call_s=None, hook_call_s=None, offload_action_s=None,
                                    runtime_step_s=None)
     hardware = ul.Hardware.load("cpu-amd-epyc-2cpu")
     # the runtime's host figures measured now, on this run's thread, as the step's own figures are (Hardware.measure's
@@ -148,6 +149,7 @@ def _rows(name: str, options: dict, repeats: int) -> list[dict]:
             "offload_action_s": profile.offload_action_s, "machine_offload_action_s": hardware.offload_action_s,
             "runtime_step_s": profile.runtime_step_s, "replay_op_s": profile.replay_op_s,
             "replay_recompute_s": profile.replay_recompute_s, "recording_step_s": profile.recording_step_s,
+            "rerun_call_s": profile.rerun_call_s,
             "machine_replay_op_s": hardware.replay_op_s, "copy_bytes_per_s": profile.copy_bytes_per_s,
             "machine_copy_bytes_per_s": hardware.d2h_pinned_bytes_per_s,
             "hook_calls": sum(plan.hook_calls(graph).values()), "rerun_ops": sum(len(r.ops) for r in plan.recomputes),

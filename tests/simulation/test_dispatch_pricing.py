@@ -151,13 +151,13 @@ def test_the_profiled_steps_own_offload_and_step_figures_are_priced_once_each(cp
 def test_each_recomputation_recorded_pays_its_figure_and_a_step_that_records_pays_once(cpu_graph, on_hooks):
     """NOTE [simulated streams] 6: besides its ops, each recomputation the runtime records and replays costs
     replay_recompute_s, and the step that records any recording_step_s once; one re-run as a module call pays
-    neither, and keep-all nothing."""
+    neither but rerun_call_s, and keep-all nothing."""
     from udnn_lab.cost.model import CostModel
     from udnn_lab.graph.reruns import NOT_RERUN
 
     step = ul.profile(zoo.get("resnet18", batch=4, image_size=32), repeats=1)
-    free = dataclasses.replace(step, replay_recompute_s=None, recording_step_s=None)
-    priced = dataclasses.replace(free, replay_recompute_s=3e-4, recording_step_s=4e-3)
+    free = dataclasses.replace(step, replay_recompute_s=None, recording_step_s=None, rerun_call_s=None)
+    priced = dataclasses.replace(free, replay_recompute_s=3e-4, recording_step_s=4e-3, rerun_call_s=5e-4)
     assert CostModel(CPU, free).replay_recompute_s == 0.0 and CostModel(CPU, priced).recording_step_s == 4e-3
     plan = _recompute_plan(cpu_graph).located(cpu_graph, on_hooks=on_hooks)
     reruns = plan.reruns_in(cpu_graph) or (NOT_RERUN,) * len(plan.recomputes)
@@ -165,7 +165,7 @@ def test_each_recomputation_recorded_pays_its_figure_and_a_step_that_records_pay
     assert recorded and (on_hooks or recorded == len(plan.recomputes)), reruns
     extra = ul.simulate(cpu_graph, plan, hardware=CPU, profile=priced).step_time_s - \
         ul.simulate(cpu_graph, plan, hardware=CPU, profile=free).step_time_s
-    assert extra == pytest.approx(recorded * 3e-4 + 4e-3, rel=1e-6)
+    assert extra == pytest.approx(recorded * 3e-4 + 4e-3 + (len(plan.recomputes) - recorded) * 5e-4, rel=1e-6)
     assert ul.simulate(cpu_graph, None, hardware=CPU, profile=priced).step_time_s == \
         ul.simulate(cpu_graph, None, hardware=CPU, profile=free).step_time_s
 

@@ -248,6 +248,12 @@ class CostModel:
         the profiled step's figure (NOTE [host probes] 4); 0 where it was not measured."""
         return self._step_first("recording_step_s")
 
+    @property
+    def rerun_call_s(self) -> float:
+        """Host seconds each module call the runtime re-runs to recompute costs beyond its ops and packs (NOTE
+        [simulated streams] 6): the profiled step's figure (NOTE [host probes] 4); 0 where it was not measured."""
+        return self._step_first("rerun_call_s")
+
     def _step_first(self, figure: str) -> float:
         """A host figure: the profiled step's own where it was measured there, else the hardware profile's (which has
         no figure of some names); 0 where neither was measured."""

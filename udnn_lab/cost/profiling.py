@@ -80,6 +80,9 @@ class Profile:
     # records any, measured by the same probe (NOTE [host probes] 4); None: not measured
     replay_recompute_s: float | None = None
     recording_step_s: float | None = None
+    # host seconds each module call the runtime re-runs to recompute (NOTE [hook points] 7) costs beyond its ops and
+    # its packs, measured by the same probe on the step's repeated block; None: not measured
+    rerun_call_s: float | None = None
     # host seconds the runtime spends per module or saved-tensor hook call it handles, measured on this step by the
     # runtime's step probe (NOTE [host probes] 4); None: not measured, or not above the step's own variation
     hook_call_s: float | None = None
@@ -259,8 +262,8 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
 
 
 # what the step probes measure on the profiled step (NOTE [host probes] 4): Profile fields, None where unmeasured
-_STEP_FIGURES = ("replay_op_s", "replay_recompute_s", "recording_step_s", "hook_call_s", "offload_action_s",
-                 "runtime_step_s", "copy_bytes_per_s")
+_STEP_FIGURES = ("replay_op_s", "replay_recompute_s", "recording_step_s", "rerun_call_s", "hook_call_s",
+                 "offload_action_s", "runtime_step_s", "copy_bytes_per_s")
 
 
 def between_ops_s(step_time_s: float, op_times_s) -> float:

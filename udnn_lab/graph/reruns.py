@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from udnn_lab.graph.cached import per_graph
-from udnn_lab.graph.step_graph import Graph, HookEvent, writes_in_place
+from udnn_lab.graph.step_graph import Graph, HookEvent, ModuleCall, writes_in_place
 from udnn_lab.vocabulary import COLLECTIVE_NAMESPACES
 
 NOT_RERUN = -1  # a Plan.reruns entry: the recomputation is recorded and replayed op by op
@@ -82,6 +82,19 @@ def rerun_calls(events: tuple[HookEvent, ...], enters: tuple[int, ...], recomput
     """Recomputation index -> the module call it re-runs, for those ``enters`` (``Plan.reruns``) names."""
     return {index: rerun_call(events, enter, recomputes[index].tensors)
             for index, enter in enumerate(enters) if enter != NOT_RERUN}
+
+
+@per_graph
+def repeated_block(graph: Graph) -> tuple[ModuleCall, ...]:
+    """The calls of the module class that, at one depth of the model, runs the most forward ops (a transformer's
+    layers, a ResNet's bottlenecks), in forward order; () when none is called twice."""
+    groups: dict[tuple[str, int], list[ModuleCall]] = {}
+    for call in graph.module_calls:
+        if call.path and call.last_op >= call.first_op and graph.ops[call.first_op].phase == "forward":
+            groups.setdefault((call.type, call.path.count(".")), []).append(call)
+    best = max(groups.values(), key=lambda calls: (len(calls) >= 2, sum(c.last_op - c.first_op + 1 for c in calls)),
+               default=[])
+    return tuple(sorted(best, key=lambda c: c.first_op)) if len(best) >= 2 else ()
 
 
 def _rerun_of(graph: Graph, recompute, spans: dict, points: frozenset[int]) -> int:

@@ -30,7 +30,8 @@ NOTE [host probes]
      under recomputations the runtime records and replays too, what each op recorded and re-run
      costs the runtime itself (``replay_op_s``: its recording windows' bookkeeping, the unpacks
      that replay, beyond the dispatch mode and the ops' own time), each recomputation and a step
-     that records any once (``replay_recompute_s``, ``recording_step_s``: profile figures only),
+     that records any once (``replay_recompute_s``, ``recording_step_s``), and each module call it
+     re-runs (``rerun_call_s``, on the step's repeated block; these three profile figures only),
      which supersedes the figure of
      the replay probe's stand-in recording (each step probe is handed the figures measured before
      it: registered after, the stand-in does not run where it is superseded). On a CPU it offloads

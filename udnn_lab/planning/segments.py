@@ -18,6 +18,7 @@ import math
 from udnn_lab.cost.model import CostModel
 from udnn_lab.graph.cached import per_graph
 from udnn_lab.graph.plan_ir import Plan, PlanError, Recompute, check_recompute
+from udnn_lab.graph.reruns import repeated_block
 from udnn_lab.graph.step_graph import Graph, ModuleCall, writes_in_place
 from udnn_lab.planning._candidates import candidates, writers
 from udnn_lab.planning.registry import policy
@@ -70,19 +71,6 @@ def _block_recomputes(graph: Graph) -> tuple[tuple[tuple[Recompute, ...], str], 
         if actions:
             found.append((actions, f"checkpointed {n} of {len(blocks)} {blocks[0].type} calls"))
     return tuple(found)
-
-
-@per_graph
-def repeated_block(graph: Graph) -> tuple[ModuleCall, ...]:
-    """The calls of the module class that, at one depth of the model, runs the most forward ops (a transformer's
-    layers, a ResNet's bottlenecks), in forward order; () when none is called twice."""
-    groups: dict[tuple[str, int], list[ModuleCall]] = {}
-    for call in graph.module_calls:
-        if call.path and call.last_op >= call.first_op and graph.ops[call.first_op].phase == "forward":
-            groups.setdefault((call.type, call.path.count(".")), []).append(call)
-    best = max(groups.values(), key=lambda calls: (len(calls) >= 2, sum(c.last_op - c.first_op + 1 for c in calls)),
-               default=[])
-    return tuple(sorted(best, key=lambda c: c.first_op)) if len(best) >= 2 else ()
 
 
 def _blocks_checkpointed(graph: Graph, calls: tuple[ModuleCall, ...]) -> tuple[Recompute, ...]:

@@ -17,14 +17,15 @@
   pays per op it re-runs (``replay_op_s``: the windows' bookkeeping, the unpacks that replay), per recomputation
   (``replay_recompute_s``) and once in a step that records (``recording_step_s``), which ``step_replay_figures``'s
   stand-in recording does not see (where the several cannot be made, the first two, over the ops they re-ran, give
-  ``replay_op_s`` alone). On a CPU the extra times are put at the pace the profile timed the step at (its plain steps
-  against these rounds' steps alone): a machine whose pace drifts over seconds would otherwise add seconds of one
-  pace to a step of another. The runtime is given the step's model, as ``ul.train`` gives it, so it makes the calls
-  the simulator prices (NOTE [hook points] 8); a step probed without its model is followed with every module hooked,
-  and the fewest calls make the one offload's plan. A module hook is handed the call's arguments, so a model of
-  many small modules called with keywords pays more per call than the probe's network of convolutions. Where the
-  extra time does not stand clear of the step's own variation (a long step, few hook calls), it returns no figure:
-  the machine's stands.
+  ``replay_op_s`` alone); and under a re-run of each call of its repeated block (NOTE [hook points] 7), what each
+  re-run costs beyond its ops and packs (``rerun_call_s``). On a CPU the extra times are put at the pace the profile
+  timed the step at (its plain steps against these rounds' steps alone): a machine whose pace drifts over seconds
+  would otherwise add seconds of one pace to a step of another. The runtime is given the step's model, as
+  ``ul.train`` gives it, so it makes the calls the simulator prices (NOTE [hook points] 8); a step probed without its
+  model is followed with every module hooked, and the fewest calls make the one offload's plan. A module hook is
+  handed the call's arguments, so a model of many small modules called with keywords pays more per call than the
+  probe's network of convolutions. Where the extra time does not stand clear of the step's own variation (a long
+  step, few hook calls), it returns no figure: the machine's stands.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from functools import partial
 from typing import Any
@@ -41,7 +42,8 @@ import numpy as np
 
 from udnn_lab.errors import PlanError
 from udnn_lab.graph import Graph, Offload, Plan, Recompute
-from udnn_lab.graph.reruns import NOT_RERUN
+from udnn_lab.graph.plan_ir import written_after
+from udnn_lab.graph.reruns import NOT_RERUN, repeated_block, rerun_call
 from udnn_lab.hardware import HostFigures, ProbedStep
 from udnn_lab.runtime._host_probe import interleaved, itself, offload_by_hooks, replay_op_s_on, two_unknowns
 from udnn_lab.runtime.offload import OffloadRuntime
@@ -102,15 +104,11 @@ def step_hook_figures(step: ProbedStep, repeats: int, measured: Mapping[str, flo
         if len(solved) == 4 and solved[3] > 0:  # seconds per byte copied: on a CPU (module docstring)
             figures["copy_bytes_per_s"] = 1.0 / solved[3]
         recomputing = recorded_chains(step.graph) if step.op_host_s is not None else ()
-        if not recomputing:
+        rerunning = rerun_blocks(step.graph) if step.op_host_s is not None else None
+        if not recomputing and rerunning is None:
             return HostFigures(figures, what)
-        replayed = _replay_figures(step, recomputing, repeats, figures, every_module)
-        recorded = ", ".join(f"{sum(len(r.ops) for r in chain.recomputes)} forward ops in {len(chain.recomputes)}"
-                             for chain in recomputing)
-        about = (f"{what}; then recomputing {recorded}, less those figures, the dispatch mode and the ops' own time")
-        if replayed is None:
-            return HostFigures(figures, f"{about}: not clear of the step's variation, so the replay's figure stands")
-        return HostFigures({**figures, **replayed}, about)
+        found, about = _recomputation_figures(step, recomputing, rerunning, repeats, figures, every_module)
+        return HostFigures({**figures, **found}, f"{what}; then {about}")
     hook_call_s, _ = two_unknowns((calls["one"], 1, extra["one"][0]), (calls["several"], several,
                                                                        extra["several"][0]))
     return HostFigures({"hook_call_s": hook_call_s} if hook_call_s > 0 else {},
@@ -196,32 +194,91 @@ def recorded_chains(graph: Graph) -> tuple[Plan, ...]:
     return tuple(chains)
 
 
-def _replay_figures(step: ProbedStep, plans: tuple[Plan, ...], repeats: int, figures: dict[str, float],
-                    every_module: bool) -> dict[str, float] | None:
-    """What ``plans``' recomputations cost the runtime beyond the rest of what the step under them took, as the
-    simulator prices the rest (NOTE [simulated streams] 6): per op recorded and re-run, per recomputation and once
-    per step (``REPLAY_FIGURES``), where three plans tell them apart, else per op alone, over all their ops; None
-    where an extra is not clear of the step's variation. Rounds of their own: a step this much longer, taken between
-    the hook plans', changes theirs."""
-    named = {f"recomputing {index}": plan for index, plan in enumerate(plans)}
+def rerun_blocks(graph: Graph) -> Plan | None:
+    """A located plan re-running (NOTE [hook points] 7) each call of the step's repeated block (a transformer's
+    layers, a ResNet's bottlenecks) that can be, to restore the saved activations it makes and forward leaves alone
+    after it, as checkpointing each block does; None where none can be."""
+    chosen: list[Recompute] = []
+    for call in repeated_block(graph):
+        ops = tuple(range(call.first_op, call.last_op + 1))
+        inside = set(ops)
+        uses = {t.id: t.first_backward_use for t in graph.tensors if t.producer in inside and t.saved
+                and t.category == "feature_map" and t.first_backward_use is not None
+                and (t.last_forward_use if t.last_forward_use is not None else t.alloc_step) <= call.last_op
+                and written_after(graph, t.id, call.last_op) is None}
+        if not uses:
+            continue
+        recompute = Recompute(tuple(uses), ops, min(uses.values()))
+        plan = Plan("probe", graph.fingerprint, recomputes=(*chosen, recompute))
+        try:
+            plan.validate(graph)
+        except PlanError:
+            continue
+        if not plan.followed_op_by_op(graph) and NOT_RERUN not in plan.reruns_in(graph):
+            chosen.append(recompute)
+    return Plan("probe", graph.fingerprint, recomputes=tuple(chosen)).located(graph) if chosen else None
+
+
+def _recomputation_figures(step: ProbedStep, chains: tuple[Plan, ...], rerunning: Plan | None, repeats: int,
+                           figures: dict[str, float], every_module: bool) -> tuple[dict[str, float], str]:
+    """The recordings' figures from ``chains`` (``_recording_figures``) and the time per re-run call from
+    ``rerunning`` (what it took beyond the rest, over its calls), in rounds of their own (a step this much longer,
+    taken between the hook plans', changes theirs), and what was done."""
+    named = {f"recomputing {index}": plan for index, plan in enumerate(chains)}
+    if rerunning is not None:
+        named["rerunning"] = rerunning
     rounds = _rounds_under(step, named, repeats)
-    rows: list[tuple[float, ...]] = []
-    beyond: list[float] = []
-    for name, plan in named.items():
-        median, error = _extra_at_pace(step, rounds, name)
-        if median < CLEAR_OF_NOISE * error:
-            return None
-        assert step.op_host_s is not None
-        ops = [i for recompute in plan.recomputes for i in recompute.ops]
-        dispatched = sum(len(window) for window in plan.dispatched_ops(step.graph))
-        known = (figures["runtime_step_s"] + _calls(plan, step.graph, every_module) * figures["hook_call_s"]
-                 + dispatched * (step.dispatch_mode_op_s or 0.0) + sum(step.op_host_s[i] for i in ops))
-        rows.append((len(ops), len(plan.recomputes), 1.0))
-        beyond.append(median - known)
-    solved = solve_nonnegative(rows, beyond) if len(rows) >= len(REPLAY_FIGURES) else None
+    beyond = {name: _beyond(step, rounds, name, plan, figures, every_module) for name, plan in named.items()}
+    found: dict[str, float] = {}
+    about = []
+    if chains:
+        recorded = ", ".join(f"{sum(len(r.ops) for r in chain.recomputes)} forward ops in {len(chain.recomputes)}"
+                             for chain in chains)
+        replayed = _recording_figures([(chain, beyond[name]) for name, chain in named.items() if name != "rerunning"])
+        found.update(replayed or {})
+        about.append(f"recording {recorded}" + ("" if replayed else " (not clear of the step's variation: the "
+                                                                      "replay's figure stands)"))
+    if rerunning is not None:
+        extra = beyond["rerunning"]
+        if extra is not None:
+            found["rerun_call_s"] = max(extra, 0.0) / len(rerunning.recomputes)
+        about.append(f"re-running {len(rerunning.recomputes)} calls of its repeated block"
+                     + ("" if extra is not None else " (not clear of the step's variation)"))
+    return found, (" and ".join(about) + ", less those figures, the dispatch mode and the ops' own time")
+
+
+def _beyond(step: ProbedStep, rounds: dict[str, list[float]], name: str, plan: Plan, figures: dict[str, float],
+            every_module: bool) -> float | None:
+    """What ``name``'s plan took beyond the rest of what the step under it took, as the simulator prices the rest
+    (NOTE [simulated streams] 6): the runtime's step, its hook calls (a re-run call's packs among them), the
+    dispatch mode over its recording windows and the re-run ops' own time; None where its extra is not clear of the
+    step's variation."""
+    median, error = _extra_at_pace(step, rounds, name)
+    if median < CLEAR_OF_NOISE * error:
+        return None
+    assert step.op_host_s is not None
+    ops = [i for recompute in plan.recomputes for i in recompute.ops]
+    dispatched = sum(len(window) for window in plan.dispatched_ops(step.graph))
+    packs = sum(len(rerun_call(step.graph.hook_events, enter, recompute.tensors).packs)
+                for enter, recompute in zip(plan.reruns_in(step.graph), plan.recomputes) if enter != NOT_RERUN)
+    known = (figures["runtime_step_s"] + (_calls(plan, step.graph, every_module) + packs) * figures["hook_call_s"]
+             + dispatched * (step.dispatch_mode_op_s or 0.0) + sum(step.op_host_s[i] for i in ops))
+    return median - known
+
+
+def _recording_figures(beyond: Sequence[tuple[Plan, float | None]]) -> dict[str, float] | None:
+    """Per op recorded and re-run, per recomputation and once per step (``REPLAY_FIGURES``) from what the chains
+    took beyond the rest, where three tell them apart, else per op alone, over all their ops; None where one is not
+    clear of the step's variation."""
+    if any(extra is None for _, extra in beyond):
+        return None
+    rows: list[tuple[float, ...]] = [(float(sum(len(r.ops) for r in plan.recomputes)), float(len(plan.recomputes)), 1.0)
+                                     for plan, _ in beyond]
+    seconds = [float(extra) for _, extra in beyond if extra is not None]
+    solved = solve_nonnegative(rows, seconds) if len(rows) >= len(REPLAY_FIGURES) else None
     if solved is not None:
         return dict(zip(REPLAY_FIGURES, solved))
-    return {"replay_op_s": max(sum(beyond), 0.0) / sum(row[0] for row in rows)}
+    return {"replay_op_s": max(sum(seconds), 0.0) / sum(row[0] for row in rows)}
 
 
 def _rounds_under(step: ProbedStep, plans: Mapping[str, Plan], repeats: int) -> dict[str, list[float]]:

@@ -45,8 +45,9 @@ NOTE [simulated streams]
      recomputation recorded and, with the first, the step's recording once (``replay_op_s``,
      ``replay_recompute_s``, ``recording_step_s``) at the recomputation's op (recording happens in
      forward, but the host work is the same); a recomputation that re-runs a module call (NOTE [hook
-     points] 7) pays its ops' own host work, as eager does, and a hook call for each pack inside it (the
-     runtime's global module hooks are off while it runs, so its module calls cost what eager's do).
+     points] 7) pays its ops' own host work, as eager does, a hook call for each pack inside it (the
+     runtime's global module hooks are off while it runs, so its module calls cost what eager's do) and
+     the re-run's own work (``rerun_call_s``: its state kept in forward, its context in backward).
      That clock counts the runtime's work alone, not the host's own work per op, unless that was
      measured (9): a lower bound.
   7. On a CPU the device is the host: a copy to or from the host pool is a memcpy the runtime
@@ -601,14 +602,14 @@ def _runtime_host_work(graph: Graph, plan: Plan, cost: CostModel,
 def _recompute_host_s(graph: Graph, plan: Plan, cost: CostModel, on_hooks: bool) -> list[tuple[int, float]]:
     """(op, host seconds) of each recomputation: each op it records and replays, the recomputation itself, and
     with the first the step's recording once; or, re-running a module call (NOTE [hook points] 7), the module's own
-    Python, as eager's, and a hook call for each pack inside."""
+    Python, as eager's, a hook call for each pack inside and the re-run's own work."""
     reruns = plan.reruns_in(graph) if on_hooks else ()
     found = []
     once = cost.recording_step_s  # with the first recomputation recorded
     for index, recompute in enumerate(plan.recomputes):
         if reruns and reruns[index] != NOT_RERUN:
             call = rerun_call(graph.hook_events, reruns[index], recompute.tensors)
-            found.append((recompute.at_op, len(call.packs) * cost.hook_call_s))
+            found.append((recompute.at_op, len(call.packs) * cost.hook_call_s + cost.rerun_call_s))
         else:
             found.append((recompute.at_op, len(recompute.ops) * cost.replay_op_s + cost.replay_recompute_s + once))
             once = 0.0
