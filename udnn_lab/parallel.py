@@ -17,8 +17,10 @@ whose parameters backward needs first). ``FSDP(wrap=...)`` replaces the rule: ``
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch.distributed as dist
@@ -27,6 +29,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
+
+from udnn_lab.sharded_model import ShardedLayout, offloads, sharded_layout
 
 # PyTorch's default DDP communication hooks a DDP spec can register (DDP(comm_hook=name)), by name
 COMM_HOOKS: dict[str, Callable[..., Any]] = {"allreduce": default_hooks.allreduce_hook,
@@ -162,6 +166,7 @@ class FSDP:
     # ranks shorter shards (of optimizer state and its scratch; FSDP pads parameters and gradients). A real
     # run's rank is its process's.
     rank: int = 0
+    shard_root: bool = True  # False: the model itself is left as ``wrap`` leaves it (a job that shards its parts)
 
     def __post_init__(self) -> None:
         _check_ranks(self.world_size, self.rank)
@@ -172,7 +177,7 @@ class FSDP:
         if self.mp_policy is not None and not isinstance(self.mp_policy, MixedPrecisionPolicy):
             raise ValueError(f"mp_policy is a torch.distributed.fsdp.MixedPrecisionPolicy (or None), got "
                              f"{type(self.mp_policy).__name__}")
-        _check_flags(self, ("offload_params",))
+        _check_flags(self, ("offload_params", "shard_root"))
         if isinstance(self.replicate, bool) or not isinstance(self.replicate, int) or self.replicate < 1 \
                 or self.world_size % self.replicate:
             raise ValueError(f"replicate is how many groups of ranks hold a replica (HSDP): a positive int that "
@@ -180,6 +185,19 @@ class FSDP:
         if self.wrap is not None and not callable(self.wrap):
             raise ValueError(f"wrap is a function wrap(model, shard) that calls shard(module) on the modules to "
                              f"shard, got {type(self.wrap).__name__}")
+
+    @classmethod
+    def of(cls, model: nn.Module, rank: int) -> FSDP:
+        """The spec of a running job's model, sharded already with ``fully_shard``: the same modules sharded with
+        the same settings over a mesh of the same shape, as this process's ``rank``. What a spec cannot reproduce
+        (modules sharded together, other placements, several meshes) is refused in one line."""
+        layout = sharded_layout(model)
+        first = layout.modules[0]
+        world_size = math.prod(layout.mesh_shape)
+        return cls(world_size, reshard_after_forward=True if first.reshard_after_forward is None
+                   else first.reshard_after_forward, mp_policy=first.mp_policy, offload_params=offloads(layout),
+                   wrap=partial(_as_laid_out, layout), replicate=layout.mesh_shape[0] if len(layout.mesh_shape) > 1
+                   else 1, rank=rank, shard_root=False)
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -216,7 +234,7 @@ class FSDP:
             return fully_shard(module, **{**settings, **overrides})
 
         (self.wrap or shard_blocks)(model, shard)
-        if not isinstance(model, FSDPModule):
+        if self.shard_root and not isinstance(model, FSDPModule):
             shard(model, reshard_after_forward=None)  # FSDP2's rule for a root: kept, backward needs it first
         return model
 
@@ -228,6 +246,13 @@ def shard_blocks(model: nn.Module, shard: Shard) -> None:
     """FSDP's default wrapping (see the module's doc): ``shard`` each block, in the order they are found."""
     for block in blocks(model):
         shard(block)
+
+
+def _as_laid_out(layout: ShardedLayout, model: nn.Module, shard: Shard) -> None:
+    """Shard ``model`` (a plain copy of a sharded one) as ``layout`` says, module by module."""
+    for module in layout.modules:
+        shard(model.get_submodule(module.path), reshard_after_forward=module.reshard_after_forward,
+              mp_policy=module.mp_policy, offload_policy=module.offload_policy)
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:

@@ -125,9 +125,11 @@ def test_what_a_parallel_trace_cannot_do_is_refused_with_what_to_do_instead(mlp)
         ul.trace(mlp, parallel=ul.DDP(2), fake=False)
     with pytest.raises(TypeError, match="parallel is ul.DDP"):
         ul.trace(mlp, parallel=2)
-    with fake_process_group(2):
+    with fake_process_group(2):  # a job's process: its own rank over a 1-D mesh only
         with pytest.raises(RuntimeError, match="already has a process group"):
-            ul.trace(mlp, parallel=ul.FSDP(2))
+            ul.trace(mlp, parallel=ul.FSDP(2, replicate=2))
+        with pytest.raises(RuntimeError, match="it is rank 0 of 2, the trace was asked for rank 1 of 2"):
+            ul.trace(mlp, parallel=ul.FSDP(2, rank=1))
     assert not dist.is_initialized()
 
 

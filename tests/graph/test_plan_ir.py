@@ -1,6 +1,7 @@
 import dataclasses
 
 import pytest
+import torch
 
 import udnn_lab as ul
 from udnn_lab import zoo
@@ -136,3 +137,45 @@ def test_a_saved_tensor_in_host_memory_is_refused(graph):
     with pytest.raises(PlanError, match="lives on cpu"):
         Plan("p", on_cuda.fingerprint, recomputes=(Recompute((t.id,), (t.producer,), t.first_backward_use),)
              ).validate(on_cuda)
+
+
+def _fsdp_linears():
+    """A rank of an MLP whose Linear layers FSDP2 shards one by one, resharding each after its forward; GELU saves
+    its input, the Linear's output, which a replay would rebuild from the Linear's weight."""
+    torch.manual_seed(0)
+    layers = [m for _ in range(4) for m in (torch.nn.Linear(64, 64), torch.nn.GELU())]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(64, 10))
+    work = ul.Workload(model=model, example_input=torch.randn(256, 64), target=torch.randint(0, 10, (256,)),
+                       loss_fn=torch.nn.functional.cross_entropy, optimizer=torch.optim.AdamW(model.parameters()),
+                       name="mlp")
+
+    def each_linear(model, shard):
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                shard(module)
+
+    return ul.trace(work, parallel=ul.FSDP(2, wrap=each_linear))
+
+
+def test_a_replay_may_not_read_a_parameter_fsdp_lets_go_after_forward_and_no_planner_makes_one():
+    graph = _fsdp_linears()
+    freed_early = {t.id for t in graph.tensors if t.category == "parameter" and t.free_step is not None
+                   and t.first_backward_use is None}
+    # a Linear's output, which GELU saves, rebuilt from its input: the weight's transpose and the matmul again
+    matmul = next(op for op in graph.ops if op.name == "aten.addmm.default" and op.phase == "forward"
+                  and graph.tensors[op.outputs[0]].first_backward_use is not None)
+    chain = (matmul.index - 1, matmul.index)
+    assert set(replay_reads(graph, chain)) & freed_early
+    saved = matmul.outputs[0]
+    rebuild = Recompute((saved,), chain, graph.tensors[saved].first_backward_use)
+    with pytest.raises(PlanError, match="FSDP2 lets go after its module's forward"):
+        Plan("p", graph.fingerprint, recomputes=(rebuild,)).validate(graph)
+    recomputed = 0
+    for policy in ("recompute", "auto"):
+        low = ul.min_budget(graph, policy, hardware="h100-sxm")
+        for budget in (low, (low + graph.peak_bytes) // 2):
+            for recompute in ul.plan(graph, budget, policy, hardware="h100-sxm").recomputes:
+                read = replay_reads(graph, recompute.ops)
+                assert not any(graph.tensors[t].free_step < recompute.at_op for t in read & freed_early), policy
+                recomputed += 1
+    assert recomputed

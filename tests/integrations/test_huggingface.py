@@ -193,3 +193,39 @@ def test_a_ddp_rank_is_planned_and_trains_as_ddp_does_without_the_callback(tmp_p
     assert result["recomputes"] > 0 and result["reports"].planned.all() and result["find_unused"]
     assert result["predicted"] <= ul.parse_bytes("4 MiB")
     assert result["measured"] == pytest.approx(result["predicted"], rel=0.01)
+
+
+def test_a_model_accelerate_sharded_with_fsdp2_is_traced_as_this_process_s_rank_of_its_sharding():
+    """accelerate runs FSDP on GPUs only, so the Trainer cannot shard on this CPU: the model is sharded here as its
+    FSDP2 plugin shards it (each GPT2Block, then the root), inside a job's process group, and the callback's
+    workload for that Trainer's arguments is checked to be this rank of that sharding."""
+    from types import SimpleNamespace
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from udnn_lab.analysis._fake_group import fake_process_group
+    from udnn_lab.integrations._huggingface import _workload
+
+    def trainer_args(world_size):
+        args = SimpleNamespace(world_size=world_size, process_index=1, gradient_accumulation_steps=2,
+                               max_grad_norm=1.0, bf16=False, fp16=False)
+        return SimpleNamespace(args=args, optimizer=torch.optim.AdamW(model.parameters()))
+
+    example = ({"input_ids": torch.zeros(4, 32, dtype=torch.long), "labels": torch.zeros(4, 32, dtype=torch.long)},)
+    with fake_process_group(2, rank=1):
+        model = transformers.GPT2LMHeadModel(CONFIG)
+        mesh = init_device_mesh("cpu", (2,))
+        for block in model.transformer.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        work = _workload(trainer_args(2), model, example)
+        with pytest.raises(ValueError, match="sharded over 2 of the Trainer's 4 ranks"):
+            _workload(trainer_args(4), model, example)
+    spec = work.parallel
+    assert isinstance(spec, ul.FSDP) and (spec.world_size, spec.rank) == (2, 1)
+    assert work.model is model and work.grad_accumulation == 2 and work.clip_grad_norm == 1.0
+    plain = transformers.GPT2LMHeadModel(CONFIG)  # the spec shards a plain copy as the plugin did
+    shards = []
+    spec.wrap(plain, lambda module, **settings: shards.append(module))
+    assert shards == [*plain.transformer.h, plain]

@@ -19,10 +19,11 @@ NOTE [one rank of N]
      second forward; on the way rank 0 broadcasts the new bucket layout in two small int tensors it
      writes and reads on the host. ``rebuild_buckets`` runs that rebuild after the trace's warm-up step,
      the ops on those host tensors (no fake tensor among their arguments) running for real.
-  5. A DDP rank can also be traced inside the job that runs it (a trainer's callback on each rank): the
+  5. A DDP or FSDP2 rank can also be traced inside the job that runs it (a trainer's callback on each rank): the
      process's own group stays as it is, and the fake group is a new group of all its ranks with the fake
-     backend. ``new_group`` must be called by every rank in the same order, which holds where each rank
-     traces its step at the same point of the job. The trace is then of this process's rank in its world.
+     backend (a 1-D mesh: HSDP's 2-D one is traced outside a job). ``new_group`` must be called by every rank
+     in the same order, which holds where each rank traces its step at the same point of the job. The trace
+     is then of this process's rank in its world.
   6. With ``find_unused_parameters``, DDP's reducer keeps which parameters a step used in int32 tensors it
      makes as it is built, sets in its autograd hooks and reads (``item()``) as backward ends. The copy is
      built under ``HostIndices`` so that those tensors are real, and the step runs with ``HostIndices(
@@ -64,7 +65,7 @@ def fake_process_group(world_size: int, rank: int = 0, mesh_shape: tuple[int, ..
             raise RuntimeError(
                 "a parallel trace runs one rank of a fake process group of its own, and this process already has a "
                 "process group: trace before torch.distributed.init_process_group, or in a process without one "
-                "(a DDP rank can be traced in its job)")
+                "(a DDP or FSDP2 rank can be traced in its job, over a 1-D mesh)")
         job = (dist.get_world_size(), dist.get_rank())
         if job != (world_size, rank):
             raise RuntimeError(f"a trace inside a job is of this process's rank: it is rank {job[1]} of {job[0]}, "

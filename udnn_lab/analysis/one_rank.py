@@ -46,9 +46,9 @@ def trace_one_rank(work: Workload, parallel: Parallel, counted_as: str, fast_pat
     substituted = counted_as != device.type
     offloads = isinstance(spec, FSDP) and spec.offload_params
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    shape, names = (spec.mesh_shape, spec.mesh_dim_names) if isinstance(spec, FSDP) else (None, None)
-    in_a_job = isinstance(spec, DDP)  # NOTE [one rank of N] 5
-    with fake_process_group(spec.world_size, spec.rank, shape, names, in_a_job) as mesh, CompletedCollectives(), \
+    hsdp = isinstance(spec, FSDP) and spec.replicate > 1  # a 2-D mesh; a job's own rank is traced over a 1-D one
+    shape, names = (spec.mesh_shape, spec.mesh_dim_names) if isinstance(spec, FSDP) and hsdp else (None, None)
+    with fake_process_group(spec.world_size, spec.rank, shape, names, in_a_job=True) as mesh, CompletedCollectives(), \
             PinnedCopies() if offloads else nullcontext():  # NOTE [host storages] 4
         model = _wrapped(work.model, spec, mesh, fake_mode, device)
         recorder = StepRecorder(fake_mode=fake_mode, fast_paths=fast_paths)

@@ -19,7 +19,7 @@ from udnn_lab.graph.followed_calls import followed_calls
 from udnn_lab.graph.hook_points import hook_points, on_hook_points, recording_windows, window_ops
 from udnn_lab.graph.plan_file import read_plan_file, write_plan_file
 from udnn_lab.graph.reruns import NOT_RERUN, module_reruns, rerun_calls
-from udnn_lab.graph.step_graph import Graph, HookEvent, op_family, writes_in_place
+from udnn_lab.graph.step_graph import Graph, HookEvent, TensorInfo, op_family, writes_in_place
 from udnn_lab.units import cuda_block_bytes, format_bytes
 
 
@@ -425,7 +425,7 @@ def check_recompute(graph: Graph, recompute: Recompute, dropped: set[int]) -> No
         if op.phase != "forward":
             raise PlanError(f"recomputing {names} re-runs op {index}, which is not a forward op")
         for source in op.inputs:
-            _check_source(graph, names, source, made, dropped)
+            _check_source(graph, names, source, made, dropped, recompute.at_op)
             writer = written_after(graph, source, index) if source not in made else None
             if writer is not None:
                 raise PlanError(f"recomputing {names} reads {graph.tensors[source].name} at op {index}, which op "
@@ -453,10 +453,24 @@ def written_after(graph: Graph, tensor_id: int, op: int) -> int | None:
                  and tensor_id in graph.ops[j].outputs and writes_in_place(graph.ops[j].name)), None)
 
 
-def _check_source(graph: Graph, names: str, source: int, made: set[int], dropped: set[int]) -> None:
+def kept_by_the_step(tensor: TensorInfo) -> bool:
+    """A parameter, buffer or input the step holds to its end, so any replay may read it. Not an FSDP2
+    parameter's unsharded storage, which is let go after its module's forward (resharded) and gathered again
+    only in its module's backward: a replay before that finds it empty, and holding the tensor does not keep it
+    (NOTE [resized storages] 1)."""
+    if tensor.category == "parameter":
+        return tensor.free_step is None
+    return tensor.category in ("buffer", "input")  # a step's constants too: a replay holds what it reads
+
+
+def _check_source(graph: Graph, names: str, source: int, made: set[int], dropped: set[int], at_op: int) -> None:
     tensor = graph.tensors[source]
-    if source in made or tensor.category in ("parameter", "buffer", "input"):
+    if source in made or kept_by_the_step(tensor):
         return
+    if tensor.category == "parameter" and tensor.free_step is not None and tensor.free_step < at_op:
+        raise PlanError(f"recomputing {names} reads {tensor.name}, which FSDP2 lets go after its module's forward "
+                        f"(op {tensor.free_step}) and gathers again only in that module's backward: recompute from "
+                        "tensors that stay")
     if source in dropped:
         raise PlanError(f"recomputing {names} needs {tensor.name}, which the plan also drops: recompute sources "
                         "must stay available")

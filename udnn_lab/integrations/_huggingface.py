@@ -12,10 +12,11 @@ from accelerate.utils import DistributedType
 from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from udnn_lab.analysis.recording import fsdp_modules
 from udnn_lab.graph import Plan
 from udnn_lab.hardware import Hardware
 from udnn_lab.integrations._planned import PlannedSteps, StepsShown
-from udnn_lab.parallel import DDP
+from udnn_lab.parallel import DDP, FSDP
 from udnn_lab.workload import StepLoss, Workload, precision_of, weights_dtype
 
 
@@ -29,8 +30,9 @@ class HFPlanCallback(StepsShown, TrainerCallback):
     measured peak and time go through ``Trainer.log`` (so to every ``report_to`` logger) under ``udnn/`` when the
     Trainer logs, and on the first planned step (``log=False``: kept in ``reports`` only). The callback finds its
     Trainer when training begins (``trainer=``: name it); the model and the Trainer stay as written. Under DDP
-    (``torchrun``) each process plans its own rank of the step, with the Trainer's DDP settings (``hardware``
-    then needs the links its collectives take: a GPU profile, or on CPUs one with gloo's figures).
+    (``torchrun``) each process plans its own rank of the step, with the Trainer's DDP settings, and under
+    accelerate's FSDP2 with the modules and settings it sharded (``hardware`` then needs the links its collectives
+    take: a GPU profile, or on CPUs one with gloo's figures).
     """
 
     def __init__(self, budget: int | str | None = None, *, policy: str = "auto", plan: Plan | str | Path | None = None,
@@ -156,14 +158,20 @@ def _workload(trainer: Trainer, model: torch.nn.Module, example: tuple) -> Workl
     """The step as this Trainer runs it (NOTE [trainer steps] 1): ``model`` as training_step gets it, under DDP
     the Trainer's DistributedDataParallel, traced as this process's rank."""
     args = trainer.args
-    parallel = None
+    parallel: DDP | FSDP | None = None
     if isinstance(model, DistributedDataParallel):
         parallel = DDP.of(model, args.world_size, args.process_index)
         model = model.module
+    elif fsdp_modules(model):  # accelerate's FSDP2 plugin sharded it in place
+        parallel = FSDP.of(model, args.process_index)
+        if parallel.world_size != args.world_size:
+            raise ValueError(f"the model is sharded over {parallel.world_size} of the Trainer's {args.world_size} "
+                             "ranks (another parallelism beside FSDP), which the callback cannot trace")
     elif args.world_size > 1:
-        raise ValueError(f"HFPlanCallback plans the ranks of DDP; this Trainer runs {args.world_size} processes "
-                         f"with its model in {type(model).__name__}: plan one rank with ul.trace(..., "
-                         "parallel=ul.FSDP(n)) and ul.plan, and train with ul.train(..., parallel=...)")
+        raise ValueError(f"HFPlanCallback plans the ranks of DDP and FSDP2 (accelerate's fsdp_version 2); this "
+                         f"Trainer runs {args.world_size} processes with its model in {type(model).__name__}: plan "
+                         "one rank with ul.trace(..., parallel=ul.FSDP(n)) and ul.plan, and train with "
+                         "ul.train(..., parallel=...)")
     optimizer = trainer.optimizer
     optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the optimizer
     name = type(model).__name__

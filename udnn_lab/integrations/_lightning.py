@@ -13,10 +13,11 @@ import lightning.pytorch as pl
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from udnn_lab.analysis.recording import fsdp_modules
 from udnn_lab.graph import Plan
 from udnn_lab.hardware import Hardware
 from udnn_lab.integrations._planned import PlannedSteps, StepsShown
-from udnn_lab.parallel import DDP
+from udnn_lab.parallel import DDP, FSDP
 from udnn_lab.vocabulary import PRECISIONS, Precision
 from udnn_lab.workload import StepLoss, Workload
 
@@ -29,8 +30,9 @@ class LightningPlanCallback(StepsShown, pl.Callback):
     (or checks ``plan``, a Plan or a file saved by ``plan.save``, against it), then runs every step under the
     offload runtime. Each step's predicted and measured peak and time go to the trainer's loggers under
     ``udnn/`` (``log=False``: kept in ``reports`` only). The module and trainer stay as written. Under a DDP
-    strategy each process plans its own rank of the step, with the trainer's DDP settings (``hardware`` then needs
-    the links its collectives take: a GPU profile, or on CPUs one with gloo's figures).
+    strategy each process plans its own rank of the step, with the trainer's DDP settings, and under
+    ModelParallelStrategy with the modules ``configure_model`` sharded with ``fully_shard`` and their settings
+    (``hardware`` then needs the links its collectives take: a GPU profile, or on CPUs one with gloo's figures).
     """
 
     def __init__(self, budget: int | str | None = None, *, policy: str = "auto", plan: Plan | str | Path | None = None,
@@ -102,17 +104,26 @@ def _workload(trainer: pl.Trainer, module: pl.LightningModule, batch: Any, batch
                     clip_grad_norm=float(clip) if clip else None, parallel=parallel)
 
 
-def _rank_of(trainer: pl.Trainer) -> DDP | None:
+def _rank_of(trainer: pl.Trainer) -> DDP | FSDP | None:
     """This process's rank as the trainer runs it: None in a one-process fit; a DDP rank with the settings of the
-    trainer's own DistributedDataParallel; a clear error for what the callback cannot trace."""
+    trainer's own DistributedDataParallel; an FSDP2 rank sharded as the module's ``configure_model`` sharded it
+    (ModelParallelStrategy); a clear error for what the callback cannot trace."""
     if trainer.world_size == 1:
         return None
     wrapper = trainer.strategy.model
-    if not isinstance(wrapper, DistributedDataParallel):
-        raise ValueError(f"LightningPlanCallback plans the ranks of DDP strategies; this trainer runs "
-                         f"{trainer.world_size} processes with {type(trainer.strategy).__name__}: plan one rank with "
-                         "ul.trace(..., parallel=ul.FSDP(n)) and ul.plan, and train with ul.train(..., parallel=...)")
-    return DDP.of(wrapper, trainer.world_size, trainer.global_rank)
+    if isinstance(wrapper, DistributedDataParallel):
+        return DDP.of(wrapper, trainer.world_size, trainer.global_rank)
+    if wrapper is not None and fsdp_modules(wrapper):
+        spec = FSDP.of(wrapper, trainer.global_rank)
+        if spec.world_size != trainer.world_size:
+            raise ValueError(f"configure_model shards the module over {spec.world_size} of the trainer's "
+                             f"{trainer.world_size} ranks (tensor parallelism beside FSDP), which the callback "
+                             "cannot trace: plan with data_parallel_size equal to the ranks")
+        return spec
+    raise ValueError(f"LightningPlanCallback plans the ranks of DDP strategies and of FSDP2 (ModelParallelStrategy "
+                     f"with fully_shard in configure_model); this trainer runs {trainer.world_size} processes with "
+                     f"{type(trainer.strategy).__name__}: plan one rank with ul.trace(..., parallel=ul.FSDP(n)) and "
+                     "ul.plan, and train with ul.train(..., parallel=...)")
 
 
 def _training_step_loss(model: torch.nn.Module, batch: Any, *, batch_idx: int,

@@ -4,9 +4,10 @@ NOTE [trainer steps]
   1. A trainer's step is traced from what the trainer is about to run: its first micro-batch, its model as the
      trainer prepared it, its optimizer, precision, accumulation and clipping, with the loss computed by the
      trainer's own code (a StepLoss). The trace runs under fake tensors, so the model, its optimizer and the
-     RNG are left as they were, and a step that would not fit is planned before it runs. Under DDP each process
-     traces its own rank, beside the job's process group (NOTE [one rank of N] 5), and its plan is followed on the
-     trainer's DDP wrapper, whose module paths the rank's trace has.
+     RNG are left as they were, and a step that would not fit is planned before it runs. Under DDP or FSDP2 each
+     process traces its own rank, beside the job's process group (NOTE [one rank of N] 5), and its plan is
+     followed on the trainer's DDP wrapper, whose module paths the rank's trace has, or on the model the strategy
+     sharded in place (its plain copy is what the trace shards again: NOTE [unsharded copies]).
   2. The runtime is on from the first micro-batch of a step to the end of its optimizer step. It follows a
      plan by module and saved-tensor hooks only (NOTE [hook points]): what the trainer does outside the model
      between micro-batches (adding up the loss, logging) saves nothing for backward, so it is not the step's
@@ -29,6 +30,10 @@ NOTE [trainer steps]
      its start; a trainer loads them as it goes (Lightning one batch ahead, Hugging Face's Trainer a step's
      worth before it), reading its data set, which is not the step's. The count pauses between micro-batches
      and takes each later one as held since the step began.
+  7. FSDP2 makes each module's all-gather buffers in the first step that gathers it (its lazy state), so a
+     sharded model's first step runs ops its later steps do not, which a plan's recorded recomputations would
+     take for another step. Each sharded module is gathered and resharded once when the plan is made, on every
+     rank at the same point, so that the first step is already the traced one and runs under the plan.
 """
 
 from __future__ import annotations
@@ -46,9 +51,11 @@ from udnn_lab.analysis import trace
 from udnn_lab.errors import PlanError
 from udnn_lab.graph import Graph, ModuleCall, Plan
 from udnn_lab.hardware import Hardware
+from udnn_lab.parallel import FSDP
 from udnn_lab.planning import plan as make_plan
 from udnn_lab.runtime import OffloadRuntime
 from udnn_lab.runtime.live_bytes import LiveBytes, resident
+from udnn_lab.sharded_model import gather_once
 from udnn_lab.simulation import simulate
 from udnn_lab.vocabulary import PLANNED_CATEGORIES
 from udnn_lab.workload import Workload
@@ -123,7 +130,8 @@ class PlannedSteps:
         self.graph = module_bound(trace(work))
         self._device = torch.device(self.graph.device)
         self.plan = self._plan(self.graph)
-        runtime = OffloadRuntime(self.plan, model=work.model if hooked is None else hooked)
+        runtime_model = work.model if hooked is None else hooked
+        runtime = OffloadRuntime(self.plan, model=runtime_model)
         if runtime.enabled and runtime.hook_schedule() is None:
             raise PlanError(f"the {self.plan.policy!r} plan for this step can only be followed op by op, which would "
                             "count the trainer's own ops as the step's (NOTE [trainer steps] 2): ask for another "
@@ -133,6 +141,8 @@ class PlannedSteps:
         self.predicted_step_s = float(simulation.step_time_s)
         self._batch_shapes = shapes_of(batch)
         self._model, self._optimizer = work.model, work.optimizer
+        if isinstance(work.parallel, FSDP):
+            gather_once(runtime_model)
         self.runtime = runtime
 
     def _plan(self, graph: Graph) -> Plan:

@@ -25,7 +25,7 @@ import numpy as np
 
 from udnn_lab.cost.model import CostModel
 from udnn_lab.errors import PlanError
-from udnn_lab.graph.plan_ir import Plan, Recompute, check_recompute, replay_reads, written_after
+from udnn_lab.graph.plan_ir import Plan, Recompute, check_recompute, kept_by_the_step, replay_reads, written_after
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.planning._candidates import Candidate, candidates, first_backward_op, prefetch_point, writers
 from udnn_lab.units import cuda_block_bytes
@@ -34,7 +34,6 @@ RELEASE_DELAYS = (0.0, 1.0, 2.0, 4.0)  # release ops: where the copy out would e
 PREFETCH_LAYERS = (0, 1, 2, 3, 5, 8)  # prefetch ops: this many backward layers ahead of the first use
 CHAIN_DEPTHS = (0, 1, 2, 3)  # saved inputs a recomputation may remake too, levels back
 MAX_CHAIN_OPS = 64  # a longer chain is not an option (segment groups cover long replays)
-_ALWAYS_THERE = ("parameter", "buffer", "input")
 
 
 @dataclass(frozen=True)
@@ -193,7 +192,7 @@ def _chain_ops(graph: Graph, c: Candidate, pool: dict[int, Candidate], depth: in
 
 
 def _inputs(graph: Graph, ops: set[int]) -> set[int]:
-    return {t for t in replay_reads(graph, ops) if graph.tensors[t].category not in _ALWAYS_THERE}
+    return {t for t in replay_reads(graph, ops) if not kept_by_the_step(graph.tensors[t])}
 
 
 def _there(graph: Graph, tensor: int, ops: set[int], at_op: int) -> bool:

@@ -11,12 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from udnn_lab.cost.model import CostModel
-from udnn_lab.graph.plan_ir import Recompute, written_after
+from udnn_lab.graph.plan_ir import Recompute, kept_by_the_step, written_after
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.planning._candidates import Candidate, candidates, first_backward_op, writers
 from udnn_lab.planning._curve_estimate import CurveEstimate
-
-_KEPT = ("parameter", "buffer", "input")
 
 
 @dataclass(frozen=True)
@@ -57,7 +55,7 @@ def _sources(graph: Graph, c: Candidate, ops: tuple[int, ...]) -> tuple[int, ...
         tensor = graph.tensors[source]
         if written_after(graph, source, min(i for i in ops if source in graph.ops[i].inputs)) is not None:
             return None  # overwritten in place after the recompute reads it: forward cannot be replayed
-        if tensor.category in _KEPT:
+        if kept_by_the_step(tensor):
             continue
         if tensor.free_step is not None and tensor.free_step < c.first_backward:
             return None

@@ -26,6 +26,8 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from udnn_lab.analysis._fake.unsharded import unsharded_copy
+from udnn_lab.analysis._sharded import fsdp_modules
 from udnn_lab.analysis.step import map_tensors, same_optimizer, step_on_made_grads
 
 # Ops whose results depend on tensor values: a fake trace cannot go past them.
@@ -99,6 +101,8 @@ def _replica(model: torch.nn.Module, make: Callable[[torch.Tensor], torch.Tensor
         made[id(p)] = torch.nn.Parameter(make(p), requires_grad=p.requires_grad)
     for b in model.buffers():
         made[id(b)] = make(b)
+    if fsdp_modules(model):  # sharded already, in a trainer's job (NOTE [unsharded copies])
+        return unsharded_copy(model, made)
     return copy.deepcopy(model, made)
 
 
