@@ -66,7 +66,11 @@ NOTE [hook points]
      unseen (as under checkpoint: the re-run, not forward's tensor, is what backward reads). It
      qualifies (``graph/reruns.py``) only where no op of the call writes in place into a tensor
      from before it (a parameter, buffer or input included) or is a collective, and no
-     saved-tensor hooks are pushed inside the step around it. The module's
+     saved-tensor hooks are pushed inside the step around it. A module whose own forward pre-hooks
+     run ops (FSDP2's all-gather of its parameters) re-runs its forward alone: the recomputation is
+     the ops of ``forward`` (its ModuleCall's), and the pre-hooks' ops, which save nothing, are not
+     run again; under FSDP2 the parameters are there, gathered by the module's pre-backward hook
+     before any of its backward unpacks (``gathered_at`` in plan_ir.py). The module's
      Python runs again as it did in forward, without the runtime's global module hooks (they are
      removed while it runs, so torch calls its modules on its fast path, as under checkpoint;
      the few modules hooked alone, 8, keep their hooks, which let the re-run's calls pass): the

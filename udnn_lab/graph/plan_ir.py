@@ -15,6 +15,7 @@ from functools import cached_property
 from pathlib import Path
 
 from udnn_lab.errors import PlanError, PlanForAnotherStep
+from udnn_lab.graph.cached import per_graph
 from udnn_lab.graph.followed_calls import followed_calls
 from udnn_lab.graph.hook_points import hook_points, on_hook_points, recording_windows, window_ops
 from udnn_lab.graph.plan_file import read_plan_file, write_plan_file
@@ -456,21 +457,41 @@ def written_after(graph: Graph, tensor_id: int, op: int) -> int | None:
 def kept_by_the_step(tensor: TensorInfo) -> bool:
     """A parameter, buffer or input the step holds to its end, so any replay may read it. Not an FSDP2
     parameter's unsharded storage, which is let go after its module's forward (resharded) and gathered again
-    only in its module's backward: a replay before that finds it empty, and holding the tensor does not keep it
-    (NOTE [resized storages] 1)."""
+    only in its module's backward (``gathered_at``); holding the tensor does not keep it (NOTE [resized
+    storages] 1)."""
     if tensor.category == "parameter":
         return tensor.free_step is None
     return tensor.category in ("buffer", "input")  # a step's constants too: a replay holds what it reads
+
+
+def gathered_at(graph: Graph, tensor_id: int, op: int) -> bool:
+    """Whether a parameter's storage holds it just before ``op``: kept by the step, or an FSDP2 unsharded
+    parameter that its module's backward has gathered again by then (a storage of the same name, live there)."""
+    tensor = graph.tensors[tensor_id]
+    if tensor.free_step is None or tensor.free_step >= op:
+        return True
+    lives = _unsharded_lives(graph).get(tensor.name, ())
+    return any(alloc < op and (free is None or free >= op) for alloc, free in lives)
+
+
+@per_graph
+def _unsharded_lives(graph: Graph) -> dict[str, list[tuple[int, int | None]]]:
+    """Each parameter storage the step frees, by name: when it is live (FSDP2's gathers of one parameter)."""
+    lives: dict[str, list[tuple[int, int | None]]] = {}
+    for t in graph.tensors:
+        if t.category == "parameter" and t.alloc_step >= 0:
+            lives.setdefault(t.name, []).append((t.alloc_step, t.free_step))
+    return lives
 
 
 def _check_source(graph: Graph, names: str, source: int, made: set[int], dropped: set[int], at_op: int) -> None:
     tensor = graph.tensors[source]
     if source in made or kept_by_the_step(tensor):
         return
-    if tensor.category == "parameter" and tensor.free_step is not None and tensor.free_step < at_op:
+    if tensor.category == "parameter" and not gathered_at(graph, source, at_op):
         raise PlanError(f"recomputing {names} reads {tensor.name}, which FSDP2 lets go after its module's forward "
-                        f"(op {tensor.free_step}) and gathers again only in that module's backward: recompute from "
-                        "tensors that stay")
+                        f"(op {tensor.free_step}) and has not gathered again by op {at_op}: recompute there from "
+                        "tensors that stay, or later, in that module's backward")
     if source in dropped:
         raise PlanError(f"recomputing {names} needs {tensor.name}, which the plan also drops: recompute sources "
                         "must stay available")

@@ -106,12 +106,47 @@ def _rerun_of(graph: Graph, recompute, spans: dict, points: frozenset[int]) -> i
             return NOT_RERUN
         if writes_in_place(op.name) and any(_from_before(graph, t, first) for t in op.outputs if t in op.inputs):
             return NOT_RERUN  # it would write again into what forward left behind
-    for enter, exit_ in spans.get((first, last + 1), ()):
+    for enter, exit_ in (*spans.get((first, last + 1), ()), *_forward_only(graph, first, last)):
         call = rerun_call(graph.hook_events, enter, recompute.tensors)
         if call.exit == exit_ and graph.hook_events[exit_].plain_arguments \
                 and set(call.restores.values()) == set(recompute.tensors):
             return enter
     return NOT_RERUN
+
+
+def _forward_only(graph: Graph, first: int, last: int) -> list[tuple[int, int]]:
+    """The (enter, exit) of a module call whose forward alone runs ops ``first`` to ``last``, its own forward
+    pre-hooks having run ops before them (FSDP2's all-gather; NOTE [hook points] 7): a re-run calls ``forward``,
+    which runs those ops only. None where a pre-hook saved a tensor for backward."""
+    events = graph.hook_events
+    found = []
+    for call in _calls_by_ops(graph).get((first, last), ()):
+        for enter, exit_ in _calls_by_path(graph).get(call.path, ()):
+            starts = events[enter].boundary
+            if starts < first and events[exit_].boundary == last + 1 \
+                    and not any(events[i].kind == "pack" and events[i].boundary < first for i in range(enter, exit_)):
+                found.append((enter, exit_))
+    return found
+
+
+@per_graph
+def _calls_by_ops(graph: Graph) -> dict[tuple[int, int], list[ModuleCall]]:
+    found: dict[tuple[int, int], list[ModuleCall]] = {}
+    for call in graph.module_calls:
+        found.setdefault((call.first_op, call.last_op), []).append(call)
+    return found
+
+
+@per_graph
+def _calls_by_path(graph: Graph) -> dict[str, list[tuple[int, int]]]:
+    """Module path -> the (enter, exit) positions of its calls that push no saved-tensor hooks."""
+    found: dict[str, list[tuple[int, int]]] = {}
+    for span in call_spans(graph.hook_events).values():
+        for enter, exit_ in span:
+            path = graph.hook_events[enter].path
+            if path is not None:
+                found.setdefault(path, []).append((enter, exit_))
+    return found
 
 
 def _from_before(graph: Graph, tensor_id: int, first: int) -> bool:

@@ -25,7 +25,15 @@ import numpy as np
 
 from udnn_lab.cost.model import CostModel
 from udnn_lab.errors import PlanError
-from udnn_lab.graph.plan_ir import Plan, Recompute, check_recompute, kept_by_the_step, replay_reads, written_after
+from udnn_lab.graph.plan_ir import (
+    Plan,
+    Recompute,
+    check_recompute,
+    gathered_at,
+    kept_by_the_step,
+    replay_reads,
+    written_after,
+)
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.planning._candidates import Candidate, candidates, first_backward_op, prefetch_point, writers
 from udnn_lab.units import cuda_block_bytes
@@ -181,8 +189,8 @@ def _chain_ops(graph: Graph, c: Candidate, pool: dict[int, Candidate], depth: in
             break
         for t in remake:
             producer = graph.tensors[t].producer
-            if producer is None or graph.ops[producer].phase != "forward":
-                return None  # not made by forward: nothing to replay
+            if producer is None or graph.ops[producer].phase != "forward" or graph.tensors[t].category == "parameter":
+                return None  # not made by forward, or an FSDP2 gather's: nothing to replay
             ops.update(writers(graph, t))
         if len(ops) > MAX_CHAIN_OPS:
             return None
@@ -198,7 +206,10 @@ def _inputs(graph: Graph, ops: set[int]) -> set[int]:
 def _there(graph: Graph, tensor: int, ops: set[int], at_op: int) -> bool:
     """Still on the device, unchanged, when a replay at ``at_op`` reads it."""
     t = graph.tensors[tensor]
-    if t.free_step is not None and t.free_step < at_op:
+    if t.category == "parameter":
+        if not gathered_at(graph, tensor, at_op):
+            return False
+    elif t.free_step is not None and t.free_step < at_op:
         return False
     return written_after(graph, tensor, min(i for i in ops if tensor in graph.ops[i].inputs)) is None
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from udnn_lab.cost.model import CostModel
-from udnn_lab.graph.plan_ir import Recompute, kept_by_the_step, written_after
+from udnn_lab.graph.plan_ir import Recompute, gathered_at, kept_by_the_step, written_after
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.planning._candidates import Candidate, candidates, first_backward_op, writers
 from udnn_lab.planning._curve_estimate import CurveEstimate
@@ -56,6 +56,10 @@ def _sources(graph: Graph, c: Candidate, ops: tuple[int, ...]) -> tuple[int, ...
         if written_after(graph, source, min(i for i in ops if source in graph.ops[i].inputs)) is not None:
             return None  # overwritten in place after the recompute reads it: forward cannot be replayed
         if kept_by_the_step(tensor):
+            continue
+        if tensor.category == "parameter":  # FSDP2's unsharded storage: there if gathered again by then
+            if not gathered_at(graph, source, c.first_backward):
+                return None
             continue
         if tensor.free_step is not None and tensor.free_step < c.first_backward:
             return None
