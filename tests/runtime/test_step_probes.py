@@ -10,21 +10,14 @@ import torch
 
 import udnn_lab as ul
 from udnn_lab.analysis.step import run_step, split_input
-from udnn_lab.graph.reruns import NOT_RERUN, repeated_block, rerun_call
+from udnn_lab.graph.reruns import rerun_call
 from udnn_lab.hardware import ProbedStep
 from udnn_lab.runtime import _step_probes as step_probes
 from udnn_lab.runtime._copies import Copies
 from udnn_lab.runtime._hook_schedule import HookSchedule
+from udnn_lab.runtime._probe_plans import offload_plans, offloaded_bytes, recorded_chains, rerun_blocks
 from udnn_lab.runtime._replay import Replay
-from udnn_lab.runtime._step_probes import (
-    _bytes,
-    _paired_extra,
-    _probe_plans,
-    recorded_chain,
-    recorded_chains,
-    solve_nonnegative,
-    step_hook_figures,
-)
+from udnn_lab.runtime._step_probes import _paired_extra, solve_nonnegative, step_hook_figures
 from udnn_lab.zoo import get as zoo_get
 
 ADDED_S = 1e-4  # what the test adds to each hook call the runtime handles
@@ -54,19 +47,6 @@ def probed():
         seconds.append(time.perf_counter() - start)
     return ProbedStep(lambda: work.model(*args, **kwargs), step, graph, torch.device("cpu"),
                       statistics.median(seconds[5:]), work.model, op_host_s=op_host_s, dispatch_mode_op_s=5e-6)
-
-
-@pytest.mark.parametrize("every_module", [False, True], ids=["given-the-model", "every-module"])
-def test_the_probes_two_plans_are_followed_by_hooks_and_far_apart_in_calls_per_offload(probed, every_module):
-    """Given the model, the runtime hooks the modules a plan needs (NOTE [hook points] 8): the one offload with the
-    most calls stands apart; probed without it, every module: any one offload makes many calls."""
-    plans = _probe_plans(probed.graph, every_module)
-    one, several = plans["one"], plans["several"]
-    assert len(plans["fewest"].offloads) == 1
-    assert len(one.offloads) == 1 and len(several.offloads) > 1
-    assert not one.followed_op_by_op(probed.graph) and not several.followed_op_by_op(probed.graph)
-    calls = [sum(plan.hook_calls(probed.graph, every_module=every_module).values()) for plan in (one, several)]
-    assert calls[0] >= 2 * calls[1] / len(several.offloads)
 
 
 def _busy(seconds: float) -> None:
@@ -150,10 +130,10 @@ def test_the_probe_finds_what_each_op_a_recomputation_records_costs_on_the_step(
 def test_on_a_cpu_a_fourth_plan_offloads_the_step_s_largest_saved_activations(probed, monkeypatch):
     """NOTE [host probes] 4: on a CPU the host makes the copies while the step waits, at a rate that depends on what
     the caches hold; a fourth plan offloads the step's largest saved activations, for the time per byte."""
-    plans = _probe_plans(probed.graph, largest=True)
-    assert _bytes(plans["large"], probed.graph) >= 4 * _bytes(plans["several"], probed.graph)
+    plans = offload_plans(probed.graph, largest=True)
+    assert offloaded_bytes(plans["large"], probed.graph) >= 4 * offloaded_bytes(plans["several"], probed.graph)
     assert len(plans["large"].offloads) == len(plans["several"].offloads)
-    assert "large" not in _probe_plans(probed.graph)  # on a GPU the copies run on their streams: the link's rate
+    assert "large" not in offload_plans(probed.graph)  # on a GPU the copies run on their streams: the link's rate
     # each step made dearer, so that every plan's extra stands clear, and each byte copied out
     starting = HookSchedule.check_modes
     monkeypatch.setattr(HookSchedule, "check_modes", lambda self: (_busy(ADDED_STEP_S), starting(self))[1])
@@ -181,36 +161,6 @@ def test_the_figures_are_the_least_squares_ones_none_below_zero():
     solved = solve_nonnegative(rows[:3] + [(210, 40, 1, 1e6)], seconds[:3] + [seconds[1]])  # bytes cost nothing
     assert min(solved) >= 0 and solved[3] == 0
     assert solve_nonnegative([(100, 1, 1), (200, 2, 1), (300, 3, 1)], [1.0, 2.0, 3.0]) is None
-
-
-@pytest.mark.compat
-def test_the_probe_s_recomputations_are_recorded_and_replayed_and_followed_by_hooks(probed):
-    """The middle half of the forward, nearly all of it, and several short pieces spread over it, about as many
-    ops as the middle half: a recomputation costs more per op where it re-runs less, and each costs a fixed time
-    besides."""
-    middle, most, pieces = recorded_chains(probed.graph)
-    assert middle.recomputes == recorded_chain(probed.graph).recomputes
-    forward = [op.index for op in probed.graph.ops if op.phase == "forward"]
-    for plan in (middle, most, pieces):
-        assert not plan.followed_op_by_op(probed.graph) and plan.reruns_in(probed.graph) == ()
-    assert len(middle.recomputes) == len(most.recomputes) == 1 and len(pieces.recomputes) >= 2
-    assert len(forward) // 4 <= len(middle.recomputes[0].ops) < len(most.recomputes[0].ops)
-    assert len(most.recomputes[0].ops) >= len(forward) * 0.7
-    spans = sorted((r.ops[0], r.ops[-1]) for r in pieces.recomputes)
-    assert all(earlier[1] < later[0] for earlier, later in zip(spans, spans[1:]))  # apart, over the forward
-    assert spans[0][0] < forward[len(forward) // 2] < spans[-1][0]
-
-
-@pytest.mark.compat
-def test_the_probe_s_re_run_plan_re_runs_each_call_of_the_repeated_block(probed):
-    """NOTE [hook points] 7: each of the step's repeated blocks (a ResNet's basic blocks) whose saved activations
-    can be restored so is re-run whole, as checkpointing each block does; followed by hooks, recording nothing."""
-    plan = step_probes.rerun_blocks(probed.graph)
-    assert plan is not None and len(plan.recomputes) >= 2
-    assert not plan.followed_op_by_op(probed.graph) and NOT_RERUN not in plan.reruns_in(probed.graph)
-    assert plan.windows_on_hooks(probed.graph) == ()
-    blocks = {(call.first_op, call.last_op) for call in repeated_block(probed.graph)}
-    assert {(r.ops[0], r.ops[-1]) for r in plan.recomputes} <= blocks
 
 
 def test_without_the_ops_times_the_probe_leaves_the_replay_s_figure_to_the_replay_probe(probed, monkeypatch):
@@ -255,10 +205,10 @@ def test_what_the_probe_s_rounds_took_is_put_at_the_profile_s_pace(probed, monke
     the step give the figures of the profile's pace (NOTE [host probes] 4). On a GPU the rounds time the host
     issuing the step and the profile the device running it: taken as they are."""
     probed = dataclasses.replace(probed, device=torch.device(device))
-    plans = _probe_plans(probed.graph, largest=device == "cpu")
+    plans = offload_plans(probed.graph, largest=device == "cpu")
     calls = {name: sum(plan.hook_calls(probed.graph).values()) for name, plan in plans.items()}
     offloads = {name: len(plan.offloads) for name, plan in plans.items()}
-    copied = {name: 2 * _bytes(plan, probed.graph) if device == "cpu" else 0 for name, plan in plans.items()}
+    copied = {name: 2 * offloaded_bytes(plan, probed.graph) if device == "cpu" else 0 for name, plan in plans.items()}
     per_call, per_offload, per_step, per_byte = 2e-5, 1e-4, 1e-3, 1e-10  # at the profile's pace
 
     ops, known, recomputes = {}, {}, {}
@@ -277,7 +227,7 @@ def test_what_the_probe_s_rounds_took_is_put_at_the_profile_s_pace(probed, monke
             return recomputes[name] * per_rerun
         return len(ops[name]) * per_replayed_op + recomputes[name] * per_recompute + per_recording
 
-    rerunning = step_probes.rerun_blocks(probed.graph)
+    rerunning = rerun_blocks(probed.graph)
     assert rerunning is not None
     packs = sum(len(rerun_call(probed.graph.hook_events, enter, recompute.tensors).packs)
                 for enter, recompute in zip(rerunning.reruns_in(probed.graph), rerunning.recomputes))
