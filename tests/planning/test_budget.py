@@ -99,3 +99,19 @@ def test_a_floor_set_by_one_optimizer_op_names_what_lowers_it_which_is_not_the_b
     fused = torch.optim.Adam(model.parameters(), fused=True)  # what the message names: no temporaries, a lower floor
     fused_graph = ul.trace(model, torch.randn(2, 64), nn.functional.cross_entropy, fused, target=torch.tensor([0, 3]))
     assert fused_graph.peak_bytes < int(graph.peak_bytes * 0.9)
+
+
+def test_a_recompute_plan_whose_blocks_take_a_cache_says_so_and_what_lets_it_re_run_them():
+    """A Hugging Face decoder with use_cache on hands each block a cache object, which a re-run could change: its
+    recomputations are recorded, and the plan says why and what to set; with use_cache off its blocks re-run."""
+    found = {}
+    for use_cache in (True, False):
+        work = zoo.get("hf:gpt2", batch=2, seq_len=64, small=True, optimizer="adam")
+        work.model.config.use_cache = use_cache
+        graph = ul.trace(work)
+        chosen = ul.plan(graph, (ul.min_budget(graph, "recompute") + graph.peak_bytes) // 2, "recompute")
+        found[use_cache] = (chosen.notes, [enter for enter in chosen.reruns_in(graph) if enter >= 0])
+    (cached_notes, cached_reruns), (plain_notes, plain_reruns) = found[True], found[False]
+    assert any("model.config.use_cache = False" in note and note.startswith("each GPT2Block call")
+               for note in cached_notes) and not cached_reruns
+    assert not any("use_cache" in note for note in plain_notes) and plain_reruns

@@ -97,6 +97,18 @@ def repeated_block(graph: Graph) -> tuple[ModuleCall, ...]:
     return tuple(sorted(best, key=lambda c: c.first_op)) if len(best) >= 2 else ()
 
 
+def blocks_taking_objects(graph: Graph) -> str:
+    """The class of the step's repeated block when its calls take an argument that is neither a tensor nor a plain
+    value (a Hugging Face decoder's cache, made when ``use_cache`` is on), which no recomputation may re-run (NOTE
+    [hook points] 7); '' otherwise."""
+    calls = repeated_block(graph)
+    if not calls:
+        return ""
+    paths = {call.path for call in calls}
+    exits = [e for e in graph.hook_events if e.kind == "exit" and e.path in paths]
+    return calls[0].type if exits and not any(e.plain_arguments for e in exits) else ""
+
+
 def _rerun_of(graph: Graph, recompute, spans: dict, points: frozenset[int]) -> int:
     first, last = recompute.ops[0], recompute.ops[-1]
     if recompute.ops != tuple(range(first, last + 1)) or recompute.at_op not in points:

@@ -11,6 +11,7 @@ from udnn_lab.cost.model import CostModel, RateCurve
 from udnn_lab.cost.profiling import Profile
 from udnn_lab.errors import BudgetOverDevice, HostBudgetExceeded, PlanInfeasible
 from udnn_lab.graph.plan_ir import Plan
+from udnn_lab.graph.reruns import blocks_taking_objects
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware.profiles import Hardware
 from udnn_lab.planning._candidates import candidates
@@ -105,6 +106,8 @@ def _plan_live(graph: Graph, cost: CostModel, policy: str, budget_bytes: int | N
         kept = simulate_with(graph, Plan.keep_all(graph, budget_bytes), cost)
         if simulation.peak_bytes >= kept.peak_bytes:  # slower, and no lower: say why, and what would help
             result = replace(result, notes=(*result.notes, unlowered_note(graph, simulation, kept)))
+    if result.recomputes and blocks_taking_objects(graph):
+        result = replace(result, notes=(*result.notes, _recorded_note(blocks_taking_objects(graph))))
     released = result.with_releases(simulation.released_before)
     located = released.located(graph)
     if located.hook_events and located.offloads != released.offloads:  # NOTE [hook points] 2: moved; still fits?
@@ -112,6 +115,12 @@ def _plan_live(graph: Graph, cost: CostModel, policy: str, budget_bytes: int | N
         if not (moved.fits if budget_bytes is not None else moved.peak_bytes <= simulation.peak_bytes):
             return released.located(graph, on_hooks=False)
     return located
+
+
+def _recorded_note(block: str) -> str:
+    return (f"each {block} call takes an argument that is not a tensor or a plain value (a cache object), so no "
+            "recomputation re-runs a block, as checkpointing would: each is recorded and replayed op by op, which "
+            "costs the host more; for a Hugging Face model in training, set model.config.use_cache = False")
 
 
 def check_within_device(budget_bytes: int | None, hardware: Hardware) -> None:
