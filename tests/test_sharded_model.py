@@ -60,9 +60,12 @@ def test_a_sharded_model_is_traced_as_the_plain_model_sharded_the_same_way():
         model = _sharded_in_a_job(_model())
         spec = ul.FSDP.of(model, rank=0)
         traced = ul.trace(_workload(model), parallel=spec)
+        assert ul.trace(_workload(model)).fingerprint == traced.fingerprint  # in a job: this rank, unasked
         assert isinstance(model[1], FSDPModule) and type(model[1][0].weight).__name__ == "DTensor"  # still the job's
     assert traced.fingerprint == plain.fingerprint and traced.peak_bytes == plain.peak_bytes
     assert (spec.world_size, spec.rank, spec.replicate, spec.shard_root) == (2, 0, 1, False)
+    with pytest.raises(ValueError, match="sharded with fully_shard but this process has no process group"):
+        ul.trace(_workload(model))  # the job is over: no rank to trace
     layout = sharded_layout(model)
     assert [(m.path, m.reshard_after_forward) for m in layout.modules] == [("0", None), ("1", None), ("2", None),
                                                                           ("3", False)]
