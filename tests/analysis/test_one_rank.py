@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 import udnn_lab as ul
 from udnn_lab import zoo
@@ -263,3 +264,16 @@ def test_nested_and_overlapping_recorded_steps_leave_dtensor_s_propagation_as_it
     assert propagator._propagate_tensor_meta_non_cached is wrapped  # the other step still records
     inner.__exit__(None, None, None)
     assert vars(propagator).get("_propagate_tensor_meta_non_cached") is before
+
+
+def test_in_a_job_a_model_wrapped_in_ddp_is_traced_as_this_rank_of_it(mlp):
+    """A DistributedDataParallel of the job's own, traced as it is, is this process's rank of DDP with the wrapper's
+    settings, not a one-process step without its buckets."""
+    with fake_process_group(2):
+        wrapper = DistributedDataParallel(mlp.model, bucket_cap_mb=1)
+        wrapped = ul.trace(replace(mlp, model=wrapper, optimizer=torch.optim.Adam(wrapper.parameters())))
+        assert wrapper.module is mlp.model
+    spec = ul.trace(replace(mlp, optimizer=torch.optim.Adam(mlp.model.parameters())),
+                    parallel=ul.DDP(2, bucket_cap_mb=1))
+    assert wrapped.fingerprint == spec.fingerprint and wrapped.peak_bytes == spec.peak_bytes
+    assert wrapped.notes[0] == "rank 0 of DDP over 2 ranks (1 MiB buckets)"

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils.stateless import _reparametrize_module
 
 from udnn_lab.analysis._fake.tensors import FAKE_LIMITS, fake_initial_state, fake_inputs, fake_optimizer, fake_state
@@ -25,7 +26,7 @@ from udnn_lab.analysis._fake.values import KnownValues
 from udnn_lab.analysis._holders import forward_releases
 from udnn_lab.analysis._recorder import StepRecorder
 from udnn_lab.analysis._recording import graph_from_recording, record_step
-from udnn_lab.analysis._sharded import fsdp_modules
+from udnn_lab.analysis._sharded import is_distributed
 from udnn_lab.analysis._substitution import CudaStandIns
 from udnn_lab.analysis.step import (
     grad_scaler,
@@ -68,17 +69,17 @@ def trace(model: torch.nn.Module | Workload, example_input: Any = None, loss_fn:
     runs on a copy of the model (yours stays as it is), with its gradient buckets, sharded parameters,
     gradients and optimizer state, and all-gather and reduce-scatter buffers ("communication" in the breakdown).
     A Workload made with ``parallel=`` (``ul.zoo.get(..., parallel=ul.FSDP(8))``) is traced as that rank without
-    being told again, and a model a job sharded already with ``fully_shard`` as this process's rank of that
-    sharding (``ul.FSDP.of(model, rank)``); a ``parallel`` given here wins over the Workload's (to trace its step
-    in one process, ``dataclasses.replace(work, parallel=None)``).
+    being told again, and in a job a model it wrapped in DistributedDataParallel or sharded with ``fully_shard``
+    as this process's rank of that (``ul.DDP.of``, ``ul.FSDP.of``); a ``parallel`` given here wins over the
+    Workload's (to trace its step in one process, ``dataclasses.replace(work, parallel=None)``).
     With ``FSDP(..., offload_params=True)`` what the rank keeps in host memory is the breakdown's ``host_bytes``
     (NOTE [host storages]).
     """
     work = as_workload(model, example_input, loss_fn=loss_fn, optimizer=optimizer, target=target, name=name,
                        precision=precision, grad_accumulation=grad_accumulation, clip_grad_norm=clip_grad_norm,
                        parallel=parallel)
-    if work.parallel is None and fake and fsdp_modules(work.model):
-        work = replace(work, parallel=_this_rank_of(work.model))
+    if work.parallel is None and fake and is_distributed(work.model):
+        work = _this_rank_of(work)
     run_on, counted_as = _resolve_device(work, device, fake)
     if work.parallel is not None:
         if not fake:
@@ -95,15 +96,19 @@ def trace(model: torch.nn.Module | Workload, example_input: Any = None, loss_fn:
     return _trace_real(work, run_on)
 
 
-def _this_rank_of(model: torch.nn.Module) -> Parallel:
-    """The spec of this process's rank of a model sharded with fully_shard (``FSDP.of``); a clear error outside a
+def _this_rank_of(work: Workload) -> Workload:
+    """``work`` as this process's rank of the job that wrapped its model: a DistributedDataParallel's module with
+    the wrapper's settings (``DDP.of``), or a model sharded with fully_shard (``FSDP.of``); a clear error outside a
     job, where there is no rank to trace."""
-    from udnn_lab.parallel import FSDP
+    from udnn_lab.parallel import DDP, FSDP
 
     if not torch.distributed.is_initialized():
         raise ValueError("the model is sharded with fully_shard but this process has no process group: trace the "
                          "plain model with parallel=ul.FSDP(world_size, ...), or trace inside the job that sharded it")
-    return FSDP.of(model, torch.distributed.get_rank())
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    if isinstance(work.model, DistributedDataParallel):
+        return replace(work, model=work.model.module, parallel=DDP.of(work.model, world, rank))
+    return replace(work, parallel=FSDP.of(work.model, rank))
 
 
 def _resolve_device(work: Workload, device: str | None, fake: bool) -> tuple[torch.device, str]:
