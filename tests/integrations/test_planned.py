@@ -54,3 +54,23 @@ def test_the_logged_figures_are_numbers_under_one_prefix():
 def test_a_budget_or_a_plan_is_needed():
     with pytest.raises(ValueError, match="budget"):
         PlannedSteps(None)
+
+
+def test_a_plan_only_a_dispatch_mode_can_follow_is_refused_naming_the_policies_hooks_can_follow(monkeypatch):
+    """NOTE [trainer steps] 2. Which plans a runtime follows by hooks is the runtime's own business (an FSDP2 rank's
+    recording windows can fall between hook points): here the recompute plan is made one it cannot, and the refusal
+    names the quick policies whose plans for the budget it can, with their simulated step times."""
+    from udnn_lab.errors import PlanError
+    from udnn_lab.runtime import OffloadRuntime
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(64, 64), torch.nn.GELU())])
+    work = ul.Workload(model, torch.randn(256, 64), optimizer=torch.optim.SGD(model.parameters()))
+    graph = ul.trace(work)
+    budget = (ul.min_budget(graph, "recompute") + graph.peak_bytes) // 2
+    followed = OffloadRuntime.hook_schedule
+    monkeypatch.setattr(OffloadRuntime, "hook_schedule",
+                        lambda self: None if self.plan.policy == "recompute" else followed(self))
+    with pytest.raises(PlanError, match="followed by hooks, with their step times: .*'vdnn\\+\\+' \\(") as error:
+        PlannedSteps(budget, policy="recompute").prepare(work, (torch.randn(256, 64),))
+    assert "'recompute'" not in str(error.value).split(":", 2)[-1] and "\n" not in str(error.value)

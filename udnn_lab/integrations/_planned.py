@@ -48,11 +48,12 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from udnn_lab.analysis import trace
-from udnn_lab.errors import PlanError
+from udnn_lab.errors import PlanError, PlanInfeasible
 from udnn_lab.graph import Graph, ModuleCall, Plan
 from udnn_lab.hardware import Hardware
 from udnn_lab.parallel import FSDP
 from udnn_lab.planning import plan as make_plan
+from udnn_lab.planning import quick_policies
 from udnn_lab.runtime import OffloadRuntime
 from udnn_lab.runtime.live_bytes import LiveBytes, resident
 from udnn_lab.sharded_model import gather_once
@@ -134,8 +135,8 @@ class PlannedSteps:
         runtime = OffloadRuntime(self.plan, model=runtime_model)
         if runtime.enabled and runtime.hook_schedule() is None:
             raise PlanError(f"the {self.plan.policy!r} plan for this step can only be followed op by op, which would "
-                            "count the trainer's own ops as the step's (NOTE [trainer steps] 2): ask for another "
-                            "policy ('vdnn++', 'recompute') or a larger budget")
+                            "count the trainer's own ops as the step's (NOTE [trainer steps] 2): "
+                            f"{self._followed_by_hooks(self.graph, runtime_model)}")
         simulation = simulate(self.graph, self.plan, self.hardware)
         self.predicted_peak_bytes = int(simulation.peak_bytes)
         self.predicted_step_s = float(simulation.step_time_s)
@@ -153,6 +154,24 @@ class PlannedSteps:
         if given is not None:
             return Plan.load(given, graph)
         return make_plan(graph, self.budget, self.policy, self.hardware)
+
+    def _followed_by_hooks(self, graph: Graph, model: torch.nn.Module) -> str:
+        """What to ask for instead: the quick policies whose plan for the budget the runtime follows by hooks."""
+        found = []
+        for name in quick_policies():
+            if self.plan is None or name == self.plan.policy or self.budget is None:
+                continue
+            try:
+                other = make_plan(graph, self.budget, name, self.hardware)
+            except (PlanError, PlanInfeasible):
+                continue
+            runtime = OffloadRuntime(other, model=model)
+            if not runtime.enabled or runtime.hook_schedule() is not None:
+                found.append(f"{name!r} ({simulate(graph, other, self.hardware).step_time_s * 1e3:.1f} ms)")
+            runtime.release()
+        if not found:
+            return "no other policy's plan for this budget is followed by hooks: give a larger budget"
+        return f"policies whose plan for this budget is followed by hooks, with their step times: {', '.join(found)}"
 
     def why_not(self, batch: Any, micro_batches: int, planned_micro_batches: int) -> str:
         """Why a step (or its next micro-batch) cannot run under the plan; '' when it can."""
