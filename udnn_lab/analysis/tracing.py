@@ -100,6 +100,7 @@ def _this_rank_of(work: Workload) -> Workload:
     """``work`` as this process's rank of the job that wrapped its model: a DistributedDataParallel's module with
     the wrapper's settings (``DDP.of``), or a model sharded with fully_shard (``FSDP.of``); a clear error outside a
     job, where there is no rank to trace."""
+    # the specs import FSDP2 (most of a second): loaded only for a model a job wrapped
     from udnn_lab.parallel import DDP, FSDP
 
     if not torch.distributed.is_initialized():
