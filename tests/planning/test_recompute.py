@@ -1,10 +1,14 @@
 """Budget-aware recompute, and auto using the budget: on a small CNN sized for CUDA, on the H100 profile."""
 
 import pytest
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import udnn_lab as ul
 from udnn_lab import zoo
+from udnn_lab.graph.hook_points import hook_points
 from udnn_lab.planning import POLICIES, least_live_budget, min_budget
+from udnn_lab.planning._candidates import candidates
 from udnn_lab.simulation.simulator import cost_model, simulate_with
 
 HARDWARE = "h100-sxm"
@@ -66,3 +70,16 @@ def test_without_a_budget_recompute_reaches_as_low_as_segment_checkpointing(grap
     segments = simulate_with(graph, POLICIES["checkpoint-segments"](graph, cost, None), cost)
     assert least.peak_bytes <= segments.peak_bytes < graph.cuda_peak_bytes
     assert least_live_budget(graph, "recompute", cost) <= least_live_budget(graph, "checkpoint-segments", cost)
+
+
+def test_on_an_fsdp2_rank_a_tensor_is_restored_where_backward_takes_it_back_after_fsdp_s_gather():
+    """FSDP2's pre-backward hook runs on a node's gradient before the node: its all-gather's ops come first in the
+    node's backward, and the node takes its saved tensors back only after them. A tensor's restore point is that
+    unpack, a hook point, not the node's first op (where a runtime following hooks could not act)."""
+    work = zoo.get("hf:gpt2", batch=2, seq_len=32, small=True, optimizer="adam")
+    graph = ul.trace(work, parallel=ul.FSDP(2, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)))
+    points = set(hook_points(graph.hook_events))
+    found = candidates(graph)
+    assert found and all(c.first_backward in points for c in found)
+    gathered_first = [c for c in found if graph.ops[c.first_backward - 1].name.startswith("fsdp.")]
+    assert gathered_first  # restored right after a gather's copy-out, which the node's first op precedes

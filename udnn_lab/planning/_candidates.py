@@ -45,6 +45,7 @@ def _all_candidates(graph: Graph) -> tuple[Candidate, ...]:
         last = t.last_forward_use if t.last_forward_use is not None else t.producer
         starts = _node_starts(graph)
         unpacked = min((starts[op] for op in t.saved_by if op in starts), default=t.first_backward_use)
+        unpacked = max(unpacked, _first_unpacks(graph).get(t.id, unpacked))
         freed = max(last, t.forward_release) if t.forward_release is not None else last
         found.append(Candidate(t.id, t.nbytes, t.producer, last, freed, min(unpacked, t.first_backward_use), conv))
     return tuple(sorted(found, key=lambda c: (c.producer, c.tensor)))
@@ -59,6 +60,18 @@ def _node_starts(graph: Graph) -> dict[int, int]:
         if op.phase == "backward" and op.forward_op is not None:
             starts.setdefault(op.forward_op, op.index)
     return starts
+
+
+@per_graph
+def _first_unpacks(graph: Graph) -> dict[int, int]:
+    """Tensor id -> the boundary where backward first takes it back (its first unpack hook call). Where hooks
+    registered on a node's gradient run ops first (FSDP2's pre-backward all-gather), the node's first op comes
+    before it, and a tensor restored at that op would be restored before any hook point."""
+    found: dict[int, int] = {}
+    for event in graph.hook_events:
+        if event.kind == "unpack":
+            found.setdefault(event.tensor, event.boundary)
+    return found
 
 
 @per_graph
