@@ -35,10 +35,6 @@ class ShardedLayout:
     mesh_shape: tuple[int, ...]  # (ranks,) or, for HSDP, (replicas, ranks per replica)
     mesh_dim_names: tuple[str, ...] | None
 
-    @property
-    def root_sharded(self) -> bool:
-        return any(module.path == "" for module in self.modules)
-
 
 def sharded_layout(model: nn.Module) -> ShardedLayout:
     """The layout of ``model``'s FSDP2 sharding; a clear error for one a spec cannot reproduce."""
@@ -77,10 +73,17 @@ def _children_first(model: nn.Module, prefix: str = "") -> Iterator[tuple[str, n
     yield prefix.rstrip("."), model
 
 
-def _param_group(state: Any) -> Any:
-    groups = getattr(state, "_fsdp_param_groups", None)  # a list on newer torch; one group or None on 2.11
+def _param_groups(state: Any) -> list[Any]:
+    """A sharded module's FSDP2 parameter groups: a list on newer torch; one group or none on 2.11 (as
+    ``analysis/_sharded.fsdp_params`` reads them, which does not import FSDP2 before a model is sharded)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:
-        return state._fsdp_param_group
+        return [group for group in (state._fsdp_param_group,) if group is not None]
+    return list(groups)
+
+
+def _param_group(state: Any) -> Any:
+    groups = _param_groups(state)
     if len(groups) > 1:
         raise ValueError("a module's parameters are sharded in several groups, which a plan cannot reproduce")
     return groups[0] if groups else None

@@ -106,8 +106,9 @@ def _plan_live(graph: Graph, cost: CostModel, policy: str, budget_bytes: int | N
         kept = simulate_with(graph, Plan.keep_all(graph, budget_bytes), cost)
         if simulation.peak_bytes >= kept.peak_bytes:  # slower, and no lower: say why, and what would help
             result = replace(result, notes=(*result.notes, unlowered_note(graph, simulation, kept)))
-    if result.recomputes and blocks_taking_objects(graph):
-        result = replace(result, notes=(*result.notes, _recorded_note(blocks_taking_objects(graph))))
+    block = blocks_taking_objects(graph) if result.recomputes else ""
+    if block:
+        result = replace(result, notes=(*result.notes, _recorded_note(block)))
     released = result.with_releases(simulation.released_before)
     located = released.located(graph)
     if located.hook_events and located.offloads != released.offloads:  # NOTE [hook points] 2: moved; still fits?
