@@ -3,7 +3,7 @@
 #                  in .venv where there is one, else in the machine's own python (a GPU image with its own torch), and
 #                  installs from .whl/ what that lacks; make gpu-wheels fills .whl/ here, to carry there
 # make test - create .venv if needed, install, lint (ruff, mypy), run the whole test suite (on Debian it first installs
-#             chromium when missing, for the browser test; sudo is used unless you are root)
+#             chromium when missing, for the browser test; sudo is used unless you are root), the timing tests alone last
 # make test-compat - create .venv-oldest if needed with the oldest torch and transformers the package supports,
 #             install, run the compatibility subset there (tests marked compat)
 
@@ -44,11 +44,13 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab --ip 127.0.0.1 notebooks/00_quickstart.ipynb
 
 test: $(STAMP) chromium lint
-	$(BIN)/python -m pytest -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m 'not timing'
+	$(BIN)/python -m pytest -m timing
 
 # trace, plan, runtime exactness, a DDP and an FSDP2 gloo run and notebook 00 on the oldest torch (pyproject's floor)
 test-compat: $(OLDEST_STAMP)
-	$(OLDEST)/bin/python -m pytest -m compat -n $(TEST_WORKERS) -rs
+	$(OLDEST)/bin/python -m pytest -m 'compat and not timing' -n $(TEST_WORKERS) -rs
+	$(OLDEST)/bin/python -m pytest -m 'compat and timing'
 
 # the linters the field uses: ruff (style, import order, complexity) and mypy over the package
 lint: $(STAMP)

@@ -124,18 +124,6 @@ def step_hook_figures(step: ProbedStep, repeats: int, measured: Mapping[str, flo
 REPLAY_FIGURES = ("replay_op_s", "replay_recompute_s", "recording_step_s")
 
 
-
-
-
-
-
-
-
-
-
-
-
-
 def _recomputation_figures(step: ProbedStep, chains: tuple[Plan, ...], rerunning: Plan | None, repeats: int,
                            figures: dict[str, float], every_module: bool) -> tuple[dict[str, float], str]:
     """The recordings' figures from ``chains`` (``_recording_figures``) and the time per re-run call from
@@ -245,14 +233,6 @@ def _row(plan: Plan, graph: Graph, calls: int, copies: bool) -> tuple[float, ...
     (each offloaded byte out and back): the columns of ``solve_nonnegative``."""
     row: tuple[float, ...] = (calls, len(plan.offloads), 1.0)
     return row + (2.0 * offloaded_bytes(plan, graph),) if copies else row
-
-
-
-
-
-
-
-
 
 
 def _extra_at_pace(step: ProbedStep, rounds: dict[str, list[float]], name: str) -> tuple[float, float]:
