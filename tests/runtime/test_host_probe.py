@@ -10,7 +10,7 @@ from udnn_lab.errors import UnmeasuredFigureWarning
 from udnn_lab.hardware import Hardware
 from udnn_lab.hardware import host_probes as host_probes_module
 from udnn_lab.hardware.host_probes import HostFigures, ProbedStep, host_probes, step_probes
-from udnn_lab.runtime._host_probe import runtime_host_figures, two_unknowns
+from udnn_lab.runtime._host_probe import runtime_host_figures, solve_nonnegative
 from udnn_lab.runtime._step_probes import step_hook_figures, step_replay_figures
 from udnn_lab.zoo import get as zoo_get
 
@@ -78,11 +78,12 @@ def test_the_probe_measures_hook_calls_offloads_and_replays_on_this_cpu():
 
 
 def test_two_unknowns_are_solved_and_never_negative():
-    assert two_unknowns((100, 1, 100 * 5e-6 + 30e-6), (200, 40, 200 * 5e-6 + 40 * 30e-6)) == \
+    """Per hook call and per offload, from two plans; noise that would make one negative leaves it 0."""
+    assert solve_nonnegative([(100, 1), (200, 40)], [100 * 5e-6 + 30e-6, 200 * 5e-6 + 40 * 30e-6]) == \
         pytest.approx((5e-6, 30e-6), rel=1e-9)
-    a, b = two_unknowns((100, 1, 1e-3), (200, 40, 1.1e-3))  # more offloads, hardly more time: noise
+    a, b = solve_nonnegative([(100, 1), (200, 40)], [1e-3, 1.1e-3])  # more offloads, hardly more time: noise
     assert a >= 0 and b >= 0 and (a, b) != (0.0, 0.0)
-
+    assert solve_nonnegative([(100, 1), (200, 2)], [1e-3, 2e-3]) is None  # calls in proportion to offloads
 
 
 def test_the_package_registers_the_probe_with_the_hardware_it_hands_out():

@@ -16,9 +16,10 @@ from udnn_lab.hardware import ProbedStep
 from udnn_lab.runtime import _step_probes as step_probes
 from udnn_lab.runtime._copies import Copies
 from udnn_lab.runtime._hook_schedule import HookSchedule
+from udnn_lab.runtime._host_probe import solve_nonnegative
 from udnn_lab.runtime._probe_plans import offload_plans, offloaded_bytes, recorded_chains, rerun_blocks
 from udnn_lab.runtime._replay import Replay
-from udnn_lab.runtime._step_probes import _paired_extra, solve_nonnegative, step_hook_figures
+from udnn_lab.runtime._step_probes import _paired_extra, step_hook_figures
 from udnn_lab.zoo import get as zoo_get
 
 ADDED_S = 1e-4  # what the test adds to each hook call the runtime handles

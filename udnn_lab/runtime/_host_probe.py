@@ -21,6 +21,7 @@ step itself (NOTE [host probes] 4).
 
 from __future__ import annotations
 
+import itertools
 import random
 import statistics
 import time
@@ -29,6 +30,7 @@ from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 
 from udnn_lab.analysis import trace
@@ -72,9 +74,12 @@ def runtime_host_figures(device: torch.device, repeats: int, measured: Mapping[s
         for runtime in runtimes.values():
             runtime.release()
     calls = {name: sum(plan.hook_calls(graph).values()) for name, plan in (("one", one), ("every", every))}
-    hook_call_s, offload_action_s = two_unknowns(
-        (calls["one"], len(one.offloads), seconds["one"] - seconds["eager"]),
-        (calls["every"], len(every.offloads), seconds["every"] - seconds["eager"]))
+    solved = solve_nonnegative([(calls["one"], len(one.offloads)), (calls["every"], len(every.offloads))],
+                               [seconds["one"] - seconds["eager"], seconds["every"] - seconds["eager"]])
+    if solved is None:
+        raise RuntimeError("the host probe's two plans make hook calls in proportion to their offloads: the time per "
+                           "call and per offload cannot be told apart on this device")
+    hook_call_s, offload_action_s = solved
     replay_op_s, recorded = replay_op_s_on(lambda: network(x), x.device, max(repeats, 5) * 4 + 2, least=True)
     return HostFigures(
         {"hook_call_s": hook_call_s, "offload_action_s": offload_action_s, "replay_op_s": replay_op_s},
@@ -148,20 +153,28 @@ def host_seconds(work: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - start  # host time: a GPU runs these tiny kernels faster than they are issued
 
 
-def two_unknowns(first: tuple[int, int, float], second: tuple[int, int, float]) -> tuple[float, float]:
-    """(a, b) with ``calls x a + offloads x b = seconds`` for both, neither below 0: noise can make one negative,
-    and then the other alone explains both steps as well as it can."""
-    (c1, k1, s1), (c2, k2, s2) = first, second
-    determinant = c1 * k2 - c2 * k1
-    if determinant:
-        a, b = (s1 * k2 - s2 * k1) / determinant, (c1 * s2 - c2 * s1) / determinant
-        if a >= 0 and b >= 0:
-            return a, b
-    a_alone = max((c1 * s1 + c2 * s2) / (c1 * c1 + c2 * c2), 0.0)
-    b_alone = max((k1 * s1 + k2 * s2) / (k1 * k1 + k2 * k2), 0.0)
-    error_a = (s1 - c1 * a_alone) ** 2 + (s2 - c2 * a_alone) ** 2
-    error_b = (s1 - k1 * b_alone) ** 2 + (s2 - k2 * b_alone) ** 2
-    return (a_alone, 0.0) if error_a <= error_b else (0.0, b_alone)
+def solve_nonnegative(rows: list[tuple[float, ...]], seconds: list[float]) -> tuple[float, ...] | None:
+    """The figures ``x``, none below 0, with ``rows @ x`` closest to ``seconds`` (least squares; noise can make an
+    exact solution negative: that figure is 0 then, and the others explain the rows as well as they can); None where
+    the rows cannot tell them apart."""
+    matrix = np.array(rows, dtype=float)
+    scale = np.abs(matrix).max(axis=0)  # columns of calls, offloads, ops, steps or bytes: solved at one scale
+    if (scale == 0).any() or np.linalg.matrix_rank(matrix / scale) < matrix.shape[1]:
+        return None
+    scaled, target = matrix / scale, np.asarray(seconds, dtype=float)
+    best: tuple[float, np.ndarray] | None = None
+    width = matrix.shape[1]
+    for size in range(width, 0, -1):  # every set of figures left free, the rest 0: a handful of columns
+        for kept in itertools.combinations(range(width), size):
+            part, *_ = np.linalg.lstsq(scaled[:, kept], target, rcond=None)
+            if (part < 0).any():
+                continue
+            full = np.zeros(width)
+            full[list(kept)] = part
+            residual = float(np.sum((scaled @ full - target) ** 2))
+            if best is None or residual < best[0] - 1e-30:
+                best = (residual, full)
+    return None if best is None else tuple(float(v) for v in best[1] / scale)
 
 
 _traced = per_op_kind(traced_op)

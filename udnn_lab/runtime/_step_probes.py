@@ -30,7 +30,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
@@ -38,12 +37,10 @@ from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
-import numpy as np
-
 from udnn_lab.graph import Graph, Plan
 from udnn_lab.graph.reruns import NOT_RERUN, rerun_call
 from udnn_lab.hardware import HostFigures, ProbedStep
-from udnn_lab.runtime._host_probe import interleaved, itself, replay_op_s_on, two_unknowns
+from udnn_lab.runtime._host_probe import interleaved, itself, replay_op_s_on, solve_nonnegative
 from udnn_lab.runtime._probe_plans import (
     hook_calls_of,
     offload_plans,
@@ -114,9 +111,8 @@ def step_hook_figures(step: ProbedStep, repeats: int, measured: Mapping[str, flo
             return HostFigures(figures, what)
         found, about = _recomputation_figures(step, recomputing, rerunning, repeats, figures, every_module)
         return HostFigures({**figures, **found}, f"{what}; then {about}")
-    hook_call_s, _ = two_unknowns((calls["one"], 1, extra["one"][0]), (calls["several"], several,
-                                                                       extra["several"][0]))
-    return HostFigures({"hook_call_s": hook_call_s} if hook_call_s > 0 else {},
+    two = solve_nonnegative([(calls["one"], 1), (calls["several"], several)], [extra["one"][0], extra["several"][0]])
+    return HostFigures({"hook_call_s": two[0]} if two is not None and two[0] > 0 else {},
                        f"{what}; the time per offload and per step could not be told apart")
 
 
@@ -202,30 +198,6 @@ def _rounds_under(step: ProbedStep, plans: Mapping[str, Plan], repeats: int) -> 
 
 def _probe_s(repeats: int) -> float:
     return STEP_PROBE_S * max(repeats, 5) / 5
-
-
-def solve_nonnegative(rows: list[tuple[float, ...]], seconds: list[float]) -> tuple[float, ...] | None:
-    """The figures ``x``, none below 0, with ``rows @ x`` closest to ``seconds`` (least squares; noise can make an
-    exact solution negative: that figure is 0 then, and the others explain the rows as well as they can); None where
-    the rows cannot tell them apart."""
-    matrix = np.array(rows, dtype=float)
-    scale = np.abs(matrix).max(axis=0)  # columns of calls, offloads, steps and bytes: solved at one scale
-    if (scale == 0).any() or np.linalg.matrix_rank(matrix / scale) < matrix.shape[1]:
-        return None
-    scaled, target = matrix / scale, np.asarray(seconds, dtype=float)
-    best: tuple[float, np.ndarray] | None = None
-    width = matrix.shape[1]
-    for size in range(width, 0, -1):  # every set of figures left free, the rest 0: a handful of columns
-        for kept in itertools.combinations(range(width), size):
-            part, *_ = np.linalg.lstsq(scaled[:, kept], target, rcond=None)
-            if (part < 0).any():
-                continue
-            full = np.zeros(width)
-            full[list(kept)] = part
-            residual = float(np.sum((scaled @ full - target) ** 2))
-            if best is None or residual < best[0] - 1e-30:
-                best = (residual, full)
-    return None if best is None else tuple(float(v) for v in best[1] / scale)
 
 
 def _row(plan: Plan, graph: Graph, calls: int, copies: bool) -> tuple[float, ...]:
