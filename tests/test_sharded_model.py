@@ -98,8 +98,10 @@ def test_what_a_spec_cannot_reproduce_is_refused_in_one_line():
         other_placement = _model()
         fully_shard(other_placement[0], mesh=mesh, shard_placement_fn=lambda param: Shard(param.ndim - 1))
         plain = _model()
+        without_parameters = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.GELU())
+        fully_shard(without_parameters, mesh=mesh)
         cases = [(together, "sharded together with other modules"), (other_placement, "not on its first dimension"),
-                 (plain, "no module that fully_shard was applied to")]
+                 (plain, "no module that fully_shard was applied to"), (without_parameters, "holds parameters")]
         for model, message in cases:
             with pytest.raises(ValueError, match=message) as error:
                 ul.FSDP.of(model, rank=0)

@@ -56,6 +56,9 @@ def sharded_layout(model: nn.Module) -> ShardedLayout:
         found.append(ShardedModule(path, _own_reshard(state, group), group.mp_policy, group.offload_policy))
     if not found:
         raise ValueError("the model has no module that fully_shard was applied to")
+    if not meshes:
+        raise ValueError("no module fully_shard was applied to holds parameters of its own: there is nothing sharded "
+                         "for a plan to reproduce; trace the model without ul.FSDP.of")
     if len(meshes) > 1:
         raise ValueError("the model's modules are sharded over different meshes, which a plan cannot reproduce: "
                          "shard them over one mesh")
