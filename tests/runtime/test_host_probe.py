@@ -68,6 +68,7 @@ def test_a_step_probe_that_fails_leaves_the_profiles_figure_unmeasured_and_says_
 
 
 @pytest.mark.compat
+@pytest.mark.timing
 def test_the_probe_measures_hook_calls_offloads_and_replays_on_this_cpu():
     torch.set_num_threads(1)
     measured = runtime_host_figures(torch.device("cpu"), 1, {})

@@ -472,6 +472,8 @@ class _PendingCopies:
     def use(self, token):
         if token is not None and not token.query():
             self.wait_event(token)
+            return True
+        return False
 
     def finish(self, token):
         if token is not None and not token.query():

@@ -57,10 +57,12 @@ class Copies:
     def done(token) -> bool:
         return token is None or token.query()
 
-    def use(self, token) -> None:
-        """Make compute wait for a copy before it reads the copied data (no host wait)."""
+    def use(self, token) -> bool:
+        """Make compute wait for a copy before it reads the copied data (no host wait); whether it was in flight."""
         if token is not None and not token.query():
             self.compute.wait_event(token)
+            return True
+        return False
 
     def finish(self, token) -> None:
         """Block the host until a copy is done."""

@@ -348,8 +348,7 @@ class Step:
     def _drop(self, slot: Slot) -> None:
         assert self.copies is not None
         token = slot.prefetch_done
-        if not self.copies.done(token):  # NOTE [offload runtime] 7: a copy may still use block and slice
-            self.copies.use(token)
+        if self.copies.use(token):  # NOTE [offload runtime] 7: a copy may still use block and slice
             self.dropped_in_flight.append(token)  # NOTE [offload runtime] 9: waited for at the step's end
         slot.restored = slot.rebuilt = slot.device_data = slot.prefetch_done = slot.offload_done = None
         self._give_back(slot)
