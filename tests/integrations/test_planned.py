@@ -74,3 +74,20 @@ def test_a_plan_only_a_dispatch_mode_can_follow_is_refused_naming_the_policies_h
     with pytest.raises(PlanError, match="followed by hooks, with their step times: .*'vdnn\\+\\+' \\(") as error:
         PlannedSteps(budget, policy="recompute").prepare(work, (torch.randn(256, 64),))
     assert "'recompute'" not in str(error.value).split(":", 2)[-1] and "\n" not in str(error.value)
+
+
+def test_a_plan_followed_op_by_op_to_fit_its_budget_is_refused_naming_the_budget_hooks_can_follow():
+    """At auto's least budget for a VoVNet, its plan on hook points would not fit, so the planner made one followed
+    op by op: the refusal says so, and names the budget at which auto's plan is followed by hooks."""
+    from udnn_lab.errors import PlanError
+
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("ese_vovnet19b_dw", pretrained=False, num_classes=10)
+    x, y = torch.randn(2, 3, 64, 64), torch.randint(0, 10, (2,))
+    work = ul.Workload(model, x, y, torch.nn.functional.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.01))
+    least = ul.min_budget(ul.trace(work), "auto", hardware="cpu-amd-epyc-2cpu")
+    with pytest.raises(PlanError, match="this plan is followed op by op.*at a budget of [0-9.]+MiB its plan is "
+                                        "followed by hooks alone") as error:
+        PlannedSteps(least, policy="auto", hardware="cpu-amd-epyc-2cpu").prepare(work, (x, y))
+    assert "\n" not in str(error.value)

@@ -52,8 +52,8 @@ from udnn_lab.errors import PlanError, PlanInfeasible
 from udnn_lab.graph import Graph, ModuleCall, Plan
 from udnn_lab.hardware import Hardware
 from udnn_lab.parallel import FSDP
+from udnn_lab.planning import op_by_op, quick_policies
 from udnn_lab.planning import plan as make_plan
-from udnn_lab.planning import quick_policies
 from udnn_lab.runtime import OffloadRuntime
 from udnn_lab.runtime.live_bytes import LiveBytes, resident
 from udnn_lab.sharded_model import gather_once
@@ -169,9 +169,12 @@ class PlannedSteps:
             if not runtime.enabled or runtime.hook_schedule() is not None:
                 found.append(f"{name!r} ({simulate(graph, other, self.hardware).step_time_s * 1e3:.1f} ms)")
             runtime.release()
+        why = op_by_op(self.plan) if self.plan is not None else ""
+        larger = f"; this plan is {why}" if why else ""
         if not found:
-            return "no other policy's plan for this budget is followed by hooks: give a larger budget"
-        return f"policies whose plan for this budget is followed by hooks, with their step times: {', '.join(found)}"
+            return "no other policy's plan for this budget is followed by hooks" + (larger or ": give a larger budget")
+        return (f"policies whose plan for this budget is followed by hooks, with their step times: {', '.join(found)}"
+                f"{larger}")
 
     def why_not(self, batch: Any, micro_batches: int, planned_micro_batches: int) -> str:
         """Why a step (or its next micro-batch) cannot run under the plan; '' when it can."""

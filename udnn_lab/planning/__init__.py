@@ -18,6 +18,7 @@ from udnn_lab.planning.budget import (
     floor_bytes,
     least_live_budget,
     min_budget,
+    op_by_op,
     plan,
     sweep,
 )
@@ -25,5 +26,5 @@ from udnn_lab.planning.floors import unlowered
 from udnn_lab.planning.registry import POLICIES, policy, quick_policies
 
 __all__ = ["Offload", "Plan", "PlanError", "PlanInfeasible", "Recompute", "POLICIES", "check_within_device",
-           "floor_bytes", "host", "least_live_budget", "min_budget", "plan", "policy", "quick_policies", "sweep",
-           "unlowered"]
+           "floor_bytes", "host", "least_live_budget", "min_budget", "op_by_op", "plan", "policy", "quick_policies",
+           "sweep", "unlowered"]

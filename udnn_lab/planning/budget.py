@@ -28,10 +28,12 @@ from udnn_lab.planning.reserved import (
     plan_in_reserved,
 )
 from udnn_lab.simulation.simulator import cost_model, simulate_with
-from udnn_lab.units import Bytes, format_bytes, parse_bytes
+from udnn_lab.units import Bytes, format_budget, format_bytes, format_seconds, parse_bytes
 
 _RESOLUTION = 1 / 512  # min_budget searches to this fraction of the keep-all peak
 _BUDGET_FREE = ("keep-all", "vdnn-all", "vdnn-conv")  # the same plan under any budget below the keep-all peak
+# how the note begins on a plan the runtime follows op by op because on hook points it would not fit
+OP_BY_OP_NOTE = "followed op by op"
 
 
 def plan(graph: Graph, budget: int | str | None = None, policy: str = "auto", hardware: Hardware | str | None = None,
@@ -114,8 +116,35 @@ def _plan_live(graph: Graph, cost: CostModel, policy: str, budget_bytes: int | N
     if located.hook_events and located.offloads != released.offloads:  # NOTE [hook points] 2: moved; still fits?
         moved = simulate_with(graph, located, cost)
         if not (moved.fits if budget_bytes is not None else moved.peak_bytes <= simulation.peak_bytes):
-            return released.located(graph, on_hooks=False)
+            by_ops = released.located(graph, on_hooks=False)
+            if whole_blocks and budget_bytes is not None:  # the plan asked for, not one of a search's
+                note = _op_by_op_note(graph, cost, policy, host_budget, by_ops, moved.peak_bytes)
+                by_ops = replace(by_ops, notes=(*by_ops.notes, note))
+            return by_ops
     return located
+
+
+def _op_by_op_note(graph: Graph, cost: CostModel, policy: str, host_budget: int | str | None, by_ops: Plan,
+                   hooked_peak: int) -> str:
+    """Why ``by_ops`` is followed op by op, and the budget from which the policy's plan is followed by hooks, where
+    the plan at its offloads' peak on hook points is."""
+    note = (f"{OP_BY_OP_NOTE}, through a dispatch mode that costs the host time on every op (simulated step "
+            f"{format_seconds(simulate_with(graph, by_ops, cost).step_time_s)}): with its offloads moved onto the hook "
+            f"points the runtime can follow alone, it would peak at {format_bytes(hooked_peak)}, over the budget")
+    larger = format_budget(hooked_peak)
+    try:
+        again = _plan_live(graph, cost, policy, parse_bytes(larger), host_budget, whole_blocks=False)
+    except PlanInfeasible:
+        return note
+    if again.followed_op_by_op(graph):
+        return note
+    return (f"{note}; at a budget of {larger} its plan is followed by hooks alone (simulated step "
+            f"{format_seconds(simulate_with(graph, again, cost).step_time_s)}), as the trainer callbacks need")
+
+
+def op_by_op(plan: Plan) -> str:
+    """The plan's note saying why it is followed op by op, and from what budget it would not be ('' when none)."""
+    return next((note for note in plan.notes if note.startswith(OP_BY_OP_NOTE)), "")
 
 
 def _recorded_note(block: str) -> str:
