@@ -183,3 +183,25 @@ def test_the_progress_bar_counts_whole_steps_and_names_the_recorded_step_s_ops(c
     err = capsys.readouterr().err
     assert re.search(r"\b\d+/2 \[", err) and not re.search(r"\d\.\d+/2\b", err), err  # 1/2, never 1.0185/2
     assert re.search(r"recording op \d+/\d+", err), err
+
+
+class _UnusedHead(torch.nn.Module):
+    """A head the loss never reaches (GoogLeNet's aux heads in training, a branch left unused): it gets no
+    gradient, so a PyTorch optimizer keeps no state for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.unused = torch.nn.Linear(16, 16), torch.nn.Linear(16, 256)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def test_a_step_measured_without_a_warm_up_gives_state_only_to_parameters_with_a_gradient():
+    model = _UnusedHead()
+    work = ul.Workload(model, torch.randn(4, 16), optimizer=torch.optim.AdamW(model.parameters()))
+    graph = ul.trace(work)
+    assert graph.graded_parameters == {"body.weight", "body.bias"}
+    for warmup in (0, 1):  # state made from the trace's graded parameters, or by a real step
+        measured = ul.measure(work, graph=graph, warmup=warmup)
+        assert max(measured.live_bytes) == graph.peak_bytes

@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils.stateless import _reparametrize_module
 
+from udnn_lab.analysis._fake.python_caches import model_kept
 from udnn_lab.analysis._fake.tensors import FAKE_LIMITS, fake_initial_state, fake_inputs, fake_optimizer, fake_state
 from udnn_lab.analysis._fake.values import KnownValues
 from udnn_lab.analysis._holders import forward_releases
@@ -88,10 +89,10 @@ def trace(model: torch.nn.Module | Workload, example_input: Any = None, loss_fn:
         # DTensor and FSDP2 take most of a second to import: loaded only when a parallel trace is asked for
         from udnn_lab.analysis.one_rank import trace_one_rank
 
-        with _explained_fake_limits():
+        with _explained_fake_limits(), model_kept(work.model):  # NOTE [what a traced model keeps]
             return trace_one_rank(work, work.parallel, counted_as, fast_paths)
     if fake:
-        with _explained_fake_limits():
+        with _explained_fake_limits(), model_kept(work.model):
             return _trace_fake(work, run_on, counted_as, fast_paths)
     return _trace_real(work, run_on)
 

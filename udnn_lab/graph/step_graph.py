@@ -175,6 +175,13 @@ class Graph:
             raise KeyError(f"no tensor named {name_or_id!r} in this graph; names look like "
                            f"{[t.name for t in self.tensors[:3]]} (see graph.tensors)") from None
 
+    @cached_property
+    def graded_parameters(self) -> frozenset[str]:
+        """The names of the parameters that hold a gradient when the step's optimizer steps: those a PyTorch
+        optimizer keeps state for (NOTE [optimizer state of a traced step] in analysis/step.py)."""
+        return frozenset(t.name.removeprefix("grad:") for t in self.tensors
+                         if t.category == "parameter_gradient" and t.name.startswith("grad:"))
+
     def on_device(self, tensor: TensorInfo) -> bool:
         """Whether ``tensor`` counts toward this graph's device memory."""
         return tensor.device == self.device
