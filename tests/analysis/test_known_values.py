@@ -110,3 +110,38 @@ def test_one_rank_of_a_decoder_without_its_cache_runs_the_forward_of_one_process
         return [op.name for op in graph.ops if op.phase == "forward" and not op.name.startswith(_AROUND)]
 
     assert forward(ul.trace(work, parallel=parallel)) == forward(ul.trace(work))
+
+
+class _PaddingCheck(nn.Module):
+    """Branches on whether a padding token ends or starts the batch, as transformers' padding warning reads the
+    input ids through an index it makes from a Python list (a real constant fake mode lifts into a fake)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        if 0 in ids[:, [-1, 0]]:
+            x = x.relu()
+        return x.sum()
+
+
+@pytest.mark.parametrize("ids", [torch.tensor([[0, 3, 4], [5, 6, 7]]), torch.tensor([[1, 3, 4], [5, 6, 7]])],
+                         ids=["padded", "not padded"])
+def test_a_check_through_an_index_made_from_a_list_is_answered_as_in_eager(ids):
+    fake, real = ul.trace(_PaddingCheck(), ids), ul.trace(_PaddingCheck(), ids, fake=False)
+    assert _names(fake) == _names(real)
+    assert ("aten.relu.default" in _names(fake)) == bool((ids[:, [-1, 0]] == 0).any())
+
+
+def test_a_hugging_face_encoder_with_a_pad_token_traces_under_fake_tensors():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.DebertaV2Config(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                          intermediate_size=64, vocab_size=100, pad_token_id=0)
+    model = transformers.DebertaV2ForMaskedLM(config)
+    ids = torch.randint(1, 100, (2, 8))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    fake = ul.trace(model, batch, loss_fn=lambda out: out.loss)
+    assert _names(fake) == _names(ul.trace(model, batch, loss_fn=lambda out: out.loss, fake=False))

@@ -10,7 +10,8 @@ NOTE [known values]
   2. Integer and bool tensors of at most ``KNOWN_NUMEL`` elements carry their real values
      beside them when the values follow from what the trace knows: the step's inputs, factories
      (``arange``, ``zeros``, ``full``, ...), ops whose values do not depend on their inputs'
-     (``new_ones``, ``zeros_like``), and any op all of whose tensor inputs carry values. Such an
+     (``new_ones``, ``zeros_like``), and any op all of whose tensor inputs carry values (a real
+     integer tensor made outside fake mode, ``torch.tensor([-1, 0])``, carries its own). Such an
      op runs again on the values, on the CPU, outside fake mode; a random op never does, and an
      op that writes into a tensor with values from one without them leaves it without.
   3. Reading a scalar out of a tensor with values (``item()``, ``bool()``) gives the real
@@ -62,6 +63,12 @@ class KnownValues:
     def knows(self, tensor: Any) -> bool:
         return isinstance(tensor, torch.Tensor) and tensor in self.values
 
+    def _given(self, tensor: torch.Tensor) -> bool:
+        """Whether an op's input has values: known, or a real tensor the model made outside fake mode (a constant
+        of ``torch.tensor([-1, 0])``, which fake mode lifts into a fake) (NOTE 2)."""
+        return self.knows(tensor) or (type(tensor) is torch.Tensor and _exact(tensor) and not tensor.is_meta
+                                      and tensor.numel() <= KNOWN_NUMEL)
+
     def read(self, tensor: torch.Tensor) -> Any:
         """``tensor.item()`` of a tensor with values (NOTE 4)."""
         with unset_fake_temporarily(), torch._C._DisableTorchDispatch():
@@ -89,7 +96,7 @@ class KnownValues:
             if all(_exact(t) and t.numel() <= KNOWN_NUMEL for t in outputs):
                 inputs = _tensors((args, kwargs))
                 packet = func.overloadpacket
-                if (inputs and all(self.knows(t) for t in inputs)) or (not inputs and packet in _FACTORIES) \
+                if (inputs and all(self._given(t) for t in inputs)) or (not inputs and packet in _FACTORIES) \
                         or packet in _VALUE_FREE:
                     self._follow(func, args, kwargs, outputs)
                     return
@@ -115,6 +122,8 @@ class KnownValues:
             if not isinstance(value, torch.Tensor):
                 return value
             known = self.values.get(value)
+            if known is None and type(value) is torch.Tensor:  # a real tensor: its own values
+                return value.to("cpu")
             return known if known is not None else torch.zeros(value.shape, dtype=value.dtype)
 
         with unset_fake_temporarily(), torch._C._DisableTorchDispatch():
