@@ -12,7 +12,8 @@ import udnn_lab as ul
 from tests.corpus import CORPUS
 from tests.corpus.promise import HARDWARE, SIM_TOLERANCE, budget_for, check, subject
 
-MODELS = ("checkpointed", "gpt2_tied", "unet", "inplace_activations", "lstm_cell_loop", "user_generator", "gru")
+MODELS = ("checkpointed", "gpt2_tied", "unet", "inplace_activations", "lstm_cell_loop", "user_generator", "gru",
+          "hf_llama_bf16_mixed")
 POLICIES = ("vdnn-all", "vdnn++", "recompute", "checkpoint-segments", "auto")
 FAILING: dict[tuple[str, str], str] = {}  # (model, policy) -> the issue item that breaks it, as a strict xfail
 CASES = [pytest.param(model, policy, id=f"{model}-{policy}",
@@ -66,3 +67,12 @@ def test_auto_at_its_minimum_never_rebuilds_from_what_another_action_took_away(m
     row = check(CORPUS[model], "auto", "min")
     assert not row["error"], row["error"]
     assert row["status"] == "ok", row["status"]
+
+
+@pytest.mark.parametrize("policy", ["recompute", "vdnn-all"])
+def test_a_model_that_caches_what_forward_makes_keeps_the_promise_after_its_trace(policy):
+    """BEiT fills an lru_cache in forward; the fake trace's entry once made every later step train on fake tensors
+    (NOTE [what a traced model keeps]). Its plans act at midway and are followed by hooks."""
+    pytest.importorskip("transformers")
+    row = check(CORPUS["hf_beit"], policy, "midway")
+    assert row["status"] == "ok" and (row["offloads"] or row["recomputes"]), row

@@ -29,6 +29,7 @@ class Entry:
     build: Callable[[], tuple]  # -> (model, example_input, target, loss_fn, optimizer)
     requires: str | None = None  # an optional package the model comes from
     known_failure: str | None = None  # why it is expected to break the promise today
+    precision: str | None = None  # how the step runs ('bf16-mixed'); None: the model's own dtype
 
     @property
     def available(self) -> bool:
@@ -38,7 +39,7 @@ class Entry:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(SEED)
             model, example, target, loss_fn, optimizer = self.build()
-        return Workload(model, example, target, loss_fn, optimizer, self.name)
+        return Workload(model, example, target, loss_fn, optimizer, self.name, precision=self.precision)
 
 
 CORPUS: dict[str, Entry] = {}
@@ -106,6 +107,30 @@ for _name, _side, _options in (("resnet10t", 32, {}), ("convnext_atto", 32, {}),
                                ("mobilevitv2_050", 64, {})):
     entry(f"timm_{_name}", requires="timm")(lambda name=_name, side=_side, options=_options:
                                              _timm(name, side, **options))
+
+
+# -- transformers, as people fine-tune them -------------------------------------------------------
+@entry("hf_llama_bf16_mixed", requires="transformers", precision="bf16-mixed")
+def _hf_llama():
+    """A small Llama-style decoder in bf16-mixed with AdamW: autocast's casts in the step the plan follows."""
+    from udnn_lab.zoo import get
+
+    work = get("hf:llama-3-8b", batch=2, small=True, seq_len=32, optimizer="adamw")
+    return work.model, work.example_input, work.target, work.loss_fn, work.optimizer
+
+
+@entry("hf_beit", requires="transformers")
+def _hf_beit():
+    """BEiT caches its relative position index in an lru_cache its forward fills (NOTE [what a traced model
+    keeps]): the fake trace's entry would have trained every later step on fake tensors."""
+    import transformers
+
+    config = transformers.BeitConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                     intermediate_size=128, image_size=64, patch_size=8, num_labels=10,
+                                     use_relative_position_bias=True)
+    model = transformers.BeitForImageClassification(config)
+    batch = {"pixel_values": images(64), "labels": torch.tensor([1, 7])}
+    return model, batch, None, lambda output: output.loss, adam(model)
 
 
 # -- sequence models ------------------------------------------------------------------------------

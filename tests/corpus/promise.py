@@ -91,7 +91,7 @@ class Subject:
 def subject(entry: Entry) -> Subject:
     work = entry.workload()
     graph = ul.trace(work)
-    return Subject(work, graph, run(work))
+    return Subject(work, graph, run(work, graded=graph.graded_parameters))
 
 
 def budget_for(graph: ul.Graph, policy: str, budget_kind: str) -> int | None:
@@ -122,7 +122,7 @@ def check(entry: Entry, policy: str, budget_kind: str) -> dict[str, Any]:
                        eager_peak_bytes=found.eager.peaks[0] if found.eager.peaks else None)
             stage = "runtime"
             runtime = ul.OffloadRuntime(chosen)
-            outcome = run(found.work, runtime)
+            outcome = run(found.work, runtime, graded=found.graph.graded_parameters)
             row["followed_by"] = runtime.follows
             kinds += _judge(row, found, outcome, budget, simulated)
         except Exception as err:  # every failure is a finding, not a crash
@@ -165,15 +165,16 @@ def _judge(row: dict, found: Subject, ran: Outcome, budget: int | None, simulate
     return kinds
 
 
-def run(work: ul.Workload, runtime: ul.OffloadRuntime | None = None) -> Outcome:
-    """One step (two under a runtime) on a deep copy of the model, with a fresh, warmed optimizer."""
+def run(work: ul.Workload, runtime: ul.OffloadRuntime | None = None, graded: frozenset[str] | None = None) -> Outcome:
+    """One step (two under a runtime) on a deep copy of the model, with a fresh, warmed optimizer: with state for
+    the parameters ``graded`` names (those that get a gradient, as earlier steps would leave it), or for all."""
     model = copy.deepcopy(work.model)
     if runtime is not None:
         runtime.for_model(model)  # the copy's modules are the ones it hooks, as ul.train's (NOTE [hook points] 8)
     optimizer = None
     if work.optimizer is not None:
         optimizer = optimizer_like(work.optimizer, model.parameters())
-        ensure_optimizer_state(optimizer)
+        ensure_optimizer_state(optimizer, graded=graded, model=model)
     outcome = Outcome()
     for step in range(1 if runtime is None else 2):
         try:
@@ -203,7 +204,8 @@ def _step(work: ul.Workload, model, optimizer, runtime) -> tuple[torch.Tensor, i
     gc.disable()  # the trace runs without the garbage collector, and so does the step it is held to
     try:
         with counter, runtime or nullcontext():
-            _, loss = run_step(model, args, kwargs, loss_fn=work.loss_fn, target=work.target, optimizer=optimizer)
+            _, loss = run_step(model, args, kwargs, loss_fn=work.loss_fn, target=work.target, optimizer=optimizer,
+                               options=work.step_options)
     finally:
         gc.enable()
     return loss, counter.peak

@@ -8,7 +8,7 @@ is called at each boundary so a recorder can label the ops that follow.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from itertools import chain
 from typing import Any
@@ -274,18 +274,26 @@ def same_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torc
 
 def ensure_optimizer_state(optimizer: torch.optim.Optimizer | None,
                            make_grad: Callable[[torch.Tensor], torch.Tensor] = torch.zeros_like,
-                           prefer_foreach: bool = True) -> None:
+                           prefer_foreach: bool = True, graded: Collection[str] | None = None,
+                           model: torch.nn.Module | None = None) -> None:
     """Create the optimizer's state as a first step would, so the traced step is a steady one.
 
     Steps once with gradients from ``make_grad`` (zeros) for every parameter that requires one;
     parameters may change (weight decay), so call it on fakes or inside :func:`preserved`. With
     ``prefer_foreach``, groups that allow it step with ``foreach=True``: the same state in far fewer
-    ops. A step whose loss leaves some parameters without a gradient wants
-    :func:`state_at_first_step` instead (NOTE [optimizer state of a traced step]).
+    ops. A step whose loss leaves some parameters without a gradient wants :func:`state_at_first_step`
+    instead, or ``graded``: the names in ``model`` of the parameters that get one (``Graph.graded_parameters``
+    of the step's trace), the only ones given state (NOTE [optimizer state of a traced step]).
     """
     if optimizer is None or len(optimizer.state) > 0:
         return
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if graded is not None:
+        if model is None:
+            raise ValueError("graded names parameters of a model: give ensure_optimizer_state the model too")
+        named = {id(p): name for name, p in model.named_parameters()}
+        if set(graded) <= set(named.values()):  # else the names are another model's (a wrapper's): state for all
+            params = [p for p in params if named.get(id(p)) in graded]
     step_on_made_grads(optimizer, params, make_grad, prefer_foreach)
 
 

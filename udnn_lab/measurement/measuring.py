@@ -215,7 +215,8 @@ def measure(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
     with bar, preserved(work.model, work.optimizer):
         for _ in range(warmup):
             steps.one()
-        ensure_optimizer_state(work.optimizer)
+        ensure_optimizer_state(work.optimizer, graded=graph.graded_parameters if graph is not None else None,
+                               model=work.model)
         times = [_timed(steps.one, device) for _ in range(repeats)]
         before = nvml.read(_index(device)) if device.type == "cuda" else None
         real, counters = _steady(steps.recorded, steps.scaler, tries=1 + (SETTLE_STEPS if warmup else 0),
