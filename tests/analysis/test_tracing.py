@@ -241,6 +241,27 @@ def test_an_input_that_does_not_fit_names_the_module_and_shapes():
     assert all(not m._forward_pre_hooks for m in model.modules())
 
 
+class _TakesKeywords(nn.Module):
+    """Calls its layer with keyword arguments alone, as transformers' decoders call their attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = _KeywordLayer()
+
+    def forward(self, x):
+        return self.layer(hidden=x, scale=torch.ones(3))
+
+
+class _KeywordLayer(nn.Module):
+    def forward(self, hidden, scale):
+        return hidden * scale
+
+
+def test_an_input_that_does_not_fit_a_module_called_with_keywords_names_their_shapes():
+    with pytest.raises(ModelInputError, match=r"'layer' \(_KeywordLayer\) got input shapes \[\(2, 4\), \(3,\)\]"):
+        ul.trace(_TakesKeywords(), torch.randn(2, 4))
+
+
 def test_data_dependent_ops_ask_for_a_real_small_batch_which_then_works():
     model = DataDependent()
     with pytest.raises(FakeTensorUnsupported, match="nonzero.*fake=False"):

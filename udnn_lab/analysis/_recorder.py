@@ -440,7 +440,7 @@ class StepRecorder(TorchDispatchMode):
             if id(module) in seen:
                 continue
             seen[id(module)] = path  # its first path, as named_modules and get_submodule name it
-            handles.append(module.register_forward_pre_hook(partial(self._enter, path)))
+            handles.append(module.register_forward_pre_hook(partial(self._enter, path), with_kwargs=True))
             handles.append(module.register_forward_hook(partial(self._exit, path)))
         try:
             yield
@@ -449,8 +449,8 @@ class StepRecorder(TorchDispatchMode):
             for handle in handles:
                 handle.remove()
 
-    def _enter(self, path: str, module, args) -> None:
-        shapes = [tuple(t.shape) for t in _tensors(args, None)]
+    def _enter(self, path: str, module, args, kwargs) -> None:
+        shapes = [tuple(t.shape) for t in _tensors(args, kwargs)]  # a transformers layer takes keywords alone
         self.module_stack.append((path, type(module).__name__, shapes))
         if self.recording and self.phase == "forward":
             self._open_calls.append(CallRecord(path, type(module).__name__, len(self.ops)))
