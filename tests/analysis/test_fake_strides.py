@@ -66,3 +66,29 @@ def test_swin_traces_the_real_op_sequence():
     torch.manual_seed(0)  # a batch of 2: with one image the strides of its size-1 dimension do not matter
     model, x = torchvision.models.swin_t(weights=None, num_classes=10), torch.randn(2, 3, 64, 64)
     assert _op_names(ul.trace(model, x)) == _op_names(ul.trace(model, x, fake=False))
+
+
+class EmptyTokens(nn.Module):
+    """A class token and a set of register tokens that may be empty, put before the patches, as DINOv3's are."""
+
+    def __init__(self, registers: int, width: int = 16) -> None:
+        super().__init__()
+        self.cls_token = nn.Parameter(torch.randn(1, 1, width))
+        self.register_tokens = nn.Parameter(torch.randn(1, registers, width))
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x):  # x: batch, tokens, width
+        batch = x.shape[0]
+        tokens = torch.cat([self.cls_token.expand(batch, -1, -1), self.register_tokens.expand(batch, -1, -1), x], 1)
+        return self.proj(tokens).amax(1).sum()
+
+
+@pytest.mark.parametrize("registers", [0, 4])
+def test_a_gradient_summed_over_an_empty_slice_traces_the_real_op_sequence(registers):
+    """The meta kernel gives an empty sum a kept dimension of stride 0, the real one contiguous strides; autograd
+    copied the gradient in the trace alone, to give it its parameter's strides."""
+    torch.manual_seed(0)
+    model, x = EmptyTokens(registers), torch.randn(2, 5, 16)
+    real = _op_names(ul.trace(model, x, fake=False))
+    assert _op_names(ul.trace(model, x)) == real
+    assert _op_names(ul.trace(model, x, fast_paths=False)) == real

@@ -40,6 +40,7 @@ _PRIM_DEVICE = torch.ops.prim.device.default
 _METADATA_MUTATORS = ("aten::resize_", "aten::resize_as_", "aten::set_", "aten::_resize_output_")
 _DEVICE, _VIEW, _INPLACE, _INPLACE_LIST, _PROBE, _MEMO = "device", "view", "inplace", "inplace_list", "probe", "memo"
 _CONTIGUOUS = "contiguous"  # run as a memoized op, its outputs then laid out as the real kernel lays them out
+_CONTIGUOUS_EMPTY = "contiguous when empty"  # the same, for outputs with no elements only
 _STAND_IN = "stand_in"  # on fake tensors, made by udnn_lab's own rule (NOTE [grouped matmul stand-in])
 
 
@@ -62,6 +63,8 @@ class FakeFastPaths:
             kind = _MEMO
         if kind is _CONTIGUOUS:
             return fidelity.contiguous_outputs(self._dispatch(func, args, kwargs, _MEMO))
+        if kind is _CONTIGUOUS_EMPTY:
+            return fidelity.contiguous_when_empty(self._dispatch(func, args, kwargs, _MEMO))
         if kind is _STAND_IN and any(isinstance(t, FakeTensor) for t in flat_tensors((args, kwargs))):
             return fake_grouped_mm(*args, **kwargs)
         return self._dispatch(func, args, kwargs, kind)
@@ -100,6 +103,8 @@ def _kind(func) -> str:
         return _PROBE  # probed when needs_probe says so, else run as a memoized op
     if str(func) in fidelity.CONTIGUOUS_OUTPUTS:
         return _CONTIGUOUS
+    if str(func) in fidelity.EMPTY_CONTIGUOUS:
+        return _CONTIGUOUS_EMPTY
     if str(func) == GROUPED_MM:
         return _STAND_IN
     schema = func._schema

@@ -24,11 +24,17 @@ incoming gradient's strides. A layer norm of a permuted tensor (Swin's and MaxVi
 blocks) then hands backward a strided gradient, and a later reshape copies it in the trace
 (clone, _unsafe_view) where it views it in the step: the op sequences differ, and a plan that
 recomputes by them fails. Such ops' fake outputs are made contiguous (:func:`contiguous_outputs`).
+A reduction with no elements to make (a sum over an empty slice, as DINOv3's gradient of its zero
+register tokens is) gets contiguous strides from TensorIterator, where the meta kernel gives a kept
+dimension stride 0; autograd then finds the gradient's strides other than its parameter's and copies
+it (new_empty_strided, copy_) in the trace alone. Such outputs get the real strides
+(:func:`contiguous_when_empty`).
 """
 
 from __future__ import annotations
 
 import torch
+from torch._prims_common import make_contiguous_strides_for
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._pytree import tree_map
 
@@ -54,6 +60,15 @@ PROBED_WHEN_MIXED = frozenset({
 # ops whose real kernels, CPU and CUDA, return every output contiguous where the meta kernel may not
 CONTIGUOUS_OUTPUTS = frozenset({
     "aten.native_layer_norm_backward.default",
+})
+
+
+# reductions whose real kernels give an output with no elements contiguous strides (TensorIterator's), where the
+# meta kernel gives a kept dimension stride 0
+EMPTY_CONTIGUOUS = frozenset({
+    "aten.sum.dim_IntList",
+    "aten.amax.default",
+    "aten.amin.default",
 })
 
 
@@ -128,5 +143,18 @@ def contiguous_outputs(out):
 
 def _contiguous(value):
     if isinstance(value, FakeTensor) and not value.is_contiguous():
+        return torch.empty(value.shape, dtype=value.dtype, device=value.device)
+    return value
+
+
+def contiguous_when_empty(out):
+    """``out`` with each fake tensor of no elements given contiguous strides, as the real reduction allocates it (see
+    EMPTY_CONTIGUOUS); called as :func:`contiguous_outputs` is."""
+    return tree_map(_contiguous_empty, out)
+
+
+def _contiguous_empty(value):
+    if isinstance(value, FakeTensor) and value.numel() == 0 and value.stride() != make_contiguous_strides_for(
+            value.shape):
         return torch.empty(value.shape, dtype=value.dtype, device=value.device)
     return value
