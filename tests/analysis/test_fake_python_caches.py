@@ -55,12 +55,23 @@ def _fakes_left(model: nn.Module) -> list[str]:
                    if c(8).__class__ is FakeTensor]
 
 
+def _clear():
+    _offsets.cache_clear()
+    for cell in _Cached.scale.__closure__:  # the wrapper's own cache
+        cell.cell_contents.cache_clear()
+
+
+def _names(graph) -> list[str]:
+    return [op.name for op in graph.ops]
+
+
 def test_a_traced_model_keeps_no_fake_tensor_and_trains_on_real_ones_afterwards():
     model = _Cached()
     before = model.kept
-    _offsets.cache_clear()
+    _clear()
     ul.trace(model, torch.randn(4, 8), loss_fn=lambda out: out.sum(),
-             optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+             optimizer=torch.optim.SGD(model.parameters(), lr=0.1), device="cuda")  # a CPU standing in for CUDA
+    assert _offsets.cache_info().currsize == 0  # traced for another device: the first real step fills it
     assert _fakes_left(model) == []
     assert not hasattr(model, "table") and model.filled == [] and model.kept is before
     loss = model(torch.randn(4, 8)).sum()
@@ -68,8 +79,21 @@ def test_a_traced_model_keeps_no_fake_tensor_and_trains_on_real_ones_afterwards(
     assert type(loss) is torch.Tensor and type(model.linear.weight.grad) is torch.Tensor
 
 
+def test_the_trace_is_the_steady_step_and_the_caches_hold_its_entries_made_for_real():
+    """NOTE [what a traced model keeps] 3: a first step fills the caches; the trace records the next one, and the
+    caches are filled again on the real model, so the first real step is the steady one too."""
+    model, x = _Cached(), torch.randn(4, 8)
+    _clear()
+    graph = ul.trace(model, x, loss_fn=lambda out: out.sum())
+    assert "aten.arange.default" not in _names(graph)  # the cache's op, made once
+    assert type(_offsets(8)) is torch.Tensor and _offsets.cache_info().currsize == 1
+    assert type(_Cached.scale(8)) is torch.Tensor
+    model.table = torch.ones(8)  # as the first real step leaves it
+    assert _names(graph) == _names(ul.trace(model, x, loss_fn=lambda out: out.sum(), fake=False))
+
+
 def test_a_cache_the_trace_only_read_keeps_its_entries():
-    _offsets.cache_clear()
+    _clear()
     made = _offsets(8)  # real, before the trace: the trace hits it and makes no entry
     model = _Cached()
     model.table = torch.ones(8)

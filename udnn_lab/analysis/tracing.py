@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils.stateless import _reparametrize_module
 
-from udnn_lab.analysis._fake.python_caches import model_kept
+from udnn_lab.analysis._fake.python_caches import KeptModel, model_kept
 from udnn_lab.analysis._fake.tensors import FAKE_LIMITS, fake_initial_state, fake_inputs, fake_optimizer, fake_state
 from udnn_lab.analysis._fake.values import KnownValues
 from udnn_lab.analysis._holders import forward_releases
@@ -89,11 +89,11 @@ def trace(model: torch.nn.Module | Workload, example_input: Any = None, loss_fn:
         # DTensor and FSDP2 take most of a second to import: loaded only when a parallel trace is asked for
         from udnn_lab.analysis.one_rank import trace_one_rank
 
-        with _explained_fake_limits(), model_kept(work.model):  # NOTE [what a traced model keeps]
+        with _explained_fake_limits(), model_kept(work.model, refill=False):  # NOTE [what a traced model keeps]
             return trace_one_rank(work, work.parallel, counted_as, fast_paths)
     if fake:
-        with _explained_fake_limits(), model_kept(work.model):
-            return _trace_fake(work, run_on, counted_as, fast_paths)
+        with _explained_fake_limits(), model_kept(work.model, _on_its_device(work, run_on, counted_as)) as kept:
+            return _trace_fake(work, run_on, counted_as, fast_paths, kept)
     return _trace_real(work, run_on)
 
 
@@ -130,7 +130,15 @@ def _resolve_device(work: Workload, device: str | None, fake: bool) -> tuple[tor
     return chosen, chosen.type
 
 
-def _trace_fake(work: Workload, device: torch.device, counted_as: str, fast_paths: bool) -> Graph:
+def _on_its_device(work: Workload, run_on: torch.device, counted_as: str) -> bool:
+    """Whether the step is traced on the device the model is on, as it will run (NOTE [what a traced model keeps]
+    3: only then are its caches filled for real afterwards)."""
+    first = next(chain(work.model.parameters(), work.model.buffers()), None)
+    where = first.device if first is not None else torch.device("cpu")
+    return counted_as == run_on.type and where.type == run_on.type and where.type != "meta"
+
+
+def _trace_fake(work: Workload, device: torch.device, counted_as: str, fast_paths: bool, kept: KeptModel) -> Graph:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = work.model
     fakes = fake_state(model, fake_mode, device)
@@ -151,6 +159,11 @@ def _trace_fake(work: Workload, device: torch.device, counted_as: str, fast_path
         scaler = grad_scaler(options, device)  # on the device whose kernels run the step
         record_step(recorder, model, args, kwargs, target, work.loss_fn, optimizer, track_saved=True,
                     options=options, scaler=scaler)
+        if kept.filled():  # the model filled a cache: the steady step is the next (NOTE [what a traced model keeps] 3)
+            recorder = StepRecorder(fake_mode=fake_mode, fast_paths=fast_paths)
+            recorder.known = values
+            record_step(recorder, model, args, kwargs, target, work.loss_fn, optimizer, track_saved=True,
+                        options=options, scaler=scaler)
         holders = forward_releases(model, args, kwargs, target, work.loss_fn, recorder.run_op,  # [forward holders]
                                    options, scaler)
         return graph_from_recording(recorder, work.name, counted_as, fake=True,
