@@ -74,3 +74,25 @@ def test_a_step_traced_again_after_training_is_the_same_graph(optimizer):
     assert after.fingerprint == before.fingerprint and after.peak_bytes == before.peak_bytes
     assert [t.category for t in after.tensors] == [t.category for t in before.tensors]
     ul.simulate(after, ul.plan(before, None, "vdnn-all", hardware="h100-sxm"), hardware="h100-sxm")  # not refused
+
+
+class _SlicedBias(torch.nn.Module):
+    """A query and a value bias around a fixed key bias, concatenated into one (EVA's attention): their gradients
+    are slices of one storage, named after the first."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(width, 3 * width, bias=False)
+        self.q_bias, self.v_bias = torch.nn.Parameter(torch.randn(width)), torch.nn.Parameter(torch.randn(width))
+        self.register_buffer("k_bias", torch.zeros(width), persistent=False)
+        self.unused = torch.nn.Parameter(torch.randn(width))
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.qkv.weight, torch.cat((self.q_bias, self.k_bias, self.v_bias)))
+
+
+def test_the_graph_names_every_parameter_that_gets_a_gradient_even_one_sharing_another_s_storage():
+    model = _SlicedBias()
+    graph = ul.trace(model, torch.randn(4, 8), optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    assert graph.graded_parameters == {"qkv.weight", "q_bias", "v_bias"}
+    assert graph.graded_parameters == ul.trace(model, torch.randn(4, 8), fake=False).graded_parameters

@@ -159,6 +159,7 @@ class StepRecorder(TorchDispatchMode):
         self._param_paths: dict[int, str] = {}  # id(parameter) -> name, for AccumulateGrad nodes
         self._module_paths: dict[int, str] = {}  # id(module) -> its path, while watching a model
         self.hook_events: list[HookEvent] = []  # in the order the hooks were called
+        self.graded: frozenset[str] | None = None  # parameters holding a gradient at the step's end
         self.view_writes = ViewWrites()  # NOTE [view replay] 4
         self.tracks_host = False  # some storages live on the host: follow each one's side (NOTE [host storages] 3)
 

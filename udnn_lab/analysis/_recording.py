@@ -63,9 +63,10 @@ def record_step(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwa
             run_step(model, args, kwargs, loss_fn=loss_fn, target=target, optimizer=optimizer, options=options,
                      scaler=scaler, mark=mark)
             recorder.poll_resizes(every=True)  # what the step's end released (NOTE [resized storages] 2)
-            for name, param in named.items():
-                if param.grad is not None:
-                    recorder.register(param.grad, "parameter_gradient", f"grad:{name}")
+            grads = {name: param.grad for name, param in named.items() if param.grad is not None}
+            for name, grad in grads.items():  # a gradient sharing another's storage (a slice of it) keeps its name
+                recorder.register(grad, "parameter_gradient", f"grad:{name}")
+            recorder.graded = frozenset(grads)
             _register_optimizer_state(recorder, optimizer, named, scaler)
         except Exception as err:
             raise_explained(err, recorder, args, kwargs)
@@ -225,7 +226,7 @@ def _freeze(recorder: StepRecorder, model_name: str, device: str, fake: bool, no
     saved = () if cpu_stands_for_device else tuple(recorder.hook_events)
     return Graph(model_name=model_name, device=device, ops=frozen_ops, tensors=tuple(tensors), module_calls=calls,
                  fake=fake, torch_version=torch.__version__, notes=tuple(notes), hook_events=saved,
-                 rebuilds_views=recorder.view_writes.found)
+                 rebuilds_views=recorder.view_writes.found, graded_parameters=recorder.graded)
 
 
 def _device_of(record: StorageRecord, device: str, cpu_stands_for_device: bool) -> str:

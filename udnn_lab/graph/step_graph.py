@@ -74,6 +74,9 @@ class Graph:
     # the step writes in place, under autograd, into a storage a view shares: only then do its ops depend on view
     # replay (NOTE [view replay] 4); a graph that does not say is taken to
     rebuilds_views: bool = True
+    # the names of the parameters holding a gradient at the step's end: those a PyTorch optimizer keeps state for
+    # (NOTE [optimizer state of a traced step] in analysis/step.py); None where the trace did not say
+    graded_parameters: frozenset[str] | None = None
 
     def __repr__(self) -> str:
         counts = {phase: sum(op.phase == phase for op in self.ops) for phase in PHASES}
@@ -174,13 +177,6 @@ class Graph:
         except KeyError:
             raise KeyError(f"no tensor named {name_or_id!r} in this graph; names look like "
                            f"{[t.name for t in self.tensors[:3]]} (see graph.tensors)") from None
-
-    @cached_property
-    def graded_parameters(self) -> frozenset[str]:
-        """The names of the parameters that hold a gradient when the step's optimizer steps: those a PyTorch
-        optimizer keeps state for (NOTE [optimizer state of a traced step] in analysis/step.py)."""
-        return frozenset(t.name.removeprefix("grad:") for t in self.tensors
-                         if t.category == "parameter_gradient" and t.name.startswith("grad:"))
 
     def on_device(self, tensor: TensorInfo) -> bool:
         """Whether ``tensor`` counts toward this graph's device memory."""
