@@ -113,3 +113,17 @@ def test_a_huggingface_model_that_caches_its_position_index_trains_on_real_tenso
     ul.trace(model, {"pixel_values": pixels, "labels": labels}, loss_fn=lambda out: out.loss)
     loss = model(pixel_values=pixels, labels=labels).loss
     assert type(loss) is torch.Tensor and torch.isfinite(loss)
+
+
+def test_a_watched_cache_answers_for_the_cache_while_the_trace_runs():
+    """Code that asks a cache about itself mid-step (cache_info, cache_clear) is answered by the cache it watches."""
+    asked = []
+
+    class _Asks(nn.Linear):
+        def forward(self, x):
+            asked.append(_offsets.cache_info().maxsize)
+            return super().forward(x) * _offsets(4)
+
+    _clear()
+    ul.trace(_Asks(4, 4), torch.randn(2, 4))
+    assert asked and set(asked) == {4}

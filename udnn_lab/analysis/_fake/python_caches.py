@@ -59,6 +59,11 @@ class _Watched:
     def __get__(self, instance, owner=None):  # as a class attribute, a method: bound as the cache would be
         return self if instance is None else functools.partial(self, instance)
 
+    def __getattr__(self, name: str):  # cache_info, cache_clear, __wrapped__: the cache's own
+        if name == "cache":
+            raise AttributeError(name)
+        return getattr(self.cache, name)
+
 
 class KeptModel:
     """The caches of a model being traced, watched (NOTE [what a traced model keeps])."""
