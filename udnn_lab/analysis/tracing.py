@@ -149,21 +149,20 @@ def _trace_fake(work: Workload, device: torch.device, counted_as: str, fast_path
     values.know((work.example_input, work.target), (example, target))
     optimizer = fake_optimizer(work.optimizer, model, fakes, fake_mode, device, counted_as)
     options = work.step_options
-    recorder = StepRecorder(fake_mode=fake_mode, fast_paths=fast_paths)
-    recorder.known = values
     substituted = counted_as != device.type
     stand_ins = CudaStandIns(fake_mode, substituted, options)
     # the optimizer's state is made as it first steps (NOTE [optimizer state of a traced step])
     state = state_at_first_step(optimizer, fake_initial_state(fake_mode, device))
     with _reparametrize_module(model, fakes, tie_weights=True), fake_mode, stand_ins, state, values:
         scaler = grad_scaler(options, device)  # on the device whose kernels run the step
-        record_step(recorder, model, args, kwargs, target, work.loss_fn, optimizer, track_saved=True,
-                    options=options, scaler=scaler)
-        if kept.filled():  # the model filled a cache: the steady step is the next (NOTE [what a traced model keeps] 3)
+        # a step that filled a cache is not the steady one: the next is (NOTE [what a traced model keeps] 3)
+        for _ in range(2):
             recorder = StepRecorder(fake_mode=fake_mode, fast_paths=fast_paths)
             recorder.known = values
             record_step(recorder, model, args, kwargs, target, work.loss_fn, optimizer, track_saved=True,
                         options=options, scaler=scaler)
+            if not kept.filled():
+                break
         holders = forward_releases(model, args, kwargs, target, work.loss_fn, recorder.run_op,  # [forward holders]
                                    options, scaler)
         return graph_from_recording(recorder, work.name, counted_as, fake=True,

@@ -37,6 +37,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten
 
+from udnn_lab.analysis._fake.memo import flat_tensors
+
 _OWN = ("torch.", "udnn_lab.")  # code whose caches hold no model tensors: not searched
 _DEPTH = 3  # closures followed from a class or module attribute to its cache
 
@@ -135,13 +137,7 @@ def _put_back(module: torch.nn.Module, saved: dict[str, tuple[Any, Any]]) -> Non
 
 
 def _holds_fake(value: Any) -> bool:
-    if isinstance(value, FakeTensor):
-        return True
-    if isinstance(value, (list, tuple)):
-        return any(isinstance(item, FakeTensor) for item in value)
-    if isinstance(value, dict):
-        return any(isinstance(item, FakeTensor) for item in value.values())
-    return False
+    return any(isinstance(tensor, FakeTensor) for tensor in flat_tensors((value,)))
 
 
 def _lru_caches(model: torch.nn.Module) -> list[_Watched]:
