@@ -51,3 +51,29 @@ def test_a_model_that_cannot_run_on_the_cpu_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="meta parameters .* build it on a device") as raised:
         ul.write_cpu_snapshot(tmp_path / "x.pickle", model, torch.randn(2, 4, device="meta"))
     assert "\n" not in str(raised.value) and not (tmp_path / "x.pickle").exists()
+
+
+class UnusedHead(torch.nn.Module):
+    """A head the loss never reaches: its parameters get no gradient, so real AdamW makes them no state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.spare = torch.nn.Linear(32, 10), torch.nn.Linear(32, 1000)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+@pytest.mark.parametrize("warmup", [0, 1])
+def test_a_snapshot_without_warm_up_gives_state_to_the_parameters_a_step_gives_a_gradient(tmp_path, warmup):
+    """With no warm-up the recorded step's optimizer state is made as its first step would make it: none for the
+    unused head (130 KB of AdamW state the snapshot once held), so its peak is the trace's either way."""
+    torch.manual_seed(0)
+    model = UnusedHead()
+    optimizer = torch.optim.AdamW(model.parameters())
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    path = ul.write_cpu_snapshot(tmp_path / "step.pickle", model, x, torch.nn.functional.cross_entropy, optimizer,
+                                 target=y, warmup=warmup)
+    graph = ul.trace(model, x, torch.nn.functional.cross_entropy, optimizer, target=y)
+    assert ul.load_snapshot(path).replay().peak.allocated_bytes == graph.peak_bytes
+    assert len(optimizer.state) == 0  # the optimizer is as it was

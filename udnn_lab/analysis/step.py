@@ -354,6 +354,14 @@ def state_at_first_step(optimizer: torch.optim.Optimizer | None,
         handle.remove()
 
 
+def state_made_at_first_step(optimizer: torch.optim.Optimizer | None):
+    """While entered, a fresh ``optimizer``'s first real step makes its state first, by a step on zero gradients for
+    the parameters holding one then: the step is a steady one, as after a warm-up step, and a parameter the loss
+    does not reach gets no state (NOTE [optimizer state of a traced step]). Parameters may change: use it inside
+    :func:`preserved`."""
+    return state_at_first_step(optimizer, step_on_made_grads)
+
+
 @contextmanager
 def preserved(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None):
     """Restore parameters, buffers, gradients and optimizer state after the block, even on error.

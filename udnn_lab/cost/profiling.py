@@ -32,13 +32,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from udnn_lab.analysis.recording import record_real_step, records_op
 from udnn_lab.analysis.step import (
     autocast,
-    ensure_optimizer_state,
     grad_scaler,
     map_tensors,
     preserved,
     run_step,
     same_optimizer,
     split_input,
+    state_made_at_first_step,
 )
 from udnn_lab.devices import device_name, model_device
 from udnn_lab.errors import TraceMismatch, UnmeasuredFigureWarning
@@ -222,10 +222,10 @@ def profile(model: torch.nn.Module | Workload, example_input: Any = None, loss_f
     with preserved(work.model, work.optimizer):
         for _ in range(warmup):
             run_step(work.model, args, kwargs, **step)
-        ensure_optimizer_state(work.optimizer)
-        graph = record_real_step(work.model, args, kwargs, target=target, loss_fn=work.loss_fn,
-                                 optimizer=work.optimizer, name=work.name, device_type=where.type,
-                                 options=work.step_options, scaler=scaler, track_saved=True)  # for the probes
+        with state_made_at_first_step(work.optimizer):  # no warm-up: the state of the parameters given a gradient
+            graph = record_real_step(work.model, args, kwargs, target=target, loss_fn=work.loss_fn,
+                                     optimizer=work.optimizer, name=work.name, device_type=where.type,
+                                     options=work.step_options, scaler=scaler, track_saved=True)  # for the probes
         timed = [_timed_step(work.model, args, kwargs, step, where, graph) for _ in range(repeats)]
         # a step right after a timed one runs slower (the timing mode's Python has taken the caches): one untimed
         _plain_step(work.model, args, kwargs, step, where)

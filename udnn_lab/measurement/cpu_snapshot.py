@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from udnn_lab.analysis.recording import record_real_step
-from udnn_lab.analysis.step import ensure_optimizer_state, grad_scaler, preserved, run_step, split_input
+from udnn_lab.analysis.step import grad_scaler, preserved, run_step, split_input, state_made_at_first_step
 from udnn_lab.devices import model_device
 from udnn_lab.graph.step_graph import Graph, TensorInfo
 from udnn_lab.workload import as_workload, check_one_process
@@ -56,12 +56,12 @@ def write_cpu_snapshot(path: str | Path, model: torch.nn.Module | Any, example_i
         for _ in range(warmup):
             run_step(work.model, args, kwargs, loss_fn=work.loss_fn, target=work.target, optimizer=work.optimizer,
                      options=work.step_options, scaler=scaler)
-        ensure_optimizer_state(work.optimizer)
         work.model.zero_grad(set_to_none=True)  # the recorded step starts without gradients, as measure's does
-        recorded = record_real_step(work.model, args, kwargs, target=work.target, loss_fn=work.loss_fn,
-                                    optimizer=work.optimizer, name=work.name, device_type="cpu",
-                                    options=work.step_options, scaler=scaler,
-                                    after_op=lambda: stacks.append(_frames(sys._getframe(1))))
+        with state_made_at_first_step(work.optimizer):  # no warm-up: the state of the parameters given a gradient
+            recorded = record_real_step(work.model, args, kwargs, target=work.target, loss_fn=work.loss_fn,
+                                        optimizer=work.optimizer, name=work.name, device_type="cpu",
+                                        options=work.step_options, scaler=scaler,
+                                        after_op=lambda: stacks.append(_frames(sys._getframe(1))))
     snapshot = snapshot_of(recorded, stacks)
     out = Path(path)
     raw = pickle.dumps(snapshot, protocol=4)
