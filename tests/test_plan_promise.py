@@ -82,3 +82,14 @@ def test_a_model_that_fills_a_cache_in_its_first_step_runs_a_plan_followed_op_by
               graded=found.graph.graded_parameters)
     assert ran.error is None and len(ran.peaks) == 2
     assert same(ran.grads, found.eager.grads) and same(ran.params, found.eager.params)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "checkpoint-segments"])
+def test_what_a_replay_makes_beside_what_it_restores_is_simulated_and_counted(policy):
+    """At the encoder's least budget a replay of an attention block makes intermediates it restores nothing of (its
+    scores, a layer norm's output): the count of live bytes once missed them (the replay runs out of its sight), and
+    so did the simulation, whose plan was then over its budget by them (NOTE [simulated streams] 8, NOTE [offload
+    runtime] 6)."""
+    row = check(CORPUS["transformer_encoder"], policy, "min")
+    assert row["status"] == "ok", row
+    assert row["measured_peak_bytes"] == row["simulated_peak_bytes"]

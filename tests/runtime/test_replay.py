@@ -5,6 +5,7 @@ import torch
 
 from udnn_lab.errors import ReplayError
 from udnn_lab.graph import Recompute
+from udnn_lab.runtime._made_bytes import MadeBytes
 from udnn_lab.runtime._replay import Replay
 
 
@@ -60,3 +61,47 @@ def test_a_replay_holds_its_outputs_weakly():
     ref = replay.outputs[id(out)][0]
     del out
     assert ref() is None
+
+
+def test_a_replay_counts_the_peak_of_the_storages_it_makes_beside_those_it_reads():
+    """A step's count of live bytes sees none of a replay's ops; the replay tells it the peak of what it made."""
+    aten = torch.ops.aten
+    x = torch.randn(64, 64)  # 16 KiB; read from before the replay: not counted
+    replay = Replay(Recompute(tensors=(0,), ops=(0, 1, 2), at_op=9))
+    made = _record(replay, aten.relu.default, x)
+    grown = _record(replay, aten.exp.default, made)
+    out = _record(replay, aten.mul.Tensor, grown, 2.0)
+    replay.restores[0] = replay.outputs[id(out)][1]
+    counted = MadeBytes()
+    restored = replay.run(counted)[0]
+    assert torch.equal(restored, out)
+    assert counted.peak == 2 * x.nbytes  # two of the three outputs at once: each goes once the next has read it
+    assert counted.live == x.nbytes  # the restored one, which the step then holds
+
+
+def test_a_count_of_live_bytes_peaks_with_what_was_made_out_of_its_sight():
+    from udnn_lab.runtime.live_bytes import LiveBytes
+
+    kept = torch.zeros(1024)
+    counter = LiveBytes([kept])
+    with counter:
+        made = torch.ones(256) * 2
+    counter.during(10_000)
+    assert counter.peak == kept.nbytes + made.nbytes + 10_000
+
+
+def test_a_replay_s_peak_counts_the_inputs_it_lets_go_as_it_ends():
+    """A tensor forward let go that only the recording holds (a source the runtime keeps for the recomputation) is
+    alive while the replay runs and goes as it ends: a count taken after it is below the replay's peak by it."""
+    aten = torch.ops.aten
+    source = torch.randn(64, 64)
+    replay = Replay(Recompute(tensors=(0,), ops=(0,), at_op=9))
+    out = _record(replay, aten.exp.default, source)
+    replay.restores[0] = replay.outputs[id(out)][1]
+    nbytes = source.nbytes
+    del source  # the recording holds it now
+    counted = MadeBytes()
+    replay.run(counted)
+    assert counted.peak == nbytes and counted.gone_from_before == nbytes
+    assert counted.above_now() == 2 * nbytes  # the source and the restored tensor were alive at once
+    counted.close()

@@ -162,6 +162,9 @@ class StepRecorder(TorchDispatchMode):
         self.graded: frozenset[str] | None = None  # parameters holding a gradient at the step's end
         self.view_writes = ViewWrites()  # NOTE [view replay] 4
         self.tracks_host = False  # some storages live on the host: follow each one's side (NOTE [host storages] 3)
+        # a real step on a CPU: (op, live bytes seen with what recomputations before it made, storages known then)
+        # for each recomputation's run (NOTE [offload runtime] 6); None: not counted
+        self.replayed: list[tuple[int, int, int]] | None = None
 
     # -- storages ------------------------------------------------------------------------
     def sid_of(self, tensor: torch.Tensor, produced: bool = False) -> int | None:
@@ -239,6 +242,15 @@ class StepRecorder(TorchDispatchMode):
         """A storage allocated at the current op by something other than an op (an offload runtime's prefetch)."""
         if self.recording:
             self.sid_of(tensor, produced=True)
+
+    def during(self, made_bytes: int) -> None:
+        """An offload runtime's recomputation before the op about to be recorded, out of the recorder's sight, peaked
+        ``made_bytes`` above what is alive now (NOTE [offload runtime] 6): with what is live now, kept where
+        ``replayed`` is (a CPU has no allocator to ask). A storage from before the step met only later (the
+        optimizer's state) is added when the step is frozen."""
+        if self.recording and self.replayed is not None:
+            live = sum(self.storages[sid].nbytes for sid in self._live.values() if not self.storages[sid].on_host)
+            self.replayed.append((len(self.ops), live + made_bytes, len(self.storages)))
 
     def watch_resizes(self, watched: list[ResizedStorage]) -> None:
         """Follow storages that are emptied and refilled in place (NOTE [resized storages]); call before the step."""

@@ -226,7 +226,19 @@ def _freeze(recorder: StepRecorder, model_name: str, device: str, fake: bool, no
     saved = () if cpu_stands_for_device else tuple(recorder.hook_events)
     return Graph(model_name=model_name, device=device, ops=frozen_ops, tensors=tuple(tensors), module_calls=calls,
                  fake=fake, torch_version=torch.__version__, notes=tuple(notes), hook_events=saved,
-                 rebuilds_views=recorder.view_writes.found, graded_parameters=recorder.graded)
+                 rebuilds_views=recorder.view_writes.found, graded_parameters=recorder.graded,
+                 replayed_bytes=_replayed_bytes(recorder))
+
+
+def _replayed_bytes(recorder: StepRecorder) -> tuple[tuple[int, int], ...]:
+    """(op, the most live while recomputations before it ran) from the recorder's counts, with the storages from
+    before the step that it met after each count (NOTE [offload runtime] 6)."""
+    most: dict[int, int] = {}
+    for op, live, known in recorder.replayed or ():
+        unmet = sum(record.nbytes for record in recorder.storages[known:] if record.alloc_step == -1
+                    and not record.on_host)
+        most[op] = max(most.get(op, 0), live + unmet)
+    return tuple(sorted(most.items()))
 
 
 def _device_of(record: StorageRecord, device: str, cpu_stands_for_device: bool) -> str:

@@ -40,6 +40,8 @@ def record_real_step(model: torch.nn.Module, args: tuple, kwargs: dict, *, targe
     for the Graph and followed by hooks).
     """
     recorder = StepRecorder(after_op=after_op)
+    if device_type == "cpu" and runtime is not None:
+        recorder.replayed = []  # what its recomputations hold is counted (a CUDA step's allocator sees it)
     record_step(recorder, model, args, kwargs, target, loss_fn, optimizer, track_saved=track_saved, runtime=runtime,
                 options=options, scaler=scaler)
     return graph_from_recording(recorder, name, device_type, fake=False)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from udnn_lab.graph.cached import per_graph
 from udnn_lab.graph.step_graph import Graph, HookEvent, ModuleCall, writes_in_place
+from udnn_lab.graph.step_records import TensorInfo
 from udnn_lab.vocabulary import COLLECTIVE_NAMESPACES
 
 NOT_RERUN = -1  # a Plan.reruns entry: the recomputation is recorded and replayed op by op
@@ -163,6 +164,12 @@ def _calls_by_path(graph: Graph) -> dict[str, list[tuple[int, int]]]:
 
 def _from_before(graph: Graph, tensor_id: int, first: int) -> bool:
     tensor = graph.tensors[tensor_id]
-    if tensor.category == "buffer" and tensor.name.rsplit(".", 1)[-1] in RUNNING_STATISTICS:
+    if running_statistic(tensor):
         return False
     return tensor.producer is None or tensor.producer < first
+
+
+def running_statistic(tensor: TensorInfo) -> bool:
+    """Whether it is batch normalization's running statistic, which a recomputation writes a copy of (NOTE [hook
+    points] 7, NOTE [offload runtime] 6)."""
+    return tensor.category == "buffer" and tensor.name.rsplit(".", 1)[-1] in RUNNING_STATISTICS

@@ -77,6 +77,9 @@ class Graph:
     # the names of the parameters holding a gradient at the step's end: those a PyTorch optimizer keeps state for
     # (NOTE [optimizer state of a traced step] in analysis/step.py); None where the trace did not say
     graded_parameters: frozenset[str] | None = None
+    # a real step on a CPU under an offload runtime: (op, bytes) for each op its recomputations ran before, out of
+    # the recording's sight, and the most live while they ran, what they made counted (NOTE [offload runtime] 6)
+    replayed_bytes: tuple[tuple[int, int], ...] = ()
 
     def __repr__(self) -> str:
         counts = {phase: sum(op.phase == phase for op in self.ops) for phase in PHASES}

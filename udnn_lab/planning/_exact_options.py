@@ -34,8 +34,10 @@ from udnn_lab.graph.plan_ir import (
     replay_reads,
     written_after,
 )
+from udnn_lab.graph.reruns import module_reruns
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.planning._candidates import Candidate, candidates, first_backward_op, prefetch_point, writers
+from udnn_lab.simulation.simulator import replay_peak_bytes
 from udnn_lab.units import cuda_block_bytes
 
 RELEASE_DELAYS = (0.0, 1.0, 2.0, 4.0)  # release ops: where the copy out would end after this many copy times
@@ -62,6 +64,9 @@ class RecomputeOption:
     windows: tuple[tuple[int, int], ...]  # per restored tensor, the ops [first, last) it is off the device
     time_s: float  # the replayed ops' compute time
     keeps: tuple[int, ...]  # candidates the replay reads: they must stay on the device
+    # what the replay holds at once beyond the tensors it restores and its op's own allocations, counted at that op
+    # as the simulator counts it (NOTE [simulated streams] 8)
+    made_beyond: int = 0
 
 
 @dataclass(frozen=True)
@@ -230,8 +235,12 @@ def _option(graph: Graph, action: Recompute, pool: dict[int, Candidate], times: 
     if all(last <= first for first, last in windows):
         return None
     keeps = tuple(sorted(t for t in replay_reads(graph, action.ops) if t in pool))
-    return RecomputeOption(action, tuple(size(graph, t) for t in action.tensors), windows,
-                           float(sum(times[i] for i in action.ops)), keeps)
+    sizes = tuple(size(graph, t) for t in action.tensors)
+    own = sum(size(graph, t) for t in graph.ops[action.at_op].allocated if graph.on_device(graph.tensors[t]))
+    rerun = module_reruns(graph, (action,)) != ()  # where it can re-run a module call, as a plan on hooks does
+    made = replay_peak_bytes(graph, action, lambda t: size(graph, t), rerun)
+    return RecomputeOption(action, sizes, windows, float(sum(times[i] for i in action.ops)), keeps,
+                           max(0, made - sum(sizes) - own))
 
 
 def _unique(options: list[RecomputeOption]) -> list[RecomputeOption]:

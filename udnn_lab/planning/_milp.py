@@ -279,6 +279,10 @@ class _Builder:
                 if last > first:
                     add(first, self.recompute[j], nbytes / MIB)
                     add(last, self.recompute[j], -nbytes / MIB)
+            if recompute.made_beyond:  # its replay's intermediates, at the op it runs before (added, if several do)
+                add(recompute.action.at_op, self.recompute[j], -recompute.made_beyond / MIB)
+                if recompute.action.at_op + 1 < len(curve):
+                    add(recompute.action.at_op + 1, self.recompute[j], recompute.made_beyond / MIB)
         edges = sorted(events)
         if float(curve[:edges[0] if edges else len(curve)].max(initial=0.0)) > budget:
             self.infeasible = True  # over the budget before any choice can take a tensor away

@@ -16,6 +16,7 @@ import torch
 
 from udnn_lab.errors import ReplayError
 from udnn_lab.graph.plan_ir import Recompute
+from udnn_lab.runtime._made_bytes import MadeBytes, out_of_sight
 from udnn_lab.vocabulary import COLLECTIVE_NAMESPACES
 
 # Ops that update running statistics in training although their schema does not say so.
@@ -163,6 +164,33 @@ class Replay:
                 converted.append(value)
         return tuple(converted)
 
+    def _calls_run(self, kept: set[_Made], scratch: dict[int, list[tuple[int, int]]],
+                   counted: MadeBytes | None) -> list[list[torch.Tensor | None]]:
+        """Each call's outputs, run in order; those no later call reads, and that restore nothing, let go."""
+        outputs: list[list[torch.Tensor | None]] = []
+        grad_before = grad = torch.is_grad_enabled()
+        try:
+            with out_of_sight(counted):  # NOTE [offload runtime] 8
+                for index, call in enumerate(self.calls):
+                    # inputs from before it were detached when recorded: no autograd graph is built
+                    args = tuple(_resolve(a, outputs) for a in call.args)
+                    if call.mutated:
+                        args = tuple(a.clone() if i in call.mutated and not _from_replay(call.args[i]) and
+                                     isinstance(a, torch.Tensor) else a for i, a in enumerate(args))
+                    kwargs = {k: _resolve(v, outputs) for k, v in call.kwargs.items()} if call.kwargs else {}
+                    if call.grad_enabled != grad:
+                        grad = call.grad_enabled
+                        torch._C._set_grad_enabled(grad)
+                    outputs.append(list(_outputs(_seeded(call, args, kwargs))))
+                    unread = [(index, o) for o in range(len(outputs[-1]))
+                              if _Made(index, o) not in kept and _Made(index, o) not in self.last_read]
+                    for call_index, output in [*scratch.get(index, ()), *unread]:
+                        outputs[call_index][output] = None
+                    del args, kwargs  # what it read goes as the simulation says, the last call's inputs too
+        finally:
+            torch._C._set_grad_enabled(grad_before)
+        return outputs
+
     def _same_view(self, key: int, value: torch.Tensor) -> _Made | None:
         """The output that is ``value``'s view of its storage (``key``), if one is alive."""
         view = _view(value)
@@ -180,12 +208,14 @@ class Replay:
                               "offloaded instead")
         return _MadeView(base.call, base.output, tuple(value.shape), tuple(value.stride()), int(value.storage_offset()))
 
-    def run(self) -> dict[int, torch.Tensor]:
+    def run(self, counted: MadeBytes | None = None) -> dict[int, torch.Tensor]:
         """Re-run the calls once; return the restoring outputs by tensor id (nothing if it ran already).
 
         Nothing here is recorded or traced. An intermediate output goes as soon as no later call
-        reads it, and once done the replay lets go of what it recorded: its inputs are freed when
-        nothing else holds them (NOTE [offload runtime] 6).
+        reads it (one no later call reads, once it is made), and once done the replay lets go of
+        what it recorded: its inputs are freed when nothing else holds them (NOTE [offload runtime]
+        6). ``counted``, where given, counts the storages the calls make while they are alive: an
+        observer of the step sees none of them.
         """
         if self.done:
             return {}
@@ -194,30 +224,12 @@ class Replay:
                 raise ReplayError("a tensor a recomputation reads was modified by an inplace operation after forward "
                                   "used it, so forward cannot be reproduced (if autograd saved it, eager PyTorch "
                                   "refuses this step too); else plan this tensor as kept or offloaded instead")
-        outputs: list[list[torch.Tensor | None]] = []
         kept = set(self.restores.values())
         scratch: dict[int, list[tuple[int, int]]] = {}  # call -> the outputs it is the last to read
         for made, reader in self.last_read.items():
             if made not in kept:
                 scratch.setdefault(reader, []).append(made)
-        grad_before = grad = torch.is_grad_enabled()
-        try:
-            with torch._C._DisableTorchDispatch():
-                for index, call in enumerate(self.calls):
-                    # inputs from before it were detached when recorded: no autograd graph is built
-                    args = tuple(_resolve(a, outputs) for a in call.args)
-                    if call.mutated:
-                        args = tuple(a.clone() if i in call.mutated and not _from_replay(call.args[i]) and
-                                     isinstance(a, torch.Tensor) else a for i, a in enumerate(args))
-                    kwargs = {k: _resolve(v, outputs) for k, v in call.kwargs.items()} if call.kwargs else {}
-                    if call.grad_enabled != grad:
-                        grad = call.grad_enabled
-                        torch._C._set_grad_enabled(grad)
-                    outputs.append(list(_outputs(_seeded(call, args, kwargs))))
-                    for call_index, output in scratch.get(index, ()):
-                        outputs[call_index][output] = None
-        finally:
-            torch._C._set_grad_enabled(grad_before)
+        outputs = self._calls_run(kept, scratch, counted)
         restored = {}
         for tensor, made in self.restores.items():
             value = outputs[made.call][made.output]

@@ -15,6 +15,7 @@ from udnn_lab.graph.plan_ir import Plan, Recompute, other_step
 from udnn_lab.graph.reruns import RUNNING_STATISTICS, RerunCall
 from udnn_lab.graph.reruns import rerun_calls as reruns_of
 from udnn_lab.graph.step_graph import HookEvent
+from udnn_lab.runtime._made_bytes import MadeBytes, out_of_sight
 
 
 def rerun_calls(plan: Plan) -> dict[int, RerunCall]:
@@ -63,8 +64,9 @@ class ModuleRerun:
             self.args, self.kwargs = tree_unflatten([_detached(leaf) for leaf in leaves], spec)
         self.versions = tuple((t, t._version) for t in leaves if isinstance(t, torch.Tensor))
 
-    def run(self) -> dict[int, torch.Tensor]:
-        """Re-run the call once; the restored tensors by Graph tensor id (nothing if it ran already)."""
+    def run(self, counted: MadeBytes | None = None) -> dict[int, torch.Tensor]:
+        """Re-run the call once; the restored tensors by Graph tensor id (nothing if it ran already). ``counted``,
+        where given, counts the storages the re-run makes while they are alive (NOTE [offload runtime] 6)."""
         if self.done:
             return {}
         if self.module is None or self.rng is None:
@@ -93,9 +95,10 @@ class ModuleRerun:
                 found[graph_id] = tensor.detach()
 
         module = self.module
-        with _running_statistics_copied(module), _generators(self.rng), _autocast(self.autocast, self.autocast_cache), \
-                torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked), \
-                torch._C._DisableTorchDispatch():  # NOTE [offload runtime] 8: not ops of the step
+        # NOTE [offload runtime] 8: not ops of the step (the statistics' copies neither)
+        with out_of_sight(counted), _running_statistics_copied(module), _generators(self.rng), \
+                _autocast(self.autocast, self.autocast_cache), torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
             module.forward(*self.args, **self.kwargs)
         if seen != self.packs or len(found) != len(self.wanted):
             raise ReplayError(_differs(module, f"saves {seen} tensors where forward saved {self.packs}"))
@@ -154,14 +157,13 @@ def _autocast(enabled: tuple[tuple[str, torch.dtype], ...], cache: bool):
 @contextlib.contextmanager
 def _running_statistics_copied(module: torch.nn.Module):
     """Batch normalization in training writes its running statistics (some without saying so): the re-run writes
-    copies of them."""
+    copies of them, made where the re-run's ops are (out of the step's sight)."""
     swapped = []
     for inner, name in _statistics_of(module):
         buffer = inner._buffers.get(name)
         if buffer is not None:
             swapped.append((inner, name, buffer))
-            with torch._C._DisableTorchDispatch():
-                inner._buffers[name] = buffer.clone()
+            inner._buffers[name] = buffer.clone()
     try:
         yield
     finally:

@@ -24,6 +24,7 @@ from udnn_lab.graph.plan_ir import Offload, Recompute, other_step
 from udnn_lab.graph.reruns import RerunCall
 from udnn_lab.graph.step_graph import op_family
 from udnn_lab.runtime._copies import Copies
+from udnn_lab.runtime._made_bytes import MadeBytes
 from udnn_lab.runtime._replay import Replay, per_op_kind, recorded_call
 from udnn_lab.runtime._rerun import ModuleRerun
 from udnn_lab.runtime._slots import (
@@ -250,8 +251,15 @@ class Step:
         self._adopt(slot.restored)
 
     def _replay(self, replay: Replay | ModuleRerun) -> None:
-        """NOTE [offload runtime] 6: re-run the recorded forward ops before backward unpacks."""
-        for tensor, value in replay.run().items():
+        """NOTE [offload runtime] 6: re-run the recorded forward ops before backward unpacks; an observer that counts
+        live bytes learns the peak of what a replay made (it sees none of its ops)."""
+        during = getattr(self.runtime.observer, "during", None)
+        made = MadeBytes() if during is not None else None
+        restored = replay.run(made)
+        if during is not None and made is not None:
+            during(made.above_now())  # the sources it held went as it ended: its peak was above what is alive now
+            made.close()
+        for tensor, value in restored.items():
             slot = self.slots[tensor]
             slot.restored = slot.rebuilt = value  # its storage, and the saved tensor as the replay made it
             self._adopt(value)

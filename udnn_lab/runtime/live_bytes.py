@@ -53,6 +53,12 @@ class LiveBytes(TorchDispatchMode):
         one the step had from its start that the count learns of only now (a later micro-batch)."""
         self._see(tensor, held_since_the_start)
 
+    def during(self, made_bytes: int) -> None:
+        """Out of the count's sight (an offload runtime's replay, NOTE [offload runtime] 6), the live bytes were up
+        to ``made_bytes`` above what is alive now: the peak counts them."""
+        self._poll()
+        self.peak = max(self.peak, self.live + made_bytes)
+
     def _unseen_inputs(self, args) -> bool:
         return any(id(t.untyped_storage()) not in self._refs for t in flat_tensors(args))
 

@@ -54,7 +54,12 @@ NOTE [offload runtime]
      first unpack of ``at_op``'s boundary, they are replayed with that state, into clones of
      any buffer they write, so running statistics stay as eager leaves them (_replay.py). A
      collective is never recorded: every rank calls it together, so a plan whose
-     recomputation would re-run one raises ReplayError before it runs.
+     recomputation would re-run one raises ReplayError before it runs. An intermediate a
+     replay makes goes after the last replayed op that reads it (at once where none does);
+     a replay, or a module's re-run, runs out of every dispatch mode's sight (8), so it tells
+     an observer counting the step's live bytes how far its peak was above what is alive once
+     it ended (``LiveBytes.during``): what it made, which a counter of its own saw
+     (``MadeBytes``), and the inputs it held, which go as it ends.
   7. Release. A slot's restored storage is dropped when the last handle of it is
      collected: autograd frees saved variables as their backward node finishes. The compute
      stream first waits for its prefetch (as an unpack made it wait: a stream wait, never the
@@ -65,7 +70,9 @@ NOTE [offload runtime]
      the host issued the next ops. The step's end waits for such a copy still in flight (9).
   8. Unseen. The runtime's own tensor work (pool slices, copies, views over restored
      storage, replays) runs with Python dispatch disabled: it is not an op of the step, and
-     a recorder watching the step counts the same ops as without the runtime.
+     a recorder watching the step counts the same ops as without the runtime. A replay under
+     an observer that counts live bytes runs with the step's modes set aside and a counter of
+     its own in their place (6).
   9. Exit. Leaving the context, normally or by an exception or KeyboardInterrupt, removes
      the mode and the hooks, waits for copies in flight, drops every reference held (the
      recorded replays too: the step object is in a reference cycle, and memory must not

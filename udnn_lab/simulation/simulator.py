@@ -11,7 +11,8 @@ NOTE [simulated streams]
      the op before is done: NOTE [hook points] 6). Its scratch outputs are not counted. A
      tensor it reads that forward would let go before it runs stays on the device until the
      last recomputation reading it has run: the runtime holds it (a recording, or a module
-     call's arguments: NOTE [hook points] 7).
+     call's arguments: NOTE [hook points] 7), and lets go of it before that recomputation's
+     op runs, so it counts at that op in the recomputations' scratch (8) alone.
   2. Device-to-host copies run in order on their own stream; an offloaded tensor's copy
      starts when both the stream and its ``after_op`` are done, and its device memory is
      freed when the copy completes, not before. An offload with a release point
@@ -61,6 +62,9 @@ NOTE [simulated streams]
      only while the op runs: it counts at that op on top of what is live there, in the memory the
      op waits for and in the peak, and a recomputation's ops' largest counts at the op it runs
      before. Only a profile taken on CUDA measures it: a plan simulated without one does not see it.
+     What the replays before an op make beyond the tensors they restore (intermediates, each let go
+     after its last reader among the replayed ops, or once made where none reads it) counts there
+     the same way, on every device (``replay_peak_bytes``).
   9. The host's own pace. Where a profile taken on CUDA measured how long the host takes to issue each
      op (``Profile.host_time_s``: its dispatch and kernel launches), each op takes that on the host clock
      of 6 as well, the runtime's work on top, and the device starts an op no earlier than the host has
@@ -73,7 +77,9 @@ NOTE [simulated streams]
 from __future__ import annotations
 
 import heapq
+import weakref
 from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 
@@ -82,7 +88,7 @@ from udnn_lab.cost.profiling import Profile
 from udnn_lab.graph.hook_points import window_ops
 from udnn_lab.graph.liveness import op_table
 from udnn_lab.graph.plan_ir import Offload, Plan, Recompute
-from udnn_lab.graph.reruns import NOT_RERUN, rerun_call
+from udnn_lab.graph.reruns import NOT_RERUN, rerun_call, running_statistic
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.hardware import CHOICES, Hardware, machine_hardware
 from udnn_lab.simulation._communication import Communication, has_collectives, host_copies, host_op_time_s, host_ops
@@ -185,6 +191,8 @@ class _Run:
         windows = plan.windows_on_hooks(graph) if plan.offloads or plan.recomputes else ()
         # NOTE [simulated streams] 1: a replay followed op by op holds what it restores from the op before
         self.restored_early = 1 if plan.recomputes and windows is None else 0
+        reruns = plan.reruns_in(graph) if windows is not None else ()
+        self.reruns = {plan.recomputes[i] for i, enter in enumerate(reruns) if enter != NOT_RERUN}
         self.host_work = _runtime_host_work(graph, plan, cost, windows)  # NOTE [simulated streams] 6
         # NOTE [simulated streams] 9: each op's host seconds (zeros off CUDA, where the host is the device)
         self.host_pace: list[float] = cost.host_op_times_s(graph).tolist() if self.cuda else [0.0] * len(graph.ops)
@@ -236,9 +244,11 @@ class _Run:
                     self.release_op[offload.tensor] = release
         self.hold_after: dict[int, list[int]] = {}  # NOTE [simulated streams] 1: sources held past forward
         self.unhold_after: dict[int, list[int]] = {}
+        self.unheld_at: dict[int, list[int]] = {}  # op -> sources the runtime lets go once its recomputations ran
         for tensor, (freed, until) in _held_sources(self.graph, self.plan.recomputes, on_device).items():
             self.hold_after.setdefault(freed, []).append(tensor)
-            self.unhold_after.setdefault(until, []).append(tensor)
+            self.unhold_after.setdefault(until - 1, []).append(tensor)  # not counted at ``until``: its scratch holds it
+            self.unheld_at.setdefault(until, []).append(tensor)
         for recompute in self.plan.recomputes:
             self.recompute_at.setdefault(recompute.at_op, []).append(recompute)
             for tensor in recompute.tensors:
@@ -512,15 +522,33 @@ class _Run:
         return end
 
     def _scratch_at(self, i: int, recomputes: list[Recompute]) -> int:
-        """Op ``i``'s scratch, or a recomputation's before it where that is larger (NOTE [simulated streams] 8)."""
+        """Op ``i``'s scratch, or a recomputation's before it where that is larger: a replayed op's own, or what the
+        replays make beyond what they restore and op ``i`` allocates (NOTE [simulated streams] 8)."""
         scratch = max([self.scratch[i]] + [self.scratch[j] for r in recomputes for j in r.ops])
+        scratch = max(scratch, self._replays_made(i, recomputes, sum(map(self._size, self.unheld_at.get(i, ())))))
         if scratch > self.scratch[i]:
             self.replay_scratch[i] = scratch
         return scratch
 
+    def _replays_made(self, i: int, recomputes: list[Recompute], sources: int) -> int:
+        """The most the replays before op ``i`` hold at once beyond the tensors they restore and op ``i``'s own
+        allocations, which are counted at op ``i``: intermediates, each let go after its last reader among the
+        replayed ops, or once made where none reads it, as the runtime's replay does (NOTE [offload runtime] 6), and
+        the ``sources`` bytes the runtime held for them, let go once they ran (NOTE [simulated streams] 1)."""
+        restored_before, most = 0, 0
+        known = _REPLAY_PEAKS.setdefault(self.graph, {})
+        for recompute in recomputes:
+            rerun = recompute in self.reruns
+            key = (recompute, self.cuda, rerun)
+            if key not in known:
+                known[key] = replay_peak_bytes(self.graph, recompute, self._size, rerun)
+            most = max(most, restored_before + known[key])
+            restored_before += sum(self._size(t) for t in self._restored(recompute))
+        return max(0, sources + most - restored_before - self.own[i])
+
     def _scratch_by_op(self) -> np.ndarray | None:
         """Each op's scratch, a recomputation's at the op it runs before (NOTE [simulated streams] 8)."""
-        if not any(self.scratch):
+        if not any(self.scratch) and not self.replay_scratch:
             return None
         scratch = np.asarray(self.scratch, dtype=np.int64)
         for op, largest in self.replay_scratch.items():
@@ -549,6 +577,50 @@ class _Run:
             exposed_communication_s=comm.waited_s + max(0.0, comm.end_s() - clock) if comm is not None else 0.0,
             communication_bytes=comm.bytes if comm is not None else 0, hardware=self.cost.hardware.name,
         )
+
+
+# graph -> (recomputation, counted in CUDA blocks, by a re-run) -> replay_peak_bytes: planners simulate them again
+_REPLAY_PEAKS: weakref.WeakKeyDictionary[Graph, dict[tuple[Recompute, bool, bool], int]] = weakref.WeakKeyDictionary()
+
+
+def replay_peak_bytes(graph: Graph, recompute: Recompute, size: Callable[[int], int], rerun: bool = False) -> int:
+    """The most the replay of ``recompute`` holds at once of what it makes (``size``: a tensor's bytes as counted).
+    A restored tensor stays. Any other goes, replayed op by op, after its last reader among the replayed ops (at once
+    if none); re-running a module call (``rerun``, NOTE [hook points] 7), where forward let it go (NOTE [forward
+    holders]), autograd keeping nothing, and at the call's end at the latest. The copies of the running statistics
+    it writes are held while the op writing them runs, or through a re-run."""
+    kept, last = set(recompute.tensors), recompute.ops[-1]
+    made = {j: [t for t in graph.ops[j].allocated if graph.tensors[t].device == graph.device] for j in recompute.ops}
+    copied = {j: sum(size(t) for t in set(graph.ops[j].inputs) if running_statistic(graph.tensors[t]))
+              for j in recompute.ops}
+    goes: dict[int, int] = {}  # tensor -> the replayed op after which it goes
+    for j, tensors in made.items():
+        for t in tensors:
+            goes[t] = _rerun_release(graph.tensors[t], j, last) if rerun else j
+    if not rerun:
+        for j in recompute.ops:
+            for t in graph.ops[j].inputs:
+                if t in goes:
+                    goes[t] = j
+    gone_after: dict[int, list[int]] = {}
+    for t, j in goes.items():
+        if t not in kept:
+            gone_after.setdefault(j, []).append(t)
+    live = sum(copied.values()) if rerun else 0
+    most = live
+    for j in recompute.ops:
+        live += sum(size(t) for t in made[j])
+        most = max(most, live + (0 if rerun else copied[j]))
+        live -= sum(size(t) for t in gone_after.get(j, ()))
+    return most
+
+
+def _rerun_release(tensor, made_at: int, last: int) -> int:
+    """The op of a module's re-run after which it lets go of ``tensor`` (NOTE [forward holders])."""
+    release = tensor.forward_release
+    if release is None:
+        release = last if tensor.held_past_forward else (tensor.last_forward_use or made_at)
+    return min(max(release, made_at), last)
 
 
 def _held_sources(graph: Graph, recomputes: tuple[Recompute, ...], on_device) -> dict[int, tuple[int, int]]:
