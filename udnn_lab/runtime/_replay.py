@@ -164,7 +164,7 @@ class Replay:
                 converted.append(value)
         return tuple(converted)
 
-    def _calls_run(self, kept: set[_Made], scratch: dict[int, list[tuple[int, int]]],
+    def _calls_run(self, scratch: dict[int, list[tuple[int, int]]],
                    counted: MadeBytes | None) -> list[list[torch.Tensor | None]]:
         """Each call's outputs, run in order; those no later call reads, and that restore nothing, let go."""
         outputs: list[list[torch.Tensor | None]] = []
@@ -182,9 +182,7 @@ class Replay:
                         grad = call.grad_enabled
                         torch._C._set_grad_enabled(grad)
                     outputs.append(list(_outputs(_seeded(call, args, kwargs))))
-                    unread = [(index, o) for o in range(len(outputs[-1]))
-                              if _Made(index, o) not in kept and _Made(index, o) not in self.last_read]
-                    for call_index, output in [*scratch.get(index, ()), *unread]:
+                    for call_index, output in scratch.get(index, ()):  # an output nothing reads: its own call
                         outputs[call_index][output] = None
                     del args, kwargs  # what it read goes as the simulation says, the last call's inputs too
         finally:
@@ -212,7 +210,7 @@ class Replay:
         """Re-run the calls once; return the restoring outputs by tensor id (nothing if it ran already).
 
         Nothing here is recorded or traced. An intermediate output goes as soon as no later call
-        reads it (one no later call reads, once it is made), and once done the replay lets go of
+        reads it (one no call reads, once it is made), and once done the replay lets go of
         what it recorded: its inputs are freed when nothing else holds them (NOTE [offload runtime]
         6). ``counted``, where given, counts the storages the calls make while they are alive: an
         observer of the step sees none of them.
@@ -229,7 +227,7 @@ class Replay:
         for made, reader in self.last_read.items():
             if made not in kept:
                 scratch.setdefault(reader, []).append(made)
-        outputs = self._calls_run(kept, scratch, counted)
+        outputs = self._calls_run(scratch, counted)
         restored = {}
         for tensor, made in self.restores.items():
             value = outputs[made.call][made.output]

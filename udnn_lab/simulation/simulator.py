@@ -62,9 +62,10 @@ NOTE [simulated streams]
      only while the op runs: it counts at that op on top of what is live there, in the memory the
      op waits for and in the peak, and a recomputation's ops' largest counts at the op it runs
      before. Only a profile taken on CUDA measures it: a plan simulated without one does not see it.
-     What the replays before an op make beyond the tensors they restore (intermediates, each let go
-     after its last reader among the replayed ops, or once made where none reads it) counts there
-     the same way, on every device (``replay_peak_bytes``).
+     What the recomputations before an op make beyond the tensors they restore (intermediates: a
+     replay lets each go after its last reader among the replayed ops, or once made where none
+     reads it; a module's re-run where forward let it go) counts there the same way, on every
+     device (``replay_peak_bytes``).
   9. The host's own pace. Where a profile taken on CUDA measured how long the host takes to issue each
      op (``Profile.host_time_s``: its dispatch and kernel launches), each op takes that on the host clock
      of 6 as well, the runtime's work on top, and the device starts an op no earlier than the host has
@@ -77,7 +78,6 @@ NOTE [simulated streams]
 from __future__ import annotations
 
 import heapq
-import weakref
 from collections import Counter
 from collections.abc import Callable
 
@@ -85,6 +85,7 @@ import numpy as np
 
 from udnn_lab.cost.model import HOST_READ, CostModel, RateCurve
 from udnn_lab.cost.profiling import Profile
+from udnn_lab.graph.cached import per_graph
 from udnn_lab.graph.hook_points import window_ops
 from udnn_lab.graph.liveness import op_table
 from udnn_lab.graph.plan_ir import Offload, Plan, Recompute
@@ -536,13 +537,8 @@ class _Run:
         replayed ops, or once made where none reads it, as the runtime's replay does (NOTE [offload runtime] 6), and
         the ``sources`` bytes the runtime held for them, let go once they ran (NOTE [simulated streams] 1)."""
         restored_before, most = 0, 0
-        known = _REPLAY_PEAKS.setdefault(self.graph, {})
         for recompute in recomputes:
-            rerun = recompute in self.reruns
-            key = (recompute, self.cuda, rerun)
-            if key not in known:
-                known[key] = replay_peak_bytes(self.graph, recompute, self._size, rerun)
-            most = max(most, restored_before + known[key])
+            most = max(most, restored_before + _replay_peak(self.graph, recompute, self.cuda, recompute in self.reruns))
             restored_before += sum(self._size(t) for t in self._restored(recompute))
         return max(0, sources + most - restored_before - self.own[i])
 
@@ -579,8 +575,11 @@ class _Run:
         )
 
 
-# graph -> (recomputation, counted in CUDA blocks, by a re-run) -> replay_peak_bytes: planners simulate them again
-_REPLAY_PEAKS: weakref.WeakKeyDictionary[Graph, dict[tuple[Recompute, bool, bool], int]] = weakref.WeakKeyDictionary()
+@per_graph
+def _replay_peak(graph: Graph, recompute: Recompute, cuda: bool, rerun: bool) -> int:
+    """``replay_peak_bytes`` counted as the simulation counts (CUDA's blocks): planners simulate the same again."""
+    sizes = op_table(graph).block if cuda else op_table(graph).exact
+    return replay_peak_bytes(graph, recompute, lambda t: int(sizes[t]), rerun)
 
 
 def replay_peak_bytes(graph: Graph, recompute: Recompute, size: Callable[[int], int], rerun: bool = False) -> int:
