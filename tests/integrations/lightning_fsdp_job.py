@@ -124,4 +124,9 @@ def main(out: str, budget: str, policy: str, module: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    try:
+        main(*sys.argv[1:5])
+    finally:
+        # Lightning leaves its gloo group up: torn down by the interpreter's exit, its threads have aborted a rank
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
