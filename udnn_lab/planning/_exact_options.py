@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from udnn_lab.cost.model import CostModel
 from udnn_lab.errors import PlanError
+from udnn_lab.graph.liveness import op_table
 from udnn_lab.graph.plan_ir import (
     Plan,
     Recompute,
@@ -37,7 +38,7 @@ from udnn_lab.graph.plan_ir import (
 from udnn_lab.graph.reruns import module_reruns
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.planning._candidates import Candidate, candidates, first_backward_op, prefetch_point, writers
-from udnn_lab.simulation.simulator import replay_peak_bytes
+from udnn_lab.simulation.simulator import held_sources, replay_peak_bytes
 from udnn_lab.units import cuda_block_bytes
 
 RELEASE_DELAYS = (0.0, 1.0, 2.0, 4.0)  # release ops: where the copy out would end after this many copy times
@@ -67,6 +68,10 @@ class RecomputeOption:
     # what the replay holds at once beyond the tensors it restores and its op's own allocations, counted at that op
     # as the simulator counts it (NOTE [simulated streams] 8)
     made_beyond: int = 0
+    # per source forward lets go that the runtime holds for the replay: (tensor, bytes, first, last), the ops
+    # [first, last) it is on the device beyond the keep-all curve, through the replay's op (NOTE [simulated
+    # streams] 1)
+    held: tuple[tuple[int, int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -111,7 +116,16 @@ def menu(graph: Graph, cost: CostModel, starts_s: np.ndarray, binding: np.ndarra
     chains = [option for c in pool for option in chain_options(graph, c, by_tensor, times)]
     grouped = [option for g in groups if (option := _group(graph, g, by_tensor, times)) is not None]
     recomputes = [r for r in _unique(chains + grouped) if any(helps(first, last) for first, last in r.windows)]
-    return Menu(tuple(offloads), tuple(recomputes))
+    return Menu(tuple(offloads), tuple(_holding(graph, r) for r in recomputes))
+
+
+def _holding(graph: Graph, option: RecomputeOption) -> RecomputeOption:
+    """``option`` with the sources the runtime holds for it (only the program counts them: auto's own options,
+    many more, are simulated)."""
+    on_device = op_table(graph).on_device
+    held = tuple((t, size(graph, t), freed + 1, until + 1)
+                 for t, (freed, until) in held_sources(graph, (option.action,), on_device).items())
+    return replace(option, held=held) if held else option
 
 
 def choice_of(graph: Graph, options: Menu, plan: Plan, released: dict[int, int], binding: np.ndarray) -> Choice | None:

@@ -9,8 +9,12 @@ The rows follow the simulator's recursions (NOTE [simulated streams]): a copy ou
 when its op ends and its stream is free; a release op waits for its copy; a prefetch starts
 when its op is reached and its stream is free; the first op that reads the tensor waits
 for it; recomputations run before their op. Memory is the keep-all curve less what is away,
-at the highest op of each segment between two changes. Sizes are in MiB and times in units
-of the keep-all compute time, so that the solver sees numbers near one.
+at the highest op of each segment between two changes, plus what a recomputation puts on the
+device that the curve does not have: the sources the runtime holds for it, until the last
+chosen recomputation reading each, and at its op the most any one of the recomputations there
+makes (continuous variables at least each of several choices: ``_most``).
+Sizes are in MiB and times in units of the keep-all compute time, so that the solver sees
+numbers near one.
 """
 
 from __future__ import annotations
@@ -123,6 +127,7 @@ class _Builder:
         self.menu, self.times, self.unit, self.program = menu, times, unit, _Program()
         self.starts = np.concatenate([[0.0], np.cumsum(times)])  # each op's start with nothing delaying it
         self.infeasible = False
+        self.maxima: dict[int, list[tuple[int, float]]] = {}  # continuous variable -> what it is at least (_most)
         self.bound = upper if upper is not None else self._time_bound()
         self._choices()
         self._clock()
@@ -264,10 +269,27 @@ class _Builder:
     def _memory(self, curve: np.ndarray, budget: float) -> None:
         """What is away changes only where a choice takes a tensor off or brings it back: between two such ops,
         the curve's highest op is the one to check."""
+        self.made = self._made_at_ops()
+        self.events = events = self._away_events(len(curve))
+        edges = sorted(events)
+        if float(curve[:edges[0] if edges else len(curve)].max(initial=0.0)) > budget:
+            self.infeasible = True  # over the budget before any choice can take a tensor away
+            return
+        previous = None
+        for op, top in zip(edges, np.maximum.reduceat(curve, edges) if edges else []):
+            away = self.program.var(float(top) - budget, np.inf)
+            self.program.equal({away: 1.0, **({previous: -1.0} if previous is not None else {}),
+                                **{v: -c for v, c in events[op].items()}}, 0.0)
+            previous = away
+
+    def _away_events(self, ops: int) -> dict[int, dict[int, float]]:
+        """Op -> {variable: MiB}: how much more of the keep-all curve is away from that op on, per unit of each
+        variable (less where a choice puts more on the device than the curve has)."""
         events: dict[int, dict[int, float]] = {}
 
         def add(op: int, var: int, amount: float) -> None:
-            events.setdefault(op, {})[var] = events.get(op, {}).get(var, 0.0) + amount
+            if op < ops:
+                events.setdefault(op, {})[var] = events.get(op, {}).get(var, 0.0) + amount
 
         for i, offload in enumerate(self.menu.offloads):
             for r, var in self.release[i].items():
@@ -279,20 +301,66 @@ class _Builder:
                 if last > first:
                     add(first, self.recompute[j], nbytes / MIB)
                     add(last, self.recompute[j], -nbytes / MIB)
-            if recompute.made_beyond:  # its replay's intermediates, at the op it runs before (added, if several do)
-                add(recompute.action.at_op, self.recompute[j], -recompute.made_beyond / MIB)
-                if recompute.action.at_op + 1 < len(curve):
-                    add(recompute.action.at_op + 1, self.recompute[j], recompute.made_beyond / MIB)
-        edges = sorted(events)
-        if float(curve[:edges[0] if edges else len(curve)].max(initial=0.0)) > budget:
-            self.infeasible = True  # over the budget before any choice can take a tensor away
-            return
-        previous = None
-        for op, top in zip(edges, np.maximum.reduceat(curve, edges) if edges else []):
-            away = self.program.var(float(top) - budget, np.inf)
-            self.program.equal({away: 1.0, **({previous: -1.0} if previous is not None else {}),
-                                **{v: -c for v, c in events[op].items()}}, 0.0)
-            previous = away
+        for op, var, mib in self._held_sources():  # on the device beyond the curve
+            add(op, var, -mib)
+        for op, (made, mib) in self.made.items():  # scratch at the op the replays run before
+            add(op, made, -mib)
+            add(op + 1, made, mib)
+        return events
+
+    def _held_sources(self) -> list[tuple[int, int, float]]:
+        """(op, variable, MiB per unit of it held from that op on) for the sources the runtime holds for the chosen
+        recomputations: from the op after forward lets one go through the last chosen recomputation reading it
+        (NOTE [simulated streams] 1). Where several options read it, a chain of variables, each at least the next
+        and each chosen option's ending with it, holds it until the last of them."""
+        by_tensor: dict[int, list[tuple[int, int, int, int]]] = {}
+        for j, recompute in enumerate(self.menu.recomputes):
+            for tensor, nbytes, first, last in recompute.held:
+                if last > first:
+                    by_tensor.setdefault(tensor, []).append((j, nbytes, first, last))
+        changes = []
+        for readers in by_tensor.values():
+            _, nbytes, first, _ = readers[0]
+            ends = sorted({last for _, _, _, last in readers})
+            holding: dict[int, int] = {}  # end -> a variable: held past the ends before it
+            for end in reversed(ends):
+                options = [self.recompute[j] for j, _, _, last in readers if last == end]
+                later = [holding[e] for e in ends if e > end][:1]
+                holding[end] = options[0] if len(options) == 1 and not later else self._most(options + later)
+            changes.append((first, holding[ends[0]], nbytes / MIB))
+            for i, end in enumerate(ends):
+                changes.append((end, holding[end], -nbytes / MIB))
+                if i + 1 < len(ends):
+                    changes.append((end, holding[ends[i + 1]], nbytes / MIB))
+        return changes
+
+    def _most(self, variables: list[int], scales: list[float] | None = None) -> int:
+        """A continuous variable at least each of ``variables`` times its scale (1 by default); ``maxima`` keeps
+        them, in the order made (each only of those made before it)."""
+        scales = scales or [1.0] * len(variables)
+        most = self.program.var(0.0, np.inf)
+        for var, scale in zip(variables, scales):
+            self.program.at_least({most: 1.0, var: -scale}, 0.0)
+        self.maxima[most] = list(zip(variables, scales))
+        return most
+
+    def _made_at_ops(self) -> dict[int, tuple[int, float]]:
+        """Op -> (a variable, MiB per unit of it): what the recomputations chosen before that op make beyond what
+        they restore and its own allocations. They run one after another, and the simulator counts the most any of
+        them holds at once beside the tensors those before it restored (NOTE [simulated streams] 8): at most the
+        largest ``made_beyond`` among them, which a variable bounded below by each chosen one's stands for."""
+        made: dict[int, list[int]] = {}
+        for j, recompute in enumerate(self.menu.recomputes):
+            if recompute.made_beyond:
+                made.setdefault(recompute.action.at_op, []).append(j)
+        variables = {}
+        for op, options in made.items():
+            if len(options) == 1:
+                variables[op] = (self.recompute[options[0]], self.menu.recomputes[options[0]].made_beyond / MIB)
+                continue
+            variables[op] = (self._most([self.recompute[j] for j in options],
+                                        [self.menu.recomputes[j].made_beyond / MIB for j in options]), 1.0)
+        return variables
 
     def encode(self, choice: Choice) -> dict[int, float]:
         """A choice as values of the binary variables (the solver completes the rest)."""

@@ -21,8 +21,9 @@ simulated step time up to float rounding (1.6e-15 of the step at most, over the 
 tests/planning/test_optimal.py's graphs). It does not model the simulator's waits for memory
 (a plan with explicit release points that fits at every op has none), copies through pageable
 memory, or vDNN's per-layer waits: its own plans use none of them. Its memory is the keep-all
-curve less what is away, op by op, as the simulator counts it (a replay's scratch tensors are
-not counted, as in the simulator). The plan it returns is simulated: if its peak is over the
+curve less what is away, op by op, as the simulator counts it, with what recomputations hold
+beyond it (their sources, what they make: the largest of those run at one op, an upper bound
+of the simulator's count). The plan it returns is simulated: if its peak is over the
 budget (by the solver's tolerance), the program is solved again for a budget lowered by the
 excess; if it still does not fit, the plan is returned as it is and ``ul.plan`` reports the
 budget infeasible.

@@ -246,7 +246,7 @@ class _Run:
         self.hold_after: dict[int, list[int]] = {}  # NOTE [simulated streams] 1: sources held past forward
         self.unhold_after: dict[int, list[int]] = {}
         self.unheld_at: dict[int, list[int]] = {}  # op -> sources the runtime lets go once its recomputations ran
-        for tensor, (freed, until) in _held_sources(self.graph, self.plan.recomputes, on_device).items():
+        for tensor, (freed, until) in held_sources(self.graph, self.plan.recomputes, on_device).items():
             self.hold_after.setdefault(freed, []).append(tensor)
             self.unhold_after.setdefault(until - 1, []).append(tensor)  # not counted at ``until``: its scratch holds it
             self.unheld_at.setdefault(until, []).append(tensor)
@@ -525,6 +525,8 @@ class _Run:
     def _scratch_at(self, i: int, recomputes: list[Recompute]) -> int:
         """Op ``i``'s scratch, or a recomputation's before it where that is larger: a replayed op's own, or what the
         replays make beyond what they restore and op ``i`` allocates (NOTE [simulated streams] 8)."""
+        if not recomputes and i not in self.unheld_at:  # most action ops: copies only
+            return self.scratch[i]
         scratch = max([self.scratch[i]] + [self.scratch[j] for r in recomputes for j in r.ops])
         scratch = max(scratch, self._replays_made(i, recomputes, sum(map(self._size, self.unheld_at.get(i, ())))))
         if scratch > self.scratch[i]:
@@ -622,7 +624,7 @@ def _rerun_release(tensor, made_at: int, last: int) -> int:
     return min(max(release, made_at), last)
 
 
-def _held_sources(graph: Graph, recomputes: tuple[Recompute, ...], on_device) -> dict[int, tuple[int, int]]:
+def held_sources(graph: Graph, recomputes: tuple[Recompute, ...], on_device) -> dict[int, tuple[int, int]]:
     """Tensor -> (the op after which forward lets it go, the last op a recomputation reading it runs at) for the
     recomputations' sources that forward lets go first (NOTE [simulated streams] 1)."""
     held: dict[int, tuple[int, int]] = {}
