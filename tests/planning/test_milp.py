@@ -7,7 +7,7 @@ import pytest
 import udnn_lab as ul
 from udnn_lab import zoo
 from udnn_lab.graph.plan_ir import Plan
-from udnn_lab.planning import POLICIES
+from udnn_lab.planning import POLICIES, _exact_options
 from udnn_lab.planning._exact_options import choice_of, menu
 from udnn_lab.planning._milp import MIB, _Builder
 from udnn_lab.simulation.simulator import cost_model, held_sources, simulate_with
@@ -49,10 +49,11 @@ def _program_and_simulated(graph, cost, plan):
     return curve - away, counted
 
 
-@pytest.mark.parametrize("policy, fraction", [("recompute", 0.5), ("recompute", 0.2), ("checkpoint-segments", 0.5)])
-def test_the_program_counts_at_least_what_the_simulator_counts_at_every_op(transformer, policy, fraction):
-    graph, cost = transformer
-    budget = int(graph.cuda_baseline_bytes + (graph.cuda_peak_bytes - graph.cuda_baseline_bytes) * fraction)
+@pytest.mark.parametrize("model, policy", [("transformer", "recompute"), ("transformer", "checkpoint-segments"),
+                                           ("densenet", "checkpoint-segments")])
+def test_the_program_counts_at_least_what_the_simulator_counts_at_every_op(request, model, policy):
+    graph, cost = request.getfixturevalue(model)
+    budget = (graph.cuda_baseline_bytes + graph.cuda_peak_bytes) // 2
     plan = POLICIES[policy](graph, cost, budget)
     assert plan.recomputes
     program, simulated = _program_and_simulated(graph, cost, plan)
@@ -65,10 +66,7 @@ def test_sources_held_for_a_recomputation_are_counted_where_the_runtime_holds_th
     graph, cost = transformer
     budget = (graph.cuda_baseline_bytes + graph.cuda_peak_bytes) // 2
     plan = POLICIES["recompute"](graph, cost, budget)
-    from udnn_lab.planning import _exact_options
-
-    held = _exact_options.held_sources
-    assert any(held(graph, (r,), [graph.on_device(t) for t in graph.tensors]) for r in plan.recomputes)
+    assert any(held_sources(graph, (r,), [graph.on_device(t) for t in graph.tensors]) for r in plan.recomputes)
     monkeypatch.setattr(_exact_options, "held_sources", lambda *a: {})
     program, simulated = _program_and_simulated(graph, cost, plan)
     assert (simulated - program).max() > 1.0
