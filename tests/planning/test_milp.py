@@ -73,7 +73,7 @@ def test_sources_held_for_a_recomputation_are_counted_where_the_runtime_holds_th
 
 
 def test_a_source_several_recomputations_read_is_counted_once_until_the_last_of_them(densenet):
-    """Counted once per reader, densenet121's sources came to 57 MiB more than the simulator holds, and the
+    """Counted once per reader, densenet121's sources came to 55 MiB (57.7 MB) more than the simulator holds, and the
     program put the plan's peak 16 MB over the simulated one."""
     graph, cost = densenet
     budget = (graph.cuda_baseline_bytes + graph.cuda_peak_bytes) // 2
