@@ -38,7 +38,7 @@ from udnn_lab.graph.plan_ir import (
 from udnn_lab.graph.reruns import module_reruns
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.planning._candidates import Candidate, candidates, first_backward_op, prefetch_point, writers
-from udnn_lab.simulation.simulator import held_sources, replay_peak_bytes
+from udnn_lab.simulation.simulator import counted_replay_peak_bytes, held_sources
 from udnn_lab.units import cuda_block_bytes
 
 RELEASE_DELAYS = (0.0, 1.0, 2.0, 4.0)  # release ops: where the copy out would end after this many copy times
@@ -252,7 +252,7 @@ def _option(graph: Graph, action: Recompute, pool: dict[int, Candidate], times: 
     sizes = tuple(size(graph, t) for t in action.tensors)
     own = sum(size(graph, t) for t in graph.ops[action.at_op].allocated if graph.on_device(graph.tensors[t]))
     rerun = module_reruns(graph, (action,)) != ()  # where it can re-run a module call, as a plan on hooks does
-    made = replay_peak_bytes(graph, action, lambda t: size(graph, t), rerun)
+    made = counted_replay_peak_bytes(graph, action, rerun)
     return RecomputeOption(action, sizes, windows, float(sum(times[i] for i in action.ops)), keeps,
                            max(0, made - sum(sizes) - own))
 

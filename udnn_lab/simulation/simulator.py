@@ -540,7 +540,8 @@ class _Run:
         the ``sources`` bytes the runtime held for them, let go once they ran (NOTE [simulated streams] 1)."""
         restored_before, most = 0, 0
         for recompute in recomputes:
-            most = max(most, restored_before + _replay_peak(self.graph, recompute, self.cuda, recompute in self.reruns))
+            peak = counted_replay_peak_bytes(self.graph, recompute, recompute in self.reruns)
+            most = max(most, restored_before + peak)
             restored_before += sum(self._size(t) for t in self._restored(recompute))
         return max(0, sources + most - restored_before - self.own[i])
 
@@ -578,9 +579,10 @@ class _Run:
 
 
 @per_graph
-def _replay_peak(graph: Graph, recompute: Recompute, cuda: bool, rerun: bool) -> int:
-    """``replay_peak_bytes`` counted as the simulation counts (CUDA's blocks): planners simulate the same again."""
-    sizes = op_table(graph).block if cuda else op_table(graph).exact
+def counted_replay_peak_bytes(graph: Graph, recompute: Recompute, rerun: bool) -> int:
+    """``replay_peak_bytes`` counted as the simulation counts (CUDA's blocks on a CUDA graph), cached: planners
+    simulate the same recomputations again, and the exact planner's menu prices them too."""
+    sizes = op_table(graph).block if graph.device == "cuda" else op_table(graph).exact
     return replay_peak_bytes(graph, recompute, lambda t: int(sizes[t]), rerun)
 
 
