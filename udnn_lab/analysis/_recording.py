@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Any, NoReturn, cast
 
 import torch
@@ -14,6 +13,7 @@ from udnn_lab.analysis._local_shards import propagation_unrecorded
 from udnn_lab.analysis._recorder import StepRecorder, StorageRecord
 from udnn_lab.analysis._sharded import resized_storages, resizes_seen
 from udnn_lab.analysis.step import input_tensors, run_step, scaler_state
+from udnn_lab.collector import collector_paused
 from udnn_lab.errors import ModelInputError, PlanMismatch
 from udnn_lab.graph.step_graph import Graph, ModuleCall, OpInfo, TensorInfo
 from udnn_lab.vocabulary import LOSS_SCOPE, Category, Phase
@@ -56,7 +56,8 @@ def record_step(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwa
     if runtime is not None:
         runtime.observer = recorder
     modules = recorder.logging_modules() if track_saved else nullcontext()
-    with no_gc(), recorder.watching(model), modules, recorder, saved_hooks, runtime or nullcontext(), \
+    # paused, the collector cannot release cyclic garbage at a random op of the step either
+    with collector_paused(), recorder.watching(model), modules, recorder, saved_hooks, runtime or nullcontext(), \
             resizes_seen() as resized, propagation_unrecorded():  # NOTE [local shard steps] 7
         recorder.recording, recorder.resized = True, resized
         try:
@@ -75,19 +76,6 @@ def record_step(recorder: StepRecorder, model: torch.nn.Module, args: tuple, kwa
             recorder.module_stack.clear()
             if runtime is not None:
                 runtime.observer = None
-
-
-@contextmanager
-def no_gc():
-    """Pause the cycle collector: mid-step it would release cyclic garbage at a random op
-    (and over tens of thousands of new records it only costs time)."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def _register_optimizer_state(recorder: StepRecorder, optimizer, named: Mapping[str, torch.Tensor],
@@ -156,7 +144,7 @@ def graph_from_recording(recorder: StepRecorder, model_name: str, device: str, *
     its fake CPU tensors are counted as ``device`` tensors (real ones stay on the host).
     ``holders``: ``forward_releases``' result (NOTE [forward holders]).
     """
-    with no_gc():
+    with collector_paused():
         return _freeze(recorder, model_name, device, fake, notes, cpu_stands_for_device, holders)
 
 

@@ -25,7 +25,6 @@ import numpy as np
 
 from udnn_lab.cost.model import CostModel
 from udnn_lab.errors import PlanError
-from udnn_lab.graph.liveness import op_table
 from udnn_lab.graph.plan_ir import (
     Plan,
     Recompute,
@@ -122,9 +121,8 @@ def menu(graph: Graph, cost: CostModel, starts_s: np.ndarray, binding: np.ndarra
 def _holding(graph: Graph, option: RecomputeOption) -> RecomputeOption:
     """``option`` with the sources the runtime holds for it (only the program counts them: auto's own options,
     many more, are simulated)."""
-    on_device = op_table(graph).on_device
     held = tuple((t, size(graph, t), freed + 1, until + 1)
-                 for t, (freed, until) in held_sources(graph, (option.action,), on_device).items())
+                 for t, (freed, until) in held_sources(graph, (option.action,)).items())
     return replace(option, held=held) if held else option
 
 

@@ -26,6 +26,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from udnn_lab.collector import collector_paused
 from udnn_lab.cost.model import CostModel
 from udnn_lab.graph.plan_ir import Offload, Plan, Recompute
 from udnn_lab.graph.step_graph import Graph
@@ -70,6 +71,11 @@ def _fastest(graph: Graph, cost: CostModel, budget: int | None, host_budget: int
              improve: bool = True) -> Plan:
     if budget is None:
         return Plan.keep_all(graph)  # nothing to save: every action only adds time
+    with collector_paused():  # its simulations' results pile up: on a deep graph, a full collection every few
+        return _fastest_within(graph, cost, budget, host_budget, improve)
+
+
+def _fastest_within(graph: Graph, cost: CostModel, budget: int, host_budget: int | None, improve: bool) -> Plan:
     contenders = [joint(graph, cost, budget)]
     if len(graph.ops) <= SECOND_GREEDY_OPS:
         contenders.append(joint(graph, cost, budget, queued=False))

@@ -63,6 +63,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from udnn_lab.cost.model import CostModel
+from udnn_lab.graph.cached import per_graph
 from udnn_lab.graph.step_graph import Graph, OpInfo
 from udnn_lab.hardware.profiles import Hardware
 
@@ -91,6 +92,7 @@ def span(op: OpInfo) -> int:
     return (op.ranks - 1) * op.rank_stride + 1
 
 
+@per_graph  # every simulation asks
 def has_collectives(graph: Graph) -> bool:
     return any(op.ranks > 1 for op in graph.ops)
 

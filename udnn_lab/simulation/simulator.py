@@ -80,6 +80,7 @@ from __future__ import annotations
 import heapq
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 
@@ -128,15 +129,17 @@ def cost_model(graph: Graph, hardware: Hardware | str | None = None, profile: Pr
 def simulate_with(graph: Graph, plan: Plan, cost: CostModel) -> Simulation:
     """Simulate with a ready CostModel (planners call this in their loops; the plan is not re-validated).
 
-    The result is kept in the cost model's memo: planners ask about the same plan again.
+    The result is kept in the cost model's memo: planners ask about the same plan again, often under another
+    policy's name (a policy that chose another's plan), which the simulation does not depend on.
     """
-    key = ("simulation", id(graph), plan)
+    key = ("simulation", id(graph), replace(plan, policy="", notes=(), chosen_policy=""))
     if key not in cost.memo:
         kept = [k for k in cost.memo if k[0] == "simulation"]
         for old in kept[:max(0, len(kept) - _KEPT_SIMULATIONS + 1)]:
             del cost.memo[old]
         cost.memo[key] = _Run(graph, plan, cost).simulate()
-    return cost.memo[key]
+    kept_run = cost.memo[key]
+    return kept_run if kept_run.policy == plan.policy else replace(kept_run, policy=plan.policy)
 
 
 def resolve_hardware(hardware: Hardware | str | None, device: str) -> Hardware:
@@ -246,7 +249,7 @@ class _Run:
         self.hold_after: dict[int, list[int]] = {}  # NOTE [simulated streams] 1: sources held past forward
         self.unhold_after: dict[int, list[int]] = {}
         self.unheld_at: dict[int, list[int]] = {}  # op -> sources the runtime lets go once its recomputations ran
-        for tensor, (freed, until) in held_sources(self.graph, self.plan.recomputes, on_device).items():
+        for tensor, (freed, until) in held_sources(self.graph, self.plan.recomputes).items():
             self.hold_after.setdefault(freed, []).append(tensor)
             self.unhold_after.setdefault(until - 1, []).append(tensor)  # not counted at ``until``: its scratch holds it
             self.unheld_at.setdefault(until, []).append(tensor)
@@ -258,10 +261,12 @@ class _Run:
                     assert last is not None  # a recomputed tensor's producer is a forward op (Plan.validate)
                     held = self.graph.tensors[tensor].forward_release  # NOTE [forward holders]
                     self.drop_after.setdefault(max(last, held if held is not None else last), []).append(tensor)
-        readers = {i for t in moved for i in self.graph.tensors[t].consumers}
         self.action_ops = set(self.offload_after) | set(self.prefetch_at) | set(self.sync_before) \
-            | set(self.release_at) | set(self.recompute_at) | set(self.drop_after) | readers \
-            | set(self.hold_after) | set(self.unhold_after)
+            | set(self.release_at) | set(self.recompute_at)
+        # at the other ops the plan only has an op that reads a moved tensor wait for its copy in, and lets go, or
+        # holds, what forward lets go
+        self.readers = {i for t in moved for i in self.graph.tensors[t].consumers}
+        self.letting_go = set(self.drop_after) | set(self.hold_after) | set(self.unhold_after)
 
     def _release_point(self, offload: Offload) -> int | None:
         """The plan's release point, never before forward lets the tensor go (NOTE [forward holders])."""
@@ -354,10 +359,7 @@ class _Run:
             self._host_copy(op, clock)
             return clock, clock
         if i not in self.action_ops:
-            if self.comm is not None and i in self.comm.off_compute:  # NOTE [collectives] 7
-                return clock, self._run_op(op, clock)
-            start = self._memory_for(i, clock)
-            return start, self._run_op(op, start)
+            return self._plain_step(op, clock)
         prefetches = self.prefetch_at.get(i, [])
         for offload in prefetches:  # at or before its release point the tensor never left: nothing to fetch
             if self.release_op.get(offload.tensor, -1) >= i:
@@ -381,8 +383,7 @@ class _Run:
                 start = copied
         for recompute in recomputes:
             start = self._recompute(recompute, start, i)
-        ready = max([start] + [self.h2d_end[t] for t in op.inputs if t in self.h2d_end])
-        self._stall(start, ready, i, "stall_prefetch")
+        ready = self._copied_back(op, start)
         end = self._run_op(op, ready)
         self._forward_done_with(i)
         for offload in self.offload_after.get(i, []):
@@ -392,6 +393,26 @@ class _Run:
                 self._stall(end, copied, i, "stall_sync")
                 end = copied
         return ready, end
+
+    def _plain_step(self, op, clock: float) -> tuple[float, float]:
+        """An op at which the plan copies and recomputes nothing: it may read a tensor copied back, and forward
+        may let go of a recomputed tensor or a recomputation's source after it."""
+        i = op.index
+        if self.comm is not None and i in self.comm.off_compute:  # NOTE [collectives] 7
+            return clock, self._run_op(op, clock)
+        start = self._memory_for(i, clock)
+        if i in self.readers:
+            start = self._copied_back(op, start)
+        end = self._run_op(op, start)
+        if i in self.letting_go:
+            self._forward_done_with(i)
+        return start, end
+
+    def _copied_back(self, op, start: float) -> float:
+        """When ``op``, ready at ``start``, has the tensors it reads back on the device; the wait is a stall."""
+        ready = max([start] + [self.h2d_end[t] for t in op.inputs if t in self.h2d_end])
+        self._stall(start, ready, op.index, "stall_prefetch")
+        return ready
 
     def _forward_done_with(self, i: int) -> None:
         """After op ``i``: the recomputed tensors forward lets go, and the sources the runtime holds for a
@@ -626,22 +647,34 @@ def _rerun_release(tensor, made_at: int, last: int) -> int:
     return min(max(release, made_at), last)
 
 
-def held_sources(graph: Graph, recomputes: tuple[Recompute, ...], on_device) -> dict[int, tuple[int, int]]:
+def held_sources(graph: Graph, recomputes: tuple[Recompute, ...]) -> dict[int, tuple[int, int]]:
     """Tensor -> (the op after which forward lets it go, the last op a recomputation reading it runs at) for the
     recomputations' sources that forward lets go first (NOTE [simulated streams] 1)."""
     held: dict[int, tuple[int, int]] = {}
+    holdable = _holdable_inputs(graph)
     for recompute in recomputes:
         made: set[int] = set()
+        at = recompute.at_op
         for index in recompute.ops:
-            op = graph.ops[index]
-            for source in op.inputs:
-                tensor = graph.tensors[source]
-                if source not in made and on_device[source] and tensor.free_step is not None \
-                        and tensor.free_step < recompute.at_op and tensor.category not in ("parameter", "buffer"):
-                    before = held.get(source, (tensor.free_step, recompute.at_op))
-                    held[source] = (tensor.free_step, max(before[1], recompute.at_op))
-            made.update(op.outputs)
+            for source, freed in holdable[index]:
+                if freed < at and source not in made:
+                    before = held.get(source)
+                    held[source] = (freed, at if before is None else max(before[1], at))
+            made.update(graph.ops[index].outputs)
     return held
+
+
+@per_graph  # every simulation of a plan with recomputations asks
+def _holdable_inputs(graph: Graph) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per op, (input, the op after which forward lets it go) for its inputs on the device that are not parameters
+    or buffers and that the step lets go."""
+    on_device = op_table(graph).on_device
+    found = []
+    for op in graph.ops:
+        inputs = (graph.tensors[t] for t in op.inputs)
+        found.append(tuple((t.id, t.free_step) for t in inputs if on_device[t.id] and t.free_step is not None
+                           and t.category not in ("parameter", "buffer")))
+    return tuple(found)
 
 
 def _runtime_host_work(graph: Graph, plan: Plan, cost: CostModel,
