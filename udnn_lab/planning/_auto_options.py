@@ -17,11 +17,12 @@ import numpy as np
 from udnn_lab.cost.model import CostModel
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.planning._candidates import Candidate, candidates, first_backward_op, prefetch_point
-from udnn_lab.planning._exact_options import chain_options
+from udnn_lab.planning._exact_options import CHAIN_DEPTHS, chain_options
 from udnn_lab.planning._rebuild import rebuilds
 from udnn_lab.planning.vdnn import SIZE_FLOOR
 
 LOOKAHEAD = 2
+DEEPER = (0, 1, 2, 3, 4, 6, 8, 12)  # chain depths the thorough greedy lengthens replays to
 HIDE = 2.0  # a prefetch is issued this many copy times before its first reader: hidden even behind another copy
 
 
@@ -39,6 +40,7 @@ class Option:
     late: bool = False  # offload: prefetched just before its use, only to move an offload's prefetch later
     ops: tuple[int, ...] = ()  # forward ops a recompute re-runs
     sources: tuple[int, ...] = ()  # tensors a recompute needs kept
+    made: int = 0  # recompute: what its replay holds at once beyond what it restores, at the op it runs before
 
 
 def auto_options(graph: Graph, cost: CostModel) -> list[Option]:
@@ -77,8 +79,9 @@ class Chains:
     """A tensor's recomputations that also remake the saved tensors they read, a few levels back (the exact
     planner's chains), so that those need not stay; listed only for the tensors asked about (slow on deep graphs)."""
 
-    def __init__(self, graph: Graph, cost: CostModel) -> None:
+    def __init__(self, graph: Graph, cost: CostModel, depths: tuple[int, ...] = CHAIN_DEPTHS) -> None:
         boundary = first_backward_op(graph)
+        self.depths = depths
         self.graph, self.times = graph, cost.op_times_s(graph)
         self.pool = {c.tensor: c for c in candidates(graph, SIZE_FLOOR) if c.last_forward < boundary}
         self.found: dict[int, list[Option]] = {}
@@ -88,8 +91,8 @@ class Chains:
             c = self.pool[tensor]
             window = (c.freed_after + 1, c.first_backward - 1)
             self.found[tensor] = sorted((Option(c, "recompute", window, chain.time_s, ops=chain.action.ops,
-                                                 sources=chain.keeps)
-                                         for chain in chain_options(self.graph, c, self.pool, self.times)),
+                                                 sources=chain.keeps, made=chain.made_beyond)
+                                         for chain in chain_options(self.graph, c, self.pool, self.times, self.depths)),
                                         key=lambda o: o.cost_s)
         return self.found[tensor]
 

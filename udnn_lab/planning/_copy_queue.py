@@ -28,6 +28,13 @@ class CopyQueue:
         free = float(self._ends[before - 1]) if before else 0.0
         return max(issued_s, free) + seconds
 
+    def end_of(self, issued_s: float, tensor: int) -> float:
+        """When the queued copy of ``tensor`` issued at ``issued_s`` ends."""
+        at = bisect.bisect_left(self._issued, (issued_s, tensor))
+        if at == len(self._issued) or self._issued[at] != (issued_s, tensor):
+            raise KeyError(f"no copy of tensor {tensor} issued at {issued_s} s is queued")
+        return float(self._ends[at])
+
     def added_wait(self, issued_s: float, tensor: int, seconds: float, due_s: float,
                    instead_of: tuple[float, int] | None = None) -> float:
         """How much longer the ops that wait for copies would wait in all, with this copy added (replacing

@@ -33,9 +33,19 @@ class CurveEstimate:
         if last > first:
             self.live[first:last] -= self.size(candidate)
 
-    def peak(self) -> tuple[float, int]:
-        op = int(self.live.argmax()) if len(self.live) else 0
-        return (float(self.live[op]) if len(self.live) else 0.0), op
+    def hold(self, op: int, nbytes: int) -> None:
+        """``nbytes`` more (or fewer) while op ``op`` runs."""
+        if op < len(self.live):
+            self.live[op] += nbytes
+
+    def peak(self, aside: list[int] | None = None) -> tuple[float, int]:
+        """The highest estimate and its op, of the ops not set ``aside``."""
+        live = self.live
+        if aside:
+            live = live.copy()
+            live[aside] = -np.inf
+        op = int(live.argmax()) if len(live) else 0
+        return (float(live[op]) if len(live) else 0.0), op
 
 
 def choose_until_fits(graph: Graph, pool: Iterable[Candidate], target: float, window: Window,

@@ -183,11 +183,12 @@ def _offload(graph: Graph, cost: CostModel, c: Candidate, starts_s: np.ndarray, 
     return OffloadOption(c, size(graph, c.tensor), d2h, h2d, kept, tuple(chosen), readers)
 
 
-def chain_options(graph: Graph, c: Candidate, pool: dict[int, Candidate], times: np.ndarray) -> list[RecomputeOption]:
-    """Recompute ``c`` remaking its saved inputs up to each depth; inputs freed before the replay are always
+def chain_options(graph: Graph, c: Candidate, pool: dict[int, Candidate], times: np.ndarray,
+                  depths: tuple[int, ...] = CHAIN_DEPTHS) -> list[RecomputeOption]:
+    """Recompute ``c`` remaking its saved inputs up to each of ``depths``; inputs freed before the replay are always
     remade."""
     found = []
-    for depth in CHAIN_DEPTHS:
+    for depth in depths:
         ops = _chain_ops(graph, c, pool, depth)
         if ops is None:
             continue

@@ -11,7 +11,8 @@ offloaded tensor may later be prefetched later or recomputed instead, and when e
 at the peak is chosen or read by a chosen replay, a replay is lengthened to remake what it
 reads. The simulator checks, and it aims lower if it must. On graphs of up to
 ``SECOND_GREEDY_OPS`` ops the greedy runs a second time with each copy priced as if it had
-its stream to itself (it wins on some graphs). Then every other policy is planned and
+its stream to itself (it wins on some graphs), and a third time, thorough (NOTE [thorough greedy]:
+it wins at tight budgets). Then every other policy is planned and
 simulated as well; the fastest of them that do not fit are completed by the same greedy
 (what they still need, on top of their actions), and the fastest plan that fits wins, so
 auto is never slower (in simulation) than any of them. Beside them, offloads spaced out along
@@ -31,18 +32,20 @@ from udnn_lab.cost.model import CostModel
 from udnn_lab.graph.plan_ir import Offload, Plan, Recompute
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.planning._auto_greedy import choose, taken
-from udnn_lab.planning._auto_options import Chains, Option, auto_options
+from udnn_lab.planning._auto_options import DEEPER, Chains, Option, auto_options
 from udnn_lab.planning._candidates import first_backward_op
 from udnn_lab.planning._curve_estimate import CurveEstimate
+from udnn_lab.planning._exact_options import CHAIN_DEPTHS
 from udnn_lab.planning._local_search import improved
 from udnn_lab.planning._spaced_offloads import PREFIXES, SPACED, spaced_offloads
 from udnn_lab.planning.host import plan_host_bytes
 from udnn_lab.planning.registry import CHOOSING_POLICIES, POLICIES, SOLVER_POLICIES, keep_all_peak, policy
 from udnn_lab.planning.vdnn import MARGINS, SIZE_FLOOR, pinned_pool_bytes
-from udnn_lab.simulation.simulator import simulate_with
+from udnn_lab.simulation.simulator import Simulation, simulate_with
 
 SECOND_GREEDY_OPS = 4000  # up to this many ops, the greedy is run twice, with copies priced alone as well
 COMPLETED = 2  # how many of the fastest plans that do not fit auto completes
+THOROUGH = "auto-joint (thorough)"
 
 
 @policy("auto", chooses=True)
@@ -78,7 +81,7 @@ def _fastest(graph: Graph, cost: CostModel, budget: int | None, host_budget: int
 def _fastest_within(graph: Graph, cost: CostModel, budget: int, host_budget: int | None, improve: bool) -> Plan:
     contenders = [joint(graph, cost, budget)]
     if len(graph.ops) <= SECOND_GREEDY_OPS:
-        contenders.append(joint(graph, cost, budget, queued=False))
+        contenders += [joint(graph, cost, budget, queued=False), joint(graph, cost, budget, thorough=True)]
     # recompute alone, then completed (below) when it falls short: a host budget or not, auto weighs it (with none,
     # a superset of the plans a host budget allows, auto must not do worse than with one)
     contenders.append(joint(graph, cost, budget, offloads=False))
@@ -105,29 +108,44 @@ def _fastest_within(graph: Graph, cost: CostModel, budget: int, host_budget: int
     best = min(within or fitting, default=None)
     chosen = runs[best[2]][1] if best else contenders[0]
     if improve and best is not None and len(graph.ops) <= SECOND_GREEDY_OPS:
-        chosen = improved(graph, cost, chosen, best[0],
-                          lambda base, more: joint(graph, cost, budget, base, offloads=more),
-                          host_budget if within else None)
+        chosen = _searched(graph, cost, budget, runs, within or fitting, host_budget if within else None)
     return Plan("auto", chosen.graph_fingerprint, budget, chosen.offloads, chosen.recomputes,
                 chosen.pinned_pool_bytes, chosen.size_floor_bytes, chosen.notes,
                 chosen_policy=chosen.chosen_policy or chosen.policy)
 
 
+def _searched(graph: Graph, cost: CostModel, budget: int, runs: list[tuple[Simulation, Plan]],
+              fitting: list[tuple[float, int, int]], host_budget: int | None) -> Plan:
+    """The local search's best from the fastest plan that fits (``fitting``: step, actions, index in ``runs``)
+    and, where that is the thorough greedy's, from the fastest of the others too: searched from, either may end
+    the faster (NOTE [thorough greedy] 5)."""
+    best = min(fitting)
+    starts = [best]
+    others = [key for key in fitting if runs[key[2]][1].policy != THOROUGH]
+    if runs[best[2]][1].policy == THOROUGH and others:
+        starts.append(min(others))
+    found = [improved(graph, cost, runs[index][1], step_s, lambda base, more: joint(graph, cost, budget, base,
+                                                                                    offloads=more), host_budget)
+             for step_s, _, index in starts]
+    return min(found, key=lambda plan: simulate_with(graph, plan, cost).step_time_s)
+
+
 def joint(graph: Graph, cost: CostModel, budget: int, base: Plan | None = None, queued: bool = True,
-          offloads: bool = True) -> Plan:
+          offloads: bool = True, thorough: bool = False) -> Plan:
     """The joint keep/offload/recompute greedy, checked by simulation; from ``base``'s actions if given.
     ``queued``: price each copy behind those chosen before it (else as if it had its stream to itself).
-    ``offloads``: False to choose among recomputes only (a plan that takes no host memory)."""
+    ``offloads``: False to choose among recomputes only (a plan that takes no host memory).
+    ``thorough``: the greedy's further-reaching variant (NOTE [thorough greedy])."""
     options = [o for o in auto_options(graph, cost) if offloads or o.action != "offload"]
     times = cost.op_times_s(graph)
     boundary = first_backward_op(graph)
     hideable = (float(times[:boundary].sum()), float(times[boundary:].sum()))  # copy time each stream can hide
     starts = np.concatenate([[0.0], np.cumsum(times)])  # each op's start with nothing delaying it
-    plan = _build(graph, budget, [], base, queued, offloads)
-    chains = Chains(graph, cost)
+    plan = _build(graph, budget, [], base, queued, offloads, thorough)
+    chains = Chains(graph, cost, DEEPER if thorough else CHAIN_DEPTHS)
     for margin in MARGINS:
-        chosen = choose(graph, options, budget * (1 - margin), starts, hideable, chains, base, queued)
-        plan = _build(graph, budget, chosen, base, queued, offloads)
+        chosen = choose(graph, options, budget * (1 - margin), starts, hideable, chains, base, queued, thorough)
+        plan = _build(graph, budget, chosen, base, queued, offloads, thorough)
         if simulate_with(graph, plan, cost).fits or _short_of(graph, chosen, budget * (1 - margin), base):
             break  # fits; or the options ran out before this target, and a lower one gets no further
     return plan
@@ -144,7 +162,7 @@ def _short_of(graph: Graph, chosen: list[Option], target: float, base: Plan | No
 
 
 def _build(graph: Graph, budget: int, chosen: list[Option], base: Plan | None = None, queued: bool = True,
-           copies: bool = True) -> Plan:
+           copies: bool = True, thorough: bool = False) -> Plan:
     offloads = tuple(sorted([Offload(o.candidate.tensor, o.candidate.last_forward, o.window[1],
                                      release_before=o.release)
                              for o in chosen if o.action == "offload"] + list(base.offloads if base else ()),
@@ -154,6 +172,7 @@ def _build(graph: Graph, budget: int, chosen: list[Option], base: Plan | None = 
                               key=lambda r: (r.at_op, r.tensors)))
     greedy = "auto-joint" if queued else "auto-joint (copies priced alone)"
     greedy = greedy if copies else "auto-joint (recompute only)"
+    greedy = THOROUGH if thorough else greedy
     name = greedy if base is None else f"{base.policy} completed by {greedy}"
     return Plan(name, graph.fingerprint, budget, offloads=offloads, recomputes=recomputes,
                 pinned_pool_bytes=pinned_pool_bytes(graph, offloads), size_floor_bytes=SIZE_FLOOR)
