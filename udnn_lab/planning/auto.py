@@ -35,7 +35,6 @@ from udnn_lab.planning._auto_greedy import choose, taken
 from udnn_lab.planning._auto_options import DEEPER, Chains, Option, auto_options
 from udnn_lab.planning._candidates import first_backward_op
 from udnn_lab.planning._curve_estimate import CurveEstimate
-from udnn_lab.planning._exact_options import CHAIN_DEPTHS
 from udnn_lab.planning._local_search import improved
 from udnn_lab.planning._spaced_offloads import PREFIXES, SPACED, spaced_offloads
 from udnn_lab.planning.host import plan_host_bytes
@@ -142,7 +141,7 @@ def joint(graph: Graph, cost: CostModel, budget: int, base: Plan | None = None, 
     hideable = (float(times[:boundary].sum()), float(times[boundary:].sum()))  # copy time each stream can hide
     starts = np.concatenate([[0.0], np.cumsum(times)])  # each op's start with nothing delaying it
     plan = _build(graph, budget, [], base, queued, offloads, thorough)
-    chains = Chains(graph, cost, DEEPER if thorough else CHAIN_DEPTHS)
+    chains = Chains(graph, cost, DEEPER) if thorough else Chains(graph, cost)
     for margin in MARGINS:
         chosen = choose(graph, options, budget * (1 - margin), starts, hideable, chains, base, queued, thorough)
         plan = _build(graph, budget, chosen, base, queued, offloads, thorough)

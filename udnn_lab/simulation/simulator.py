@@ -398,7 +398,8 @@ class _Run:
         """An op at which the plan copies and recomputes nothing: it may read a tensor copied back, and forward
         may let go of a recomputed tensor or a recomputation's source after it."""
         i = op.index
-        if self.comm is not None and i in self.comm.off_compute:  # NOTE [collectives] 7
+        if self.comm is not None and i in self.comm.off_compute and i not in self.readers \
+                and i not in self.letting_go:  # NOTE [collectives] 7
             return clock, self._run_op(op, clock)
         start = self._memory_for(i, clock)
         if i in self.readers:
