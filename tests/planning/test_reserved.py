@@ -6,9 +6,10 @@ import re
 import pytest
 
 import udnn_lab as ul
+from udnn_lab.planning import least_live_budget
 from udnn_lab.planning.budget import _plan_live
 from udnn_lab.planning.reserved import _Search, allocated_peak_bytes, reserved_peak_bytes
-from udnn_lab.simulation.simulator import cost_model
+from udnn_lab.simulation.simulator import cost_model, simulate_with
 
 H100 = "h100-sxm"
 
@@ -86,3 +87,22 @@ def test_on_cuda_a_plan_fits_its_budget_as_the_allocator_counts_allocated_bytes(
     smallest = ul.min_budget(graph, "vdnn++", hardware=H100)
     at_least = ul.plan(graph, smallest, "vdnn++", hardware=H100, host_budget=None)
     assert allocated_peak_bytes(graph, at_least, ul.simulate(graph, at_least, hardware=H100)) <= smallest
+
+
+def test_auto_s_least_budget_on_cuda_is_its_plan_counted_lowest_and_plan_meets_it():
+    # at auto's least budget of live bytes its fastest plan is counted higher, in whole blocks, than another of
+    # its plans there; the least budget is the lower count, and plan() meets it with that plan
+    graph = ul.trace(ul.zoo.get("resnet18", batch=8, device="meta"), device="cuda")
+    cost = cost_model(graph, "h200", None, None, None)
+    least = least_live_budget(graph, "auto", cost)
+    fastest = _plan_live(graph, cost, "auto", least, None, whole_blocks=False)
+    fastest_counted = allocated_peak_bytes(graph, fastest, simulate_with(graph, fastest, cost))
+    smallest = ul.min_budget(graph, "auto", hardware="h200")
+    assert least <= smallest < fastest_counted
+    chosen = ul.plan(graph, smallest, hardware="h200", host_budget=None)
+    assert simulate_with(graph, chosen, cost).fits
+    assert allocated_peak_bytes(graph, chosen, simulate_with(graph, chosen, cost)) <= smallest
+    assert "within" in chosen.notes[-1]
+    least_said = re.escape(ul.format_bytes(smallest))
+    with pytest.raises(ul.PlanInfeasible, match=f"the least budget that fits is {least_said}"):
+        ul.plan(graph, smallest - 1, hardware="h200", host_budget=None)

@@ -39,6 +39,7 @@ from udnn_lab.planning._local_search import improved
 from udnn_lab.planning._spaced_offloads import PREFIXES, SPACED, spaced_offloads
 from udnn_lab.planning.host import plan_host_bytes
 from udnn_lab.planning.registry import CHOOSING_POLICIES, POLICIES, SOLVER_POLICIES, keep_all_peak, policy
+from udnn_lab.planning.reserved import allocated_peak_bytes, counts_whole_blocks
 from udnn_lab.planning.vdnn import MARGINS, SIZE_FLOOR, pinned_pool_bytes
 from udnn_lab.simulation.simulator import Simulation, simulate_with
 
@@ -52,13 +53,19 @@ def auto(graph: Graph, cost: CostModel, budget: int | None) -> Plan:
     return _fastest(graph, cost, budget, None)
 
 
-def auto_within_host(graph: Graph, cost: CostModel, budget: int | None, host_budget: int | None) -> Plan:
+def auto_within_host(graph: Graph, cost: CostModel, budget: int | None, host_budget: int | None,
+                     counted_within: int | None = None) -> Plan:
     """auto's plan, chosen among those whose offloads take at most ``host_budget`` bytes of host memory
     (NOTE [host budget]); a recompute-only greedy joins the contenders. When no plan that fits the device keeps
-    within it, the fastest that fits the device is returned (the caller says what it needs)."""
-    if host_budget is None or budget is None or keep_all_peak(graph, cost) <= budget:
+    within it, the fastest that fits the device is returned (the caller says what it needs).
+
+    ``counted_within``: on a step whose budget counts whole blocks (NOTE [whole blocks] in planning/reserved.py),
+    the budget as the caching allocator counts it: of the plans that fit ``budget`` in live bytes, the fastest
+    counted within it, else the one counted lowest (``budget`` may be lower, in a search for such a plan)."""
+    if budget is None or keep_all_peak(graph, cost) <= budget or \
+            host_budget is None and (counted_within is None or not counts_whole_blocks(graph)):
         return POLICIES["auto"](graph, cost, budget)  # the registry's rule: nothing to move, no host memory
-    return _fastest(graph, cost, budget, host_budget)
+    return _fastest(graph, cost, budget, host_budget, counted_within=counted_within)
 
 
 def auto_fits(graph: Graph, cost: CostModel, budget: int) -> bool:
@@ -70,14 +77,51 @@ def auto_fits(graph: Graph, cost: CostModel, budget: int) -> bool:
 
 
 def _fastest(graph: Graph, cost: CostModel, budget: int | None, host_budget: int | None,
-             improve: bool = True) -> Plan:
+             improve: bool = True, counted_within: int | None = None) -> Plan:
     if budget is None:
         return Plan.keep_all(graph)  # nothing to save: every action only adds time
     with collector_paused():  # its simulations' results pile up: on a deep graph, a full collection every few
-        return _fastest_within(graph, cost, budget, host_budget, improve)
+        runs = _contenders(graph, cost, budget)
+        fitting = [(sim.step_time_s, len(plan.offloads) + len(plan.recomputes), i)
+                   for i, (sim, plan) in enumerate(runs) if sim.fits]
+        within = [key for key in fitting
+                  if host_budget is None or plan_host_bytes(graph, runs[key[2]][1]) <= host_budget]
+        ranked = sorted(within or fitting)
+        if not ranked:
+            chosen = runs[0][1]
+        else:
+            ranked = ranked[_counted_pick(graph, [runs[key[2]] for key in ranked], counted_within):]
+            chosen = runs[ranked[0][2]][1]
+            if improve and len(graph.ops) <= SECOND_GREEDY_OPS:
+                searched = _searched(graph, cost, budget, runs, ranked, host_budget if within else None)
+                chosen = _counted_choice(graph, cost, [searched, chosen], counted_within)
+    return Plan("auto", chosen.graph_fingerprint, budget, chosen.offloads, chosen.recomputes,
+                chosen.pinned_pool_bytes, chosen.size_floor_bytes, chosen.notes,
+                chosen_policy=chosen.chosen_policy or chosen.policy)
 
 
-def _fastest_within(graph: Graph, cost: CostModel, budget: int, host_budget: int | None, improve: bool) -> Plan:
+def _counted_pick(graph: Graph, ranked: list[tuple[Simulation, Plan]], counted_within: int | None) -> int:
+    """The index in ``ranked`` (plans that fit, fastest first) of the one to take: the first; where a budget
+    counts whole blocks (``auto_within_host``), the first counted within ``counted_within``, else the one counted
+    lowest (the fastest of those)."""
+    if counted_within is None or not counts_whole_blocks(graph):
+        return 0
+    counted = []
+    for index, (sim, plan) in enumerate(ranked):
+        counted.append(allocated_peak_bytes(graph, plan, sim) if plan.offloads or plan.recomputes else sim.peak_bytes)
+        if counted[-1] <= counted_within:
+            return index
+    return counted.index(min(counted))
+
+
+def _counted_choice(graph: Graph, cost: CostModel, plans: list[Plan], counted_within: int | None) -> Plan:
+    """Of ``plans`` (each fits), the one ``_counted_pick`` takes among them, fastest first."""
+    runs = sorted(((simulate_with(graph, plan, cost), plan) for plan in plans), key=lambda run: run[0].step_time_s)
+    return runs[_counted_pick(graph, runs, counted_within)][1]
+
+
+def _contenders(graph: Graph, cost: CostModel, budget: int) -> list[tuple[Simulation, Plan]]:
+    """Every contender's plan for ``budget``, simulated; the first is the joint greedy's."""
     contenders = [joint(graph, cost, budget)]
     if len(graph.ops) <= SECOND_GREEDY_OPS:
         contenders += [joint(graph, cost, budget, queued=False), joint(graph, cost, budget, thorough=True)]
@@ -101,26 +145,17 @@ def _fastest_within(graph: Graph, cost: CostModel, budget: int, host_budget: int
     for base in bases[::-1][:COMPLETED]:
         completed = joint(graph, cost, budget, base=base)
         runs.append((simulate_with(graph, completed, cost), completed))
-    fitting = [(sim.step_time_s, len(plan.offloads) + len(plan.recomputes), i)
-               for i, (sim, plan) in enumerate(runs) if sim.fits]
-    within = [key for key in fitting if host_budget is None or plan_host_bytes(graph, runs[key[2]][1]) <= host_budget]
-    best = min(within or fitting, default=None)
-    chosen = runs[best[2]][1] if best else contenders[0]
-    if improve and best is not None and len(graph.ops) <= SECOND_GREEDY_OPS:
-        chosen = _searched(graph, cost, budget, runs, within or fitting, host_budget if within else None)
-    return Plan("auto", chosen.graph_fingerprint, budget, chosen.offloads, chosen.recomputes,
-                chosen.pinned_pool_bytes, chosen.size_floor_bytes, chosen.notes,
-                chosen_policy=chosen.chosen_policy or chosen.policy)
+    return runs
 
 
 def _searched(graph: Graph, cost: CostModel, budget: int, runs: list[tuple[Simulation, Plan]],
-              fitting: list[tuple[float, int, int]], host_budget: int | None) -> Plan:
-    """The local search's best from the fastest plan that fits (``fitting``: step, actions, index in ``runs``)
-    and, where that is the thorough greedy's, from the fastest of the others too: searched from, either may end
+              ranked: list[tuple[float, int, int]], host_budget: int | None) -> Plan:
+    """The local search's best from the plan taken (``ranked``'s first; step, actions, index in ``runs``) and,
+    where that is the thorough greedy's, from the fastest of those after it too: searched from, either may end
     the faster (NOTE [thorough greedy] 5)."""
-    best = min(fitting)
+    best = ranked[0]
     starts = [best]
-    others = [key for key in fitting if runs[key[2]][1].policy != THOROUGH]
+    others = [key for key in ranked if runs[key[2]][1].policy != THOROUGH]
     if runs[best[2]][1].policy == THOROUGH and others:
         starts.append(min(others))
     found = [improved(graph, cost, runs[index][1], step_s, lambda base, more: joint(graph, cost, budget, base,

@@ -75,8 +75,30 @@ def plan(graph: Graph, budget: int | str | None = None, policy: str = "auto", ha
         return result
     counted = allocated_peak_bytes(graph, result, simulate_with(graph, result, cost))
     if counted > budget_bytes:  # NOTE [whole blocks]
-        return plan_in_allocated(graph, budget_bytes, cost, planned, (result, counted))
+        try:
+            return plan_in_allocated(graph, budget_bytes, cost, planned, (result, counted))
+        except PlanInfeasible as err:
+            return _counted_lowest(graph, cost, policy, budget_bytes, host_budget, err)
     return result
+
+
+def _counted_lowest(graph: Graph, cost: CostModel, policy: str, budget_bytes: int, host_budget: int | str | None,
+                    err: PlanInfeasible) -> Plan:
+    """Where no plan fits ``budget_bytes`` as the caching allocator counts it, auto's at its least budget of live
+    bytes that is counted within it, as min_budget finds it (``auto_within_host``'s ``counted_within``); else
+    ``err``, with min_budget's figure."""
+    if policy != "auto":
+        raise err
+    least = _least_live(graph, cost, policy, _policy(policy))
+    chosen = _plan_live(graph, cost, policy, least, host_budget, whole_blocks=False, counted_within=budget_bytes)
+    counted = allocated_peak_bytes(graph, chosen, simulate_with(graph, chosen, cost))
+    if max(least, counted) > budget_bytes:  # none there is counted within it: this one is counted lowest
+        minimum = max(least, counted)
+        raise PlanInfeasible(f"{str(err).split(': the least budget')[0]}: the least budget that fits is "
+                             f"{format_bytes(minimum)}", minimum, err.fitting_policy) from None
+    said = (f"planned for {format_bytes(least)} of live bytes, auto's least: of its plans there, this one the caching "
+            f"allocator is predicted to count {format_bytes(counted)} allocated, within {format_bytes(budget_bytes)}")
+    return replace(chosen, budget_bytes=budget_bytes, notes=(*chosen.notes, said))
 
 
 def _counts_whole_blocks(graph: Graph, policy: str, chosen: Plan) -> bool:
@@ -87,11 +109,12 @@ def _counts_whole_blocks(graph: Graph, policy: str, chosen: Plan) -> bool:
 
 
 def _plan_live(graph: Graph, cost: CostModel, policy: str, budget_bytes: int | None,
-               host_budget: int | str | None, whole_blocks: bool) -> Plan:
+               host_budget: int | str | None, whole_blocks: bool, counted_within: int | None = None) -> Plan:
     """The policy's plan whose simulated peak of live bytes fits ``budget_bytes`` (plan's errors, whose smallest
-    budget counts ``whole_blocks`` on CUDA or live bytes alone)."""
+    budget counts ``whole_blocks`` on CUDA or live bytes alone); auto's, of those, the one ``counted_within`` takes
+    (``auto_within_host``)."""
     host_bytes = host_budget_bytes(host_budget, graph.device, budget_bytes)
-    result = _planned(graph, cost, policy, budget_bytes, host_bytes)
+    result = _planned(graph, cost, policy, budget_bytes, host_bytes, counted_within)
     simulation = simulate_with(graph, result, cost)
     if budget_bytes is not None and not simulation.fits:
         minimum = _smallest_budget(graph, cost, policy, whole_blocks)
@@ -162,11 +185,13 @@ def check_within_device(budget_bytes: int | None, hardware: Hardware) -> None:
             "hardware= the profile of a device with more", budget_bytes, int(hardware.memory_bytes))
 
 
-def _planned(graph: Graph, cost: CostModel, policy: str, budget: int | None, host_budget: int | None) -> Plan:
-    """The policy's plan; auto's among those within the host budget (NOTE [host budget])."""
+def _planned(graph: Graph, cost: CostModel, policy: str, budget: int | None, host_budget: int | None,
+             counted_within: int | None = None) -> Plan:
+    """The policy's plan; auto's among those within the host budget (NOTE [host budget]) and, where given, the one
+    ``counted_within`` takes (``auto_within_host``)."""
     choose = _policy(policy)
     if policy == "auto":
-        return auto_within_host(graph, cost, budget, host_budget)
+        return auto_within_host(graph, cost, budget, host_budget, counted_within)
     return choose(graph, cost, budget)
 
 
@@ -219,7 +244,8 @@ def _smallest_budget(graph: Graph, cost: CostModel, policy: str, whole_blocks: b
     least = _least_live(graph, cost, policy, choose)
     if not whole_blocks:
         return least
-    chosen = _plan_live(graph, cost, policy, least, None, whole_blocks=False)  # as plan() returns it
+    # as plan() returns it: auto's counted lowest, where none is counted within its live bytes
+    chosen = _plan_live(graph, cost, policy, least, None, whole_blocks=False, counted_within=least)
     if not _counts_whole_blocks(graph, policy, chosen):
         return least
     return Bytes(max(least, allocated_peak_bytes(graph, chosen, simulate_with(graph, chosen, cost))))

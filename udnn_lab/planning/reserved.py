@@ -15,7 +15,9 @@
 A plan is made for bytes allocated; the caching allocator model (``allocator``, NOTE [modelled allocator
 behaviour]) replays the plan's step as the simulation runs it and says what it hands out and reserves. Where
 that is over the budget, the plan is made again for fewer allocated bytes (``_Search``: steps that double, then
-halving the gap), until it fits or no plan of the policy does.
+halving the gap), until it fits or no plan of the policy does. At auto's least budget of live bytes, its plans that
+fit may be counted differently: min_budget counts the lowest of them, and plan() falls back on the fastest counted
+within the budget there (``auto_within_host``'s ``counted_within``).
 """
 
 from __future__ import annotations
