@@ -14,14 +14,6 @@ from udnn_lab.planning._curve_estimate import CurveEstimate
 from udnn_lab.simulation.simulator import cost_model, simulate_with
 
 
-@pytest.fixture(scope="module")
-def transformer():
-    """The zoo transformer at batch 32, its CUDA step on an H100's figures: at a third of its keep-all peak, every
-    tensor at the greedy's estimated peak is chosen or kept as a replay's source."""
-    graph = ul.trace(ul.zoo.get("transformer", batch=32, device="meta"), device="cuda")
-    return graph, cost_model(graph, ul.Hardware.load("h100-sxm"))
-
-
 def _greedy(graph, cost, thorough: bool) -> _Greedy:
     times = cost.op_times_s(graph)
     boundary = first_backward_op(graph)

@@ -12,6 +12,7 @@ from udnn_lab.hardware.profiles import Hardware
 from udnn_lab.planning import POLICIES, PlanInfeasible, min_budget, plan, sweep
 from udnn_lab.planning._candidates import candidates
 from udnn_lab.planning.pinning import pin_dp, pin_greedy, pinned_bytes
+from udnn_lab.planning.segments import block_plans, block_prefixes
 from udnn_lab.simulation.simulator import cost_model, simulate
 
 H100 = Hardware.load("h100-sxm")
@@ -218,3 +219,22 @@ def test_whether_auto_fits_is_known_before_its_local_search(graph):
         full = simulate(graph, POLICIES["auto"](graph, cost, budget), hardware=H100).fits
         assert auto_fits(graph, cost, budget) == full, budget
     assert not auto_fits(graph, cost, least - 2**20) and auto_fits(graph, cost, least)
+
+
+def test_a_cuda_step_traced_without_a_gpu_is_offered_whole_blocks_checkpointed(transformer):
+    # CPU kernels standing in for CUDA's keep no hook calls; the device's own trace, where a plan is followed, has
+    # them: checkpointing the model's repeated block is planned for as it would be there
+    graph, _ = transformer
+    assert not graph.hook_events
+    prefixes = block_prefixes(graph)
+    assert len(prefixes) == 6 and all(prefixes[n][:n + 1] == prefixes[n] for n in range(6))
+    assert [len(p) for p in prefixes] == [1, 2, 3, 4, 5, 6]
+    notes = [p.notes[0] for p in block_plans(graph, None)]
+    assert notes == [f"checkpointed {n} of 6 TransformerEncoderLayer calls" for n in (6, 5, 3, 1)]
+
+
+def test_a_step_without_a_repeated_block_is_offered_no_block_plans():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    graph = ul.trace(model, torch.randn(4, 8), torch.nn.functional.mse_loss, target=torch.randn(4, 8))
+    assert block_prefixes(graph) == () and block_plans(graph, None) == ()
+    assert simulate(graph, POLICIES["checkpoint-segments"](graph, cost_model(graph, H100), None), hardware=H100)

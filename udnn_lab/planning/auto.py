@@ -17,12 +17,15 @@ simulated as well; the fastest of them that do not fit are completed by the same
 (what they still need, on top of their actions), and the fastest plan that fits wins, so
 auto is never slower (in simulation) than any of them. Beside them, offloads spaced out along
 forward's copy stream (``_spaced_offloads``), completed by the greedy, contend too (on graphs of
-up to ``SECOND_GREEDY_OPS`` ops). On those graphs a local search (``_local_search``) then starts
-from the winner: it drops actions no longer needed and replaces the dearest by the greedy's
-completion without them. ``optimal`` (the exact reference) measures how far from the best it is.
+up to ``SECOND_GREEDY_OPS`` ops), and so does checkpointing the first calls of the model's
+repeated block (``_checkpointed_blocks``: the fewest that fit alone, and one fewer completed by
+the greedy). On those graphs a local search (``_local_search``) then starts from the winner: it
+drops actions no longer needed and replaces the dearest by the greedy's completion without them.
+``optimal`` (the exact reference) measures how far from the best it is.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 
 import numpy as np
@@ -40,12 +43,15 @@ from udnn_lab.planning._spaced_offloads import PREFIXES, SPACED, spaced_offloads
 from udnn_lab.planning.host import plan_host_bytes
 from udnn_lab.planning.registry import CHOOSING_POLICIES, POLICIES, SOLVER_POLICIES, keep_all_peak, policy
 from udnn_lab.planning.reserved import allocated_peak_bytes, counts_whole_blocks
+from udnn_lab.planning.segments import block_prefixes
 from udnn_lab.planning.vdnn import MARGINS, SIZE_FLOOR, pinned_pool_bytes
 from udnn_lab.simulation.simulator import Simulation, simulate_with
 
 SECOND_GREEDY_OPS = 4000  # up to this many ops, the greedy is run twice, with copies priced alone as well
 COMPLETED = 2  # how many of the fastest plans that do not fit auto completes
 THOROUGH = "auto-joint (thorough)"
+_REACH = 1.25  # a start for the local search this much slower than the fastest is not searched from
+BLOCKS = "checkpointed blocks"  # the first calls of the model's repeated block (_checkpointed_blocks)
 
 
 @policy("auto", chooses=True)
@@ -73,11 +79,12 @@ def auto_fits(graph: Graph, cost: CostModel, budget: int) -> bool:
     (what min_budget's bisection asks, at a tenth of the time on ResNet-50)."""
     if keep_all_peak(graph, cost) <= budget:
         return True
-    return simulate_with(graph, _fastest(graph, cost, budget, None, improve=False), cost).fits
+    with collector_paused():  # auto fits where any of its contenders does
+        return any(sim.fits for sim, _ in _contenders(graph, cost, budget, until_one_fits=True))
 
 
 def _fastest(graph: Graph, cost: CostModel, budget: int | None, host_budget: int | None,
-             improve: bool = True, counted_within: int | None = None) -> Plan:
+             counted_within: int | None = None) -> Plan:
     if budget is None:
         return Plan.keep_all(graph)  # nothing to save: every action only adds time
     with collector_paused():  # its simulations' results pile up: on a deep graph, a full collection every few
@@ -92,7 +99,7 @@ def _fastest(graph: Graph, cost: CostModel, budget: int | None, host_budget: int
         else:
             ranked = ranked[_counted_pick(graph, [runs[key[2]] for key in ranked], counted_within):]
             chosen = runs[ranked[0][2]][1]
-            if improve and len(graph.ops) <= SECOND_GREEDY_OPS:
+            if len(graph.ops) <= SECOND_GREEDY_OPS:
                 searched = _searched(graph, cost, budget, runs, ranked, host_budget if within else None)
                 chosen = _counted_choice(graph, cost, [searched, chosen], counted_within)
     return Plan("auto", chosen.graph_fingerprint, budget, chosen.offloads, chosen.recomputes,
@@ -120,24 +127,15 @@ def _counted_choice(graph: Graph, cost: CostModel, plans: list[Plan], counted_wi
     return runs[_counted_pick(graph, runs, counted_within)][1]
 
 
-def _contenders(graph: Graph, cost: CostModel, budget: int) -> list[tuple[Simulation, Plan]]:
-    """Every contender's plan for ``budget``, simulated; the first is the joint greedy's."""
-    contenders = [joint(graph, cost, budget)]
-    if len(graph.ops) <= SECOND_GREEDY_OPS:
-        contenders += [joint(graph, cost, budget, queued=False), joint(graph, cost, budget, thorough=True)]
-    # recompute alone, then completed (below) when it falls short: a host budget or not, auto weighs it (with none,
-    # a superset of the plans a host budget allows, auto must not do worse than with one)
-    contenders.append(joint(graph, cost, budget, offloads=False))
-    # spaced copies out in forward, completed by the greedy (_spaced_offloads.py): with or without more offloads;
-    # on deep graphs only where the second greedy runs too (each completion is a greedy of its own)
-    spaced = spaced_offloads(graph, cost) if len(graph.ops) <= SECOND_GREEDY_OPS else []
-    for count in sorted({min(n, len(spaced)) for n in (*PREFIXES, len(spaced))} - {0}):
-        base = replace(_build(graph, budget, spaced[:count]), policy=SPACED)
-        contenders += [joint(graph, cost, budget, base=base, offloads=more) for more in (False, True)]
-    # the policies that choose among others (auto, vdnn-dyn) add none of their own; solvers take up to a minute
-    contenders += [POLICIES[name](graph, cost, budget) for name in POLICIES
-                   if name not in CHOOSING_POLICIES | SOLVER_POLICIES]
-    runs = [(simulate_with(graph, plan, cost), plan) for plan in contenders]
+def _contenders(graph: Graph, cost: CostModel, budget: int, until_one_fits: bool = False
+                ) -> list[tuple[Simulation, Plan]]:
+    """Every contender's plan for ``budget``, simulated; the first is the joint greedy's. ``until_one_fits``: up to
+    the first that fits (whether auto fits)."""
+    runs = []
+    for plan in _first_contenders(graph, cost, budget):
+        runs.append((simulate_with(graph, plan, cost), plan))
+        if until_one_fits and runs[-1][0].fits:
+            return runs
     # the fastest plans that act but do not fit, with what they still need chosen by the same greedy
     over = sorted((sim.step_time_s, i) for i, (sim, plan) in enumerate(runs)
                   if not sim.fits and (plan.offloads or plan.recomputes))
@@ -148,16 +146,61 @@ def _contenders(graph: Graph, cost: CostModel, budget: int) -> list[tuple[Simula
     return runs
 
 
+def _first_contenders(graph: Graph, cost: CostModel, budget: int) -> Iterator[Plan]:
+    """The contenders' plans, made one at a time, before the completions of those that do not fit."""
+    yield joint(graph, cost, budget)
+    if len(graph.ops) <= SECOND_GREEDY_OPS:
+        yield joint(graph, cost, budget, queued=False)
+        yield joint(graph, cost, budget, thorough=True)
+    # recompute alone, then completed (below) when it falls short: a host budget or not, auto weighs it (with none,
+    # a superset of the plans a host budget allows, auto must not do worse than with one)
+    yield joint(graph, cost, budget, offloads=False)
+    # spaced copies out in forward, completed by the greedy (_spaced_offloads.py): with or without more offloads;
+    # on deep graphs only where the second greedy runs too (each completion is a greedy of its own)
+    spaced = spaced_offloads(graph, cost) if len(graph.ops) <= SECOND_GREEDY_OPS else []
+    for count in sorted({min(n, len(spaced)) for n in (*PREFIXES, len(spaced))} - {0}):
+        base = replace(_build(graph, budget, spaced[:count]), policy=SPACED)
+        yield from (joint(graph, cost, budget, base=base, offloads=more) for more in (False, True))
+    if len(graph.ops) <= SECOND_GREEDY_OPS:
+        yield from _checkpointed_blocks(graph, cost, budget)
+    # the policies that choose among others (auto, vdnn-dyn) add none of their own; solvers take up to a minute
+    yield from (POLICIES[name](graph, cost, budget) for name in POLICIES
+                if name not in CHOOSING_POLICIES | SOLVER_POLICIES)
+
+
+def _checkpointed_blocks(graph: Graph, cost: CostModel, budget: int) -> list[Plan]:
+    """Checkpointing the first n calls of the model's repeated block, for the least n that fits alone, and the n
+    below it completed by the greedy, with offloads and without: at tight budgets the exact planner's plans for a
+    transformer re-run whole layers, which a greedy freeing a tensor at a time does not reach."""
+    plans = [Plan(BLOCKS, graph.fingerprint, budget, recomputes=actions) for actions in block_prefixes(graph)]
+    low, high = 0, len(plans)  # bisected: the least n whose plan fits is low + 1 (the peak falls as n grows)
+    while low < high:
+        middle = (low + high) // 2
+        if simulate_with(graph, plans[middle], cost).fits:
+            high = middle
+        else:
+            low = middle + 1
+    below = [plans[low - 1]] if low > 0 and plans[low - 1].recomputes else []
+    return plans[low:low + 1] + [joint(graph, cost, budget, base=base, offloads=more)
+                                 for base in below for more in (False, True)]
+
+
 def _searched(graph: Graph, cost: CostModel, budget: int, runs: list[tuple[Simulation, Plan]],
               ranked: list[tuple[float, int, int]], host_budget: int | None) -> Plan:
     """The local search's best from the plan taken (``ranked``'s first; step, actions, index in ``runs``) and,
-    where that is the thorough greedy's, from the fastest of those after it too: searched from, either may end
-    the faster (NOTE [thorough greedy] 5)."""
+    where that is the thorough greedy's or checkpoints blocks, from the fastest of each other family too: searched
+    from, any may end the faster (NOTE [thorough greedy] 5)."""
+    def family(key: tuple[float, int, int]) -> str:  # contenders whose plans, searched from, may end apart
+        policy = runs[key[2]][1].policy
+        return THOROUGH if policy == THOROUGH else BLOCKS if policy.startswith(BLOCKS) else ""
+
     best = ranked[0]
     starts = [best]
-    others = [key for key in ranked if runs[key[2]][1].policy != THOROUGH]
-    if runs[best[2]][1].policy == THOROUGH and others:
-        starts.append(min(others))
+    if family(best):  # the fastest of each other family too, unless far slower
+        firsts: dict[str, tuple[float, int, int]] = {}
+        for key in ranked:
+            firsts.setdefault(family(key), key)
+        starts += [key for name, key in firsts.items() if name != family(best) and key[0] <= best[0] * _REACH]
     found = [improved(graph, cost, runs[index][1], step_s, lambda base, more: joint(graph, cost, budget, base,
                                                                                     offloads=more), host_budget)
              for step_s, _, index in starts]

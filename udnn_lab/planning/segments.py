@@ -52,49 +52,65 @@ def block_plans(graph: Graph, budget: int | None, name: str = NAME) -> tuple[Pla
     """Checkpointing whole calls of the model's repeated block (torch.utils.checkpoint around each block), the
     first n of them for a few n: a runtime that follows hooks re-runs such a call as it is (NOTE [hook points]
     7), where a recording replays its ops one by one. Offered where the step's hook calls are known (a runtime
-    can re-run them): elsewhere the segments above cover the same ground."""
-    return tuple(Plan(name, graph.fingerprint, budget, recomputes=actions, notes=(note,))
-                 for actions, note in _block_recomputes(graph))
+    can re-run them), or would be on the device (``_blocks_offered``): elsewhere the segments above cover the
+    same ground."""
+    prefixes = block_prefixes(graph)
+    if not prefixes:
+        return ()
+    counts = {len(prefixes), max(1, len(prefixes) // 2), max(1, len(prefixes) // 4)}
+    if len(prefixes) <= 24:  # the last block's recomputation runs as backward starts: keeping it is often as good
+        counts.add(len(prefixes) - 1)
+    return tuple(Plan(name, graph.fingerprint, budget, recomputes=prefixes[n - 1],
+                      notes=(f"checkpointed {n} of {len(prefixes)} {repeated_block(graph)[0].type} calls",))
+                 for n in sorted(counts, reverse=True) if n and prefixes[n - 1])
 
 
 @per_graph  # a budget search asks for the plans at many budgets: their actions do not depend on it
-def _block_recomputes(graph: Graph) -> tuple[tuple[tuple[Recompute, ...], str], ...]:
+def block_prefixes(graph: Graph) -> tuple[tuple[Recompute, ...], ...]:
+    """The recomputations that checkpoint the first n calls of the model's repeated block, for each n from 1
+    (a call whose checkpointing is not a valid recomputation is left kept); () where none are offered."""
     blocks = repeated_block(graph)
-    if len(blocks) < 2 or not graph.hook_events:
+    if len(blocks) < 2 or not _blocks_offered(graph):
         return ()
-    counts = {len(blocks), max(1, len(blocks) // 2), max(1, len(blocks) // 4)}
-    if len(blocks) <= 24:  # the last block's recomputation runs as backward starts: keeping it is often as good
-        counts.add(len(blocks) - 1)
-    found = []
-    for n in sorted(counts, reverse=True):
-        actions = _blocks_checkpointed(graph, blocks[:n])
-        if actions:
-            found.append((actions, f"checkpointed {n} of {len(blocks)} {blocks[0].type} calls"))
-    return tuple(found)
-
-
-def _blocks_checkpointed(graph: Graph, calls: tuple[ModuleCall, ...]) -> tuple[Recompute, ...]:
     pool = candidates(graph)
     producers = [c.producer for c in pool]
     dropped: set[int] = set()
-    actions = []
-    for call in calls:
-        first, last = call.first_op, call.last_op
-        within = pool[bisect.bisect_left(producers, first):bisect.bisect_right(producers, last)]
-        inside = [c for c in within if c.last_forward <= last and writers(graph, c.tensor)[-1] <= last]
-        if not inside:
-            continue
-        action = Recompute(tuple(c.tensor for c in inside), tuple(range(first, last + 1)),
-                           min(c.first_backward for c in inside))
-        if any(graph.ops[i].name.split(".")[0] in COLLECTIVE_NAMESPACES for i in action.ops):
-            continue
-        try:
-            check_recompute(graph, action, dropped | set(action.tensors))
-        except PlanError:
-            continue
-        dropped.update(action.tensors)
-        actions.append(action)
-    return tuple(actions)
+    actions: list[Recompute] = []
+    prefixes = []
+    for call in blocks:
+        action = _block_checkpointed(graph, call, pool, producers, dropped)
+        if action is not None:
+            dropped.update(action.tensors)
+            actions.append(action)
+        prefixes.append(tuple(actions))
+    return tuple(prefixes)
+
+
+def _blocks_offered(graph: Graph) -> bool:
+    """The step's hook calls are known, or are not only because CPU kernels stood in for the device's (a CUDA
+    step traced without a GPU keeps none, NOTE in graph/step_graph.py): the device's own trace, on which a plan
+    for it is followed, has them."""
+    return bool(graph.hook_events) or graph.device == "cuda" and graph.fake
+
+
+def _block_checkpointed(graph: Graph, call: ModuleCall, pool, producers: list[int],
+                        dropped: set[int]) -> Recompute | None:
+    """The recomputation that checkpoints ``call`` (its saved tensors that no later op of forward reads), after
+    ``dropped``; None where there is none, or it is not a valid one."""
+    first, last = call.first_op, call.last_op
+    within = pool[bisect.bisect_left(producers, first):bisect.bisect_right(producers, last)]
+    inside = [c for c in within if c.last_forward <= last and writers(graph, c.tensor)[-1] <= last]
+    if not inside:
+        return None
+    action = Recompute(tuple(c.tensor for c in inside), tuple(range(first, last + 1)),
+                       min(c.first_backward for c in inside))
+    if any(graph.ops[i].name.split(".")[0] in COLLECTIVE_NAMESPACES for i in action.ops):
+        return None
+    try:
+        check_recompute(graph, action, dropped | set(action.tensors))
+    except PlanError:
+        return None
+    return action
 
 
 def _root(graph: Graph) -> int:
