@@ -12,8 +12,8 @@ from udnn_lab.hardware.profiles import Hardware
 from udnn_lab.planning import POLICIES, PlanInfeasible, min_budget, plan, sweep
 from udnn_lab.planning._candidates import candidates
 from udnn_lab.planning.pinning import pin_dp, pin_greedy, pinned_bytes
-from udnn_lab.planning.segments import block_plans, block_prefixes
-from udnn_lab.simulation.simulator import cost_model, simulate
+from udnn_lab.planning.segments import block_plans, block_prefixes, segment_plans
+from udnn_lab.simulation.simulator import cost_model, simulate, simulate_with
 
 H100 = Hardware.load("h100-sxm")
 PRACTICAL = [name for name in POLICIES if name != "optimal"]  # the exact reference has test_optimal.py
@@ -238,3 +238,14 @@ def test_a_step_without_a_repeated_block_is_offered_no_block_plans():
     graph = ul.trace(model, torch.randn(4, 8), torch.nn.functional.mse_loss, target=torch.randn(4, 8))
     assert block_prefixes(graph) == () and block_plans(graph, None) == ()
     assert simulate(graph, POLICIES["checkpoint-segments"](graph, cost_model(graph, H100), None), hardware=H100)
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS[:-1])  # at the keep-all peak it keeps everything
+def test_checkpoint_segments_takes_the_fastest_of_its_plans_that_fits(graph, fraction):
+    # it simulates them in order of a bound on their step (the ops' time and the recomputations'), and stops there
+    cost = cost_model(graph, H100)
+    budget = int(graph.cuda_peak_bytes * fraction)
+    steps = [simulate_with(graph, p, cost).step_time_s for p in segment_plans(graph, budget)
+             if simulate_with(graph, p, cost).fits]
+    chosen = simulate_with(graph, POLICIES["checkpoint-segments"](graph, cost, budget), cost)
+    assert not steps or chosen.step_time_s == min(steps)

@@ -32,8 +32,14 @@ NAME = "checkpoint-segments"
 def checkpoint_segments(graph: Graph, cost: CostModel, budget: int | None) -> Plan:
     if budget is None:
         return checkpointed(graph, _root(graph), budget)
+    times = cost.op_times_s(graph)
+    floor = float(times.sum())  # no step is shorter than its ops' time and its recomputations'
+    bounded = sorted(((floor + sum(float(times[list(r.ops)].sum()) for r in plan.recomputes), plan)
+                      for plan in segment_plans(graph, budget)), key=lambda pair: pair[0])
     best = None
-    for plan in segment_plans(graph, budget):
+    for bound, plan in bounded:  # in order of that bound, up to a plan that fits no slower than the next's
+        if best is not None and bound >= best[0]:
+            break
         sim = simulate_with(graph, plan, cost)
         if sim.fits and (best is None or sim.step_time_s < best[0]):
             best = (sim.step_time_s, plan)
@@ -88,8 +94,8 @@ def block_prefixes(graph: Graph) -> tuple[tuple[Recompute, ...], ...]:
 
 def _blocks_offered(graph: Graph) -> bool:
     """The step's hook calls are known, or are not only because CPU kernels stood in for the device's (a CUDA
-    step traced without a GPU keeps none, NOTE in graph/step_graph.py): the device's own trace, on which a plan
-    for it is followed, has them."""
+    step traced without a GPU keeps none: ``Graph.hook_events``): the device's own trace, on which a plan for it
+    is followed, has them."""
     return bool(graph.hook_events) or graph.device == "cuda" and graph.fake
 
 
