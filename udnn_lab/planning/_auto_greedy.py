@@ -33,7 +33,7 @@ import numpy as np
 from udnn_lab.graph.plan_ir import Plan, replay_reads
 from udnn_lab.graph.step_graph import Graph
 from udnn_lab.planning._auto_options import Chains, Option
-from udnn_lab.planning._candidates import candidates
+from udnn_lab.planning._candidates import Candidate, candidates
 from udnn_lab.planning._copy_queue import CopyQueue
 from udnn_lab.planning._curve_estimate import CurveEstimate
 
@@ -47,10 +47,11 @@ _STUCK = 64  # ops the greedy sets aside, stuck there, to go on at the next high
 
 
 class Priced(NamedTuple):
-    """An option with the time it adds (seconds) if taken now."""
+    """An option with the time it adds (seconds) and the bytes it frees at the op, if taken now."""
 
     time_s: float
     option: Option
+    freed_bytes: int
 
 
 class Lengthening(NamedTuple):
@@ -93,8 +94,8 @@ def choose(graph: Graph, options: list[Option], target: float, starts: np.ndarra
                 if not thorough or len(stuck) == _STUCK:
                     break
                 stuck.append(op)  # NOTE [thorough greedy] 4
-        elif offload is None or (recompute is not None and recompute.time_s / greedy.freed(recompute.option, op)
-                                 < offload.time_s / greedy.estimate.size(offload.option.candidate)):
+        elif offload is None or (recompute is not None and recompute.time_s / recompute.freed_bytes
+                                 < offload.time_s / offload.freed_bytes):
             assert recompute is not None  # not with offload None too
             greedy.take(recompute.option)
         else:
@@ -163,20 +164,20 @@ class _Greedy:
         the least time per byte freed. Recomputes no longer allowed are dropped from the ranking on the way, so each
         is passed over once."""
         stale = []
-        best: tuple[float, Option] | None = None
+        best: tuple[float, Option, int] | None = None
         tried = 0
         for index, option in enumerate(self.recomputes):
             if not self._allowed(option, switch=self.streams.queued):
                 stale.append(index)
             elif option.window[0] <= op < option.window[1] and (freed := self.freed(option, op)) > 0:
                 if best is None or option.cost_s / freed < best[0]:
-                    best = (option.cost_s / freed, option)
+                    best = (option.cost_s / freed, option, freed)
                 tried += 1
                 if tried == (_TRIED if self.thorough else 1):
                     break
         for index in reversed(stale):
             del self.recomputes[index]
-        return None if best is None else Priced(best[1].cost_s, best[1])
+        return None if best is None else Priced(best[1].cost_s, best[1], best[2])
 
     def freed(self, option: Option, op: int) -> int:
         """The bytes ``option`` frees at ``op``: its own; thorough, less those of the sources it would keep there
@@ -210,7 +211,7 @@ class _Greedy:
             size = self.estimate.size(option.candidate)
             if best is None or time_s / size < best[0]:
                 window = (op if release is not None else option.window[0], option.window[1])
-                best = (time_s / size, Priced(time_s, replace(option, window=window, release=release)))
+                best = (time_s / size, Priced(time_s, replace(option, window=window, release=release), size))
             tried += 1
             if tried == (_TRIED if self.streams.queued else 1):
                 break
@@ -227,9 +228,9 @@ class _Greedy:
             if chosen.action != "offload" or not c.freed_after < op < chosen.window[0]:
                 continue
             wait = max(0.0, self.streams.copied_out(chosen) - float(self.streams.starts[op]))
-            if best is None or wait / self.estimate.size(c) < best[0]:
-                best = (wait / self.estimate.size(c), Priced(wait, replace(chosen, window=(op, chosen.window[1]),
-                                                                           release=op)))
+            size = self.estimate.size(c)
+            if best is None or wait / size < best[0]:
+                best = (wait / size, Priced(wait, replace(chosen, window=(op, chosen.window[1]), release=op), size))
         return None if best is None else best[1]
 
     def _allowed(self, option: Option, switch: bool = True) -> bool:
@@ -319,7 +320,7 @@ class _Streams:
         added = 0.0
         release = None
         if before is None:
-            ready = float(self.starts[c.last_forward + 1])
+            ready = self._out_from(c)
             done = self.out.end_if_added(ready, c.tensor, option.d2h_s) if self.queued else ready + option.d2h_s
             if max(c.freed_after + 1, int(np.searchsorted(self.starts, done))) > op:
                 added, release = done - float(self.starts[op]), op
@@ -331,22 +332,26 @@ class _Streams:
         replaced = None if before is None else (float(self.starts[before.window[1]]), c.tensor)
         return added + self.back.added_wait(issued, c.tensor, option.h2d_s, due, replaced), release
 
+    def _out_from(self, c: Candidate) -> float:
+        """When a tensor's copy out may start: as the op after its last reader in forward starts."""
+        return float(self.starts[c.last_forward + 1])
+
     def copied_out(self, option: Option) -> float:
         """When the chosen offload's copy out ends, behind the queue (with the stream to itself if not queued)."""
         c = option.candidate
-        ready = float(self.starts[c.last_forward + 1])
+        ready = self._out_from(c)
         return self.out.end_of(ready, c.tensor) if self.queued else ready + option.d2h_s
 
     def remove(self, option: Option) -> None:
         c = option.candidate
-        self.out.remove(float(self.starts[c.last_forward + 1]), c.tensor)
+        self.out.remove(self._out_from(c), c.tensor)
         self.back.remove(float(self.starts[option.window[1]]), c.tensor)
         self.d2h_left, self.h2d_left = self.d2h_left + option.d2h_s, self.h2d_left + option.h2d_s
 
     def add(self, option: Option, before: Option | None) -> None:
         c = option.candidate
         if before is None:
-            self.out.add(float(self.starts[c.last_forward + 1]), c.tensor, option.d2h_s)
+            self.out.add(self._out_from(c), c.tensor, option.d2h_s)
             self.d2h_left, self.h2d_left = self.d2h_left - option.d2h_s, self.h2d_left - option.h2d_s
         else:
             self.back.remove(float(self.starts[before.window[1]]), c.tensor)
